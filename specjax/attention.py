@@ -1,0 +1,157 @@
+"""The one attention entry point of specjax, and its plain-jnp reference backend.
+
+Every model call (decode T=1, chain verify T=k+1, tree verify T=nodes, prefill chunk)
+goes through `paged_attention`. Its contract, shared by the Pallas backend in
+`pallas_kernels/`:
+
+* Row b has `kv_lens[b]` valid KV slots in its pages, the last `q_lens[b]` of which are
+  the new tokens this call wrote; query t of row b sits at slot
+  `kv_lens[b] - q_lens[b] + t`. Queries t >= q_lens[b] are padding; their output is
+  unspecified (finite) and callers ignore it.
+* A query sees every prefix slot (`j < kv_lens - q_lens`) and, among the new tokens,
+  those its mask allows: causal (`j <= t`) when `mask` is None, else `mask[b, t, j]`
+  (a tree mask: a node sees itself and its ancestors).
+* Slots at or past `kv_lens[b]`, and pages the table does not name, are never read into
+  the output, even if they hold NaN.
+
+Axis letters: B batch, T new tokens, S KV slots, N query heads, K KV heads,
+G = N // K query heads per KV head, H head_dim, P pages, Z page size, M pages per row.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+BACKENDS = ("reference", "pallas")
+_ENV = "SPECJAX_ATTENTION"
+
+
+def default_backend() -> str:
+    """`SPECJAX_ATTENTION` if set, else Pallas on GPU/TPU and the reference on CPU."""
+    env = os.environ.get(_ENV)
+    if env:
+        if env not in BACKENDS:
+            raise ValueError(f"{_ENV}={env!r} must be one of {BACKENDS}")
+        return env
+    return "reference" if jax.default_backend() == "cpu" else "pallas"
+
+
+def resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend={backend!r} must be one of {BACKENDS}")
+    return backend
+
+
+def allowed_mask(
+    t_len: int,
+    s_len: int,
+    kv_lens: jax.Array,  # [B] int32
+    q_lens: jax.Array,  # [B] int32
+    mask: jax.Array | None,  # [B, T, T] bool
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Which KV slot each query may see: [B, T, S] bool (the contract above, spelled out)."""
+    t = jnp.arange(t_len)[None, :, None]  # [1, T, 1]
+    j = jnp.arange(s_len)[None, None, :]  # [1, 1, S]
+    start = (kv_lens - q_lens)[:, None, None]  # [B, 1, 1]
+    rel = j - start  # slot relative to the first new token
+    in_new = (rel >= 0) & (rel < q_lens[:, None, None])
+    if mask is None:
+        new_ok = in_new & (rel <= t)
+    else:
+        idx = jnp.clip(rel, 0, t_len - 1)
+        idx = jnp.broadcast_to(idx, (kv_lens.shape[0], t_len, s_len))
+        new_ok = in_new & jnp.take_along_axis(mask.astype(bool), idx, axis=2)
+    ok = (rel < 0) | new_ok
+    if sliding_window is not None:
+        ok &= (start + t - j) < sliding_window
+    return ok
+
+
+def attend(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    ok: jax.Array,  # [B, T, S] bool
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, T, N, H]
+    """Masked softmax attention with float32 scores; queries that see nothing output 0."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    okb = ok[:, None, None, :, :]
+    s = jnp.where(okb, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(okb, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    # Zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN.
+    v = jnp.where(jnp.any(ok, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def reference_paged_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k_pages: jax.Array,  # [K, P, Z, H]
+    v_pages: jax.Array,  # [K, P, Z, H]
+    page_table: jax.Array,  # [B, M] int32
+    kv_lens: jax.Array,  # [B] int32
+    q_lens: jax.Array,  # [B] int32
+    mask: jax.Array | None = None,  # [B, T, T] bool
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:  # [B, T, N, H]
+    """Plain-jnp paged attention: gather each row's pages, then `attend`."""
+    kh, _, z, h = k_pages.shape
+    b, m = page_table.shape
+    k = k_pages[:, page_table]  # [K, B, M, Z, H]
+    v = v_pages[:, page_table]
+    k = k.reshape(kh, b, m * z, h).transpose(1, 2, 0, 3)  # [B, S, K, H]
+    v = v.reshape(kh, b, m * z, h).transpose(1, 2, 0, 3)
+    ok = allowed_mask(q.shape[1], m * z, kv_lens, q_lens, mask, sliding_window)
+    return attend(q, k, v, ok, scale=scale, soft_cap=soft_cap)
+
+
+def _pallas_backend() -> Callable:
+    try:
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    except ImportError as e:  # pragma: no cover - depends on the kernel package
+        raise ValueError(f"attention backend 'pallas' is not available: {e}") from e
+    return ragged_paged_attention
+
+
+def paged_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k_pages: jax.Array,  # [K, P, Z, H]
+    v_pages: jax.Array,  # [K, P, Z, H]
+    page_table: jax.Array,  # [B, M] int32
+    kv_lens: jax.Array,  # [B] int32
+    q_lens: jax.Array,  # [B] int32
+    mask: jax.Array | None = None,  # [B, T, T] bool
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    backend: str | None = None,
+) -> jax.Array:  # [B, T, N, H]
+    """Attention of T new query tokens per row against a paged KV cache (see module doc)."""
+    backend = resolve_backend(backend)
+    fn = reference_paged_attention if backend == "reference" else _pallas_backend()
+    return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, scale=scale,
+              soft_cap=soft_cap, sliding_window=sliding_window)

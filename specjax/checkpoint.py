@@ -1,0 +1,241 @@
+"""Checkpoints in and out: Hugging Face directories (safetensors) and orbax.
+
+A Hugging Face directory holds `config.json`, one `model.safetensors` or several shards
+with `model.safetensors.index.json`, and optionally `tokenizer.json`. Reading checks
+every tensor against the config (missing, unexpected, wrong shape) and names the file
+and tensor in the error. Writing produces the same layout, so HF -> specjax -> HF is
+exact. orbax (tensorstore underneath) saves and restores the params pytree itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.model import Model, param_shapes
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_names(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], int | None, bool]]:
+    """HF tensor name -> (param path, layer index or None, transpose?)."""
+    names: dict[str, tuple[tuple[str, ...], int | None, bool]] = {
+        "model.embed_tokens.weight": (("embed_tokens", "embedding"), None, False),
+        "model.norm.weight": (("norm", "weight"), None, False),
+    }
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head", "kernel"), None, True)
+    for i in range(config.num_layers):
+        pre = f"model.layers.{i}."
+        for p in _ATTN:
+            names[f"{pre}self_attn.{p}.weight"] = (("layers", "self_attn", p, "kernel"), i, True)
+            if config.qkv_bias and p != "o_proj":
+                names[f"{pre}self_attn.{p}.bias"] = (("layers", "self_attn", p, "bias"), i, False)
+        if config.qk_norm:
+            for p in ("q_norm", "k_norm"):
+                names[f"{pre}self_attn.{p}.weight"] = (("layers", "self_attn", p, "weight"), i, False)
+        for p in _MLP:
+            names[f"{pre}mlp.{p}.weight"] = (("layers", "mlp", p, "kernel"), i, True)
+        for p in ("input_layernorm", "post_attention_layernorm"):
+            names[f"{pre}{p}.weight"] = (("layers", p, "weight"), i, False)
+    return names
+
+
+def _get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def params_to_hf(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
+    """Params pytree -> {HF tensor name: numpy array} (HF layout, [out, in] weights)."""
+    out = {}
+    for name, (path, layer, transpose) in hf_names(config).items():
+        x = np.asarray(jax.device_get(_get(params, path)))
+        if layer is not None:
+            x = x[layer]
+        out[name] = np.ascontiguousarray(x.T if transpose else x)
+    return out
+
+
+def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray],
+                 origin: dict[str, str] | None = None, dtype=None) -> Any:
+    """{HF name: array} -> params pytree; errors name the tensor and the file it came from."""
+    origin = origin or {}
+    names = hf_names(config)
+    # Tied checkpoints sometimes still carry lm_head.weight; rotary caches are derived.
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    extra = sorted(k for k in tensors if k not in names and k not in ignorable
+                   and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"unexpected tensor {extra[0]!r} in {origin.get(extra[0], '?')} "
+                         f"({len(extra)} unexpected in all) for a {config.model_type} config")
+    missing = sorted(k for k in names if k not in tensors)
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) in "
+                         f"the checkpoint's safetensors files")
+    shapes = param_shapes(config)
+    out = jax.tree.map(lambda s: np.empty(s.shape, dtype or tensors[next(iter(names))].dtype),
+                       shapes)
+    for name, (path, layer, transpose) in names.items():
+        x = np.asarray(tensors[name])
+        if transpose:
+            x = x.T
+        target = _get(out, path)
+        want = target.shape[1:] if layer is not None else target.shape
+        if x.shape != tuple(want):
+            raise ValueError(f"tensor {name!r} in {origin.get(name, '?')} has shape "
+                             f"{tuple(np.asarray(tensors[name]).shape)}, expected "
+                             f"{tuple(want[::-1]) if transpose else tuple(want)}")
+        if layer is None:
+            target[...] = x
+        else:
+            target[layer] = x
+    return jax.tree.map(jnp.asarray, out)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file in {path}")
+    tensors, origin = {}, {}
+    for fname in files:
+        fpath = path / fname
+        if not fpath.exists():
+            raise FileNotFoundError(f"{fpath} is named in the index but does not exist")
+        try:
+            part = _load_bf16_aware(fpath, load_file)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{fpath}: cannot read safetensors file ({e})") from e
+        for k, v in part.items():
+            tensors[k] = v
+            origin[k] = str(fpath)
+    return tensors, origin
+
+
+def _load_bf16_aware(fpath: Path, load_file):
+    """numpy cannot hold bf16 natively; safetensors' numpy loader gives ml_dtypes bf16."""
+    return load_file(str(fpath))
+
+
+def _read_tokenizer(path: Path):
+    tok_file = path / "tokenizer.json"
+    if not tok_file.exists():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise ValueError(f"{tok_file}: cannot read tokenizer ({e})") from e
+
+
+def load(path: str | os.PathLike, dtype=None) -> Model:
+    """Loads a Hugging Face directory (or an orbax directory saved by `save_orbax`).
+
+    `dtype` ("float32", "bfloat16", ...) casts params and sets the compute dtype; None
+    keeps the checkpoint's (float32 if it does not say).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found: a checkpoint directory needs config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: invalid JSON ({e})") from e
+    config = ModelConfig.from_hf_dict(raw, source=str(cfg_file))
+    ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    dtype = str(jnp.dtype(dtype)) if dtype is not None else ckpt_dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
+    config = config.replace(dtype=dtype)
+    if (path / "params").is_dir():  # orbax layout written by save_orbax
+        params = restore_orbax(path / "params", config)
+    else:
+        tensors, origin = _read_safetensors(path)
+        params = hf_to_params(config, tensors, origin, dtype=jnp.dtype(dtype))
+    return Model(config, params, _read_tokenizer(path))
+
+
+def save_hf(model: Model, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
+    """Writes `model` as a Hugging Face directory (config.json, safetensors, tokenizer.json)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf_dict()
+    cfg["torch_dtype"] = model.config.dtype
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    tensors = params_to_hf(model.config, model.params)
+    if max_shard_bytes is None:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards, cur, size = [], {}, 0
+        for k, v in tensors.items():
+            if cur and size + v.nbytes > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k] = v
+            size += v.nbytes
+        shards.append(cur)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                 "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if model.tokenizer is not None:
+        model.tokenizer.save(str(path / "tokenizer.json"))
+
+
+def save_orbax(model: Model, path: str | os.PathLike) -> None:
+    """Saves config.json, tokenizer.json and the params (orbax, tensorstore) under `path`."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf_dict()
+    cfg["torch_dtype"] = model.config.dtype
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", model.params, force=True)
+    if model.tokenizer is not None:
+        model.tokenizer.save(str(path / "tokenizer.json"))
+
+
+def restore_orbax(path: str | os.PathLike, config: ModelConfig, target: Any = None) -> Any:
+    """Restores a params pytree saved by `save_orbax` (shapes checked against `config`)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if target is None:
+        dt = jnp.dtype(config.dtype)
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_shapes(config))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(path, target)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise ValueError(f"{path}: orbax params do not match the config ({e})") from e

@@ -1,0 +1,97 @@
+"""`Model`: config + params + tokenizer, and the pure functions that run it.
+
+The params are a plain pytree, separate from the Flax module (DESIGN decision 1): orbax
+saves them, `jax.sharding` places them, `train/` differentiates only what it trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.cache import PagedKVCache
+from specjax.config import ModelConfig
+from specjax.models.transformer import Hidden, Transformer
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded or freshly initialised model. `params` is the Flax params pytree."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any = None  # a `tokenizers.Tokenizer`, or None
+
+    @property
+    def module(self) -> Transformer:
+        return module_for(self.config)
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+
+@functools.lru_cache(maxsize=None)
+def module_for(config: ModelConfig) -> Transformer:
+    return Transformer(config)
+
+
+def init_params(config: ModelConfig, key: jax.Array | int = 0) -> Any:
+    """Random params (normal(0.02) weights, unit norms) for `config`."""
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.jit(module_for(config).init)(key, tokens, tokens)["params"]
+
+
+def init_model(config: ModelConfig, seed: int = 0, tokenizer=None) -> Model:
+    return Model(config, init_params(config, seed), tokenizer)
+
+
+def param_shapes(config: ModelConfig) -> Any:
+    """Param shapes/dtypes via `jax.eval_shape`: no memory is allocated."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(module_for(config).init, jax.random.key(0), tokens, tokens)["params"]
+
+
+def step(
+    config: ModelConfig,
+    params: Any,
+    cache: PagedKVCache | None,
+    tokens: jax.Array,  # [B, T]
+    positions: jax.Array,  # [B, T]
+    mask: jax.Array | None = None,  # [B, T, T]
+    **kwargs,
+) -> tuple[jax.Array | None, Hidden, PagedKVCache | None]:
+    """The pure model step `(params, cache, tokens, positions, mask) -> (logits, hidden, cache)`."""
+    return module_for(config).apply({"params": params}, tokens, positions, cache, mask=mask,
+                                    **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "hidden_layers"))
+def _forward(config, params, tokens, hidden_layers=()):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, hidden, _ = step(config, params, None, tokens, positions,
+                             hidden_layers=hidden_layers)
+    return logits, hidden
+
+
+def forward(model: Model, tokens) -> jax.Array:
+    """Float32 logits [B, T, V] of a plain causal forward over `tokens` [B, T] (no cache)."""
+    tokens = validate_tokens(np.asarray(tokens), model.config.vocab_size)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    logits, _ = _forward(model.config, model.params, jnp.asarray(tokens, jnp.int32))
+    return logits
+
+
+def validate_tokens(tokens: np.ndarray, vocab_size: int, what: str = "token") -> np.ndarray:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        raise ValueError(f"{what} id {bad} is outside the vocabulary [0, {vocab_size})")
+    return tokens

@@ -1,0 +1,5 @@
+"""Functional Llama-family models."""
+
+from specjax.models.transformer import Hidden, Transformer
+
+__all__ = ["Hidden", "Transformer"]

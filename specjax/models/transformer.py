@@ -1,0 +1,228 @@
+"""One functional Flax (linen) decoder for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+Axis names, used in shape comments and einsums everywhere in specjax:
+  B  batch (rows)                 T  new tokens in this call
+  D  embed (hidden_size)          F  mlp (intermediate_size)
+  N  heads (query heads)          K  kv_heads
+  G  head_groups = N // K         H  head_dim
+  V  vocab                        L  layers
+  S  KV slots of a row            P  pages, Z page size, M pages per row
+
+Parameters follow Hugging Face names (`embed_tokens`, `layers/self_attn/q_proj`, ...)
+with layers stacked on a leading L axis, because layers run under `nn.scan` (compile
+time does not grow with depth). Dense kernels are [in, out] (HF's weight transposed).
+
+A call takes the new tokens of every row, their RoPE positions and, optionally, the
+paged KV cache; it returns float32 logits, the hidden states asked for, and the cache
+with the new keys/values written. Without a cache it is a plain causal forward
+(training, parity tests). Variants are config flags, never mode switches in the code.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import attention as attn_lib
+from specjax.cache import PagedKVCache, slot_pages, write_kv
+from specjax.config import ModelConfig
+from specjax.models.rope import apply_rope, rope_tables
+
+
+@struct.dataclass
+class StepContext:
+    """Per-call values every layer reads (broadcast through the layer scan)."""
+
+    cos: jax.Array  # [B, T, H]
+    sin: jax.Array  # [B, T, H]
+    q_lens: jax.Array  # [B] int32 valid new tokens per row
+    mask: jax.Array | None  # [B, T, T] bool tree mask among new tokens, None = causal
+    page_table: jax.Array | None  # [B, M]
+    kv_lens: jax.Array | None  # [B] KV length after this call's write
+    write_page: jax.Array | None  # [B, T] page of each new token (P = drop)
+    write_offset: jax.Array | None  # [B, T]
+    backend: str = struct.field(pytree_node=False, default="reference")
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (w * xf.astype(x.dtype).astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features: int, name: str, dtype, use_bias: bool = False):
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
+                    kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, ctx: StepContext, k_pages, v_pages, layer):
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        b, t, _ = x.shape
+        q = _dense(c.num_heads * c.head_dim, "q_proj", dt, c.qkv_bias)(x)
+        k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dt, c.qkv_bias)(x)
+        v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dt, c.qkv_bias)(x)
+        q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        scale = c.head_dim ** -0.5
+        if k_pages is None:  # uncached causal forward over the T tokens
+            ok = attn_lib.allowed_mask(t, t, ctx.q_lens, ctx.q_lens, ctx.mask, c.sliding_window)
+            out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
+        else:
+            k_pages = write_kv(k_pages, layer, k, ctx.write_page, ctx.write_offset)
+            v_pages = write_kv(v_pages, layer, v, ctx.write_page, ctx.write_offset)
+            out = attn_lib.paged_attention(
+                q, k_pages[layer], v_pages[layer], ctx.page_table, ctx.kv_lens, ctx.q_lens,
+                ctx.mask, scale=scale, soft_cap=c.attn_logit_softcap,
+                sliding_window=c.sliding_window, backend=ctx.backend)
+        out = out.reshape(b, t, c.num_heads * c.head_dim)
+        return _dense(c.hidden_size, "o_proj", dt)(out), k_pages, v_pages
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        gate = _dense(c.intermediate_size, "gate_proj", dt)(x)
+        up = _dense(c.intermediate_size, "up_proj", dt)(x)
+        return _dense(c.hidden_size, "down_proj", dt)(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; scanned over L. Carry: (x, k_pages, v_pages, layer, taps)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, ctx: StepContext, tap_slots):
+        x, k_pages, v_pages, layer, taps = carry
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        h, k_pages, v_pages = Attention(c, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x), ctx, k_pages, v_pages, layer)
+        x = x + h
+        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
+        if taps is not None:  # record this layer's output if it was asked for
+            taps = taps.at[tap_slots[layer]].set(x.astype(taps.dtype), mode="drop")
+        return (x, k_pages, v_pages, layer + 1, taps), None
+
+
+class Transformer(nn.Module):
+    """The decoder. See the module docstring for axes and the call contract."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
+                                     param_dtype=jnp.float32,
+                                     embedding_init=nn.initializers.normal(0.02))
+        self.layers = nn.scan(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c)
+        self.norm = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype))
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.dtype(c.dtype),
+                                    param_dtype=jnp.float32,
+                                    kernel_init=nn.initializers.normal(0.02))
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def logits(self, h):
+        """Final-normed hidden [..., D] -> float32 logits [..., V]."""
+        if self.config.tie_word_embeddings:
+            w = self.embed_tokens.embedding
+            return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
+                              preferred_element_type=jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        positions: jax.Array,  # [B, T] int32 RoPE positions (tree nodes: prefix + depth)
+        cache: PagedKVCache | None = None,
+        *,
+        q_lens: jax.Array | None = None,  # [B] valid new tokens per row (default T)
+        mask: jax.Array | None = None,  # [B, T, T] bool among new tokens; None = causal
+        hidden_layers: Sequence[int] = (),  # 0-based decoder layers whose outputs to return
+        return_logits: bool = True,
+        inputs_embeds: jax.Array | None = None,  # [B, T, D] instead of embedding `tokens`
+        attention_backend: str | None = None,
+    ):
+        """Returns (logits [B,T,V] f32 | None, Hidden, cache with the T tokens written).
+
+        With a cache, row b's new tokens are written at slots `cache.lengths[b] + t`
+        (t < q_lens[b]) and the returned cache's lengths grow by q_lens; tree commit
+        may shrink them again.
+        """
+        c = self.config
+        b, t = tokens.shape
+        q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
+        cos, sin = rope_tables(c, positions)
+        x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(jnp.dtype(c.dtype))
+        if cache is None:
+            ctx = StepContext(cos, sin, q_lens, mask, None, None, None, None,
+                              attn_lib.resolve_backend(attention_backend))
+            k_pages = v_pages = None
+        else:
+            slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
+            valid = jnp.arange(t)[None, :] < q_lens[:, None]
+            page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size,
+                                      cache.num_pages)
+            ctx = StepContext(cos, sin, q_lens, mask, cache.page_table, cache.lengths + q_lens,
+                              page, offset, attn_lib.resolve_backend(attention_backend))
+            k_pages, v_pages = cache.k_pages, cache.v_pages
+        hidden_layers = tuple(hidden_layers)
+        for i in hidden_layers:
+            if not 0 <= i < c.num_layers:
+                raise ValueError(f"hidden_layers entry {i} is outside [0, {c.num_layers})")
+        taps = None
+        tap_slots = None
+        if hidden_layers:
+            taps = jnp.zeros((len(hidden_layers), b, t, c.hidden_size), x.dtype)
+            table = [len(hidden_layers)] * c.num_layers
+            for slot, i in enumerate(hidden_layers):
+                table[i] = slot
+            tap_slots = jnp.asarray(table, jnp.int32)
+        (x, k_pages, v_pages, _, taps), _ = self.layers(
+            (x, k_pages, v_pages, jnp.int32(0), taps), ctx, tap_slots)
+        h = self.norm(x)
+        logits = self.logits(h) if return_logits else None
+        new_cache = None
+        if cache is not None:
+            new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages,
+                                      lengths=cache.lengths + q_lens)
+        hidden = Hidden(final=h, layers=tuple(taps[i] for i in range(len(hidden_layers))))
+        return logits, hidden, new_cache
+
+
+@struct.dataclass
+class Hidden:
+    """Hidden states a step returns (DESIGN decision 2)."""
+
+    final: jax.Array  # [B, T, D] after the final norm (Medusa, EAGLE-1/2 read this)
+    layers: tuple  # outputs of the requested decoder layers, each [B, T, D] (EAGLE-3)
