@@ -158,18 +158,19 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
-    tree, spec_state = spec.propose(
-        st.spec_state, ProposeContext(st.tokens, st.lengths, active, sampling, k_prop), params)
-    check_tree(tree)
-    if tree.num_nodes != n or tree.max_depth != dm:
-        raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
-                         f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
     # Adaptive depth: Leviathan-optimal k per row from its running acceptance.
     alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
     limit = leviathan_optimal_k(alpha, cost_ratio, dm)
     probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
     limit = jnp.where((limit == 0) & probe, 1, limit)
-    limit = jnp.where(adaptive, limit, dm)
+    limit = jnp.where(adaptive & active, limit, jnp.where(active, dm, 0))
+    tree, spec_state = spec.propose(
+        st.spec_state, ProposeContext(st.tokens, st.lengths, active, sampling, k_prop, limit),
+        params)
+    check_tree(tree)
+    if tree.num_nodes != n or tree.max_depth != dm:
+        raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
+                         f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
     tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))
     tree = tree.replace(valid=tree.valid & active[:, None])
     root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
@@ -214,7 +215,9 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     return st.replace(
         cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
         target_calls=st.target_calls + active,
-        draft_calls=st.draft_calls + active * spec.draft_calls_per_step(),
+        # drafting stops at the deepest kept depth (see ProposeContext.depth_limit)
+        draft_calls=st.draft_calls + active * jnp.minimum(spec.draft_calls_per_step(),
+                                                          jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, steps=st.steps + 1)
 
