@@ -152,8 +152,22 @@ def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend)
                       target_calls=st.target_calls + active, hist=hist, steps=st.steps + 1)
 
 
-def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, cost_ratio: jax.Array, adaptive: jax.Array) -> LoopState:
+@struct.dataclass
+class Speculation:
+    """One propose + verify, before commit (also what `specjax.inspect` shows)."""
+
+    tree: Any  # DraftTree, validity cut by depth_limit and activity
+    result: Any  # VerifyResult
+    inputs: jax.Array  # [B, N+1] verify inputs: root, nodes
+    hidden: Hidden  # target hidden states of the inputs
+    cache: PagedKVCache  # with the N+1 inputs written
+    spec_state: Any
+    depth_limit: jax.Array  # [B]
+    key: jax.Array
+
+
+def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
+                    cost_ratio: jax.Array, adaptive: jax.Array) -> Speculation:
     b = st.tokens.shape[0]
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
@@ -183,6 +197,18 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
                                  q_lens=q_lens, hidden_layers=spec.hidden_layers,
                                  attention_backend=backend)
     res = verify(logits, tree, sampling, k_ver, spec.verification)
+    return Speculation(tree, res, inputs, hidden, cache, spec_state, limit, key)
+
+
+def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
+               backend, cost_ratio: jax.Array, adaptive: jax.Array) -> LoopState:
+    b = st.tokens.shape[0]
+    dm = spec.max_depth
+    active = ~st.done
+    sp = _propose_verify(config, params, spec, st, sampling, backend, cost_ratio, adaptive)
+    tree, res, inputs, hidden, cache = sp.tree, sp.result, sp.inputs, sp.hidden, sp.cache
+    spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
+    base = (st.lengths - 1)[:, None]
     # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
     budget = max_new - (st.lengths - st.prompt_lens)
     emit = jnp.minimum(res.num_accepted + 1, budget)
