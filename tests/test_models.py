@@ -42,6 +42,8 @@ CASES = {
         "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}, None),
     "mistral-sliding": ("mistral", {"sliding_window": 8}, "sliding_window"),
     "qwen2-bias": ("qwen2", {}, None),
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 8,
+                                "max_window_layers": 0}, "sliding_window"),
     "qwen2-mqa-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}, None),
     "qwen3-qknorm": ("qwen3", {"head_dim": 16}, None),  # head_dim 16 != 32 / 4
     "qwen3-mha-tied": ("qwen3", {"head_dim": 16, "num_key_value_heads": 4,
