@@ -3,12 +3,17 @@
 from specjax.cache import OutOfPagesError, PagedKVCache, PagePool
 from specjax.checkpoint import load, restore_orbax, save_hf, save_orbax
 from specjax.config import ModelConfig
+from specjax.generation import GenerationResult, generate
 from specjax.model import Model, forward, init_model, init_params, param_shapes, step
+from specjax.sampling import Sampling
+from specjax.stats import GenerationStats
+from specjax.tree import DraftTree
+from specjax import speculators
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Model", "ModelConfig", "OutOfPagesError", "PagePool", "PagedKVCache", "forward",
+    "DraftTree", "GenerationResult", "GenerationStats", "Model", "ModelConfig", "OutOfPagesError", "PagePool", "PagedKVCache", "forward",
     "init_model", "init_params", "load", "param_shapes", "restore_orbax", "save_hf",
-    "save_orbax", "step",
+    "Sampling", "save_orbax", "speculators", "step", "generate",
 ]

@@ -1,0 +1,387 @@
+"""`generate`: ragged-batch chunked prefill, then decoding in one `lax.while_loop`.
+
+Two compiled programs per shape bucket: `_prefill` (prompt chunks through the target,
+the first token sampled) and `_decode` (the whole rest of the generation in a
+`lax.while_loop`, the loop state donated). The host sees only the final buffers; there
+is no round trip per token. Timing the two apart gives TTFT and TPOT.
+
+Invariant of the loop state: row b has `lengths[b]` tokens in `tokens[b]`; the paged
+cache holds KV for all but the last of them (the "root"), which the next step feeds.
+With a speculator a step is propose -> verify (one target forward over [root, tree])
+-> commit (keep the accepted nodes' KV, compact them into place, append the bonus);
+every row advances by its own count (DESIGN decisions 4-6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import sampling as sampling_lib
+from specjax.cache import PagedKVCache, PagePool, move_slots
+from specjax.config import ModelConfig
+from specjax.model import Model, module_for, step, validate_tokens
+from specjax.models.transformer import Hidden, Transformer
+from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
+from specjax.stats import GenerationStats, build_stats, leviathan_optimal_k
+from specjax.tree import ancestor_mask, check_tree
+from specjax.verify import verify
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row, prompt excluded (EOS kept if hit)
+    text: list[str] | None
+    stats: GenerationStats
+
+
+@struct.dataclass
+class LoopState:
+    cache: PagedKVCache
+    tokens: jax.Array  # [B, S] prompt + generated
+    lengths: jax.Array  # [B]
+    prompt_lens: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    key: jax.Array
+    spec_state: Any
+    target_calls: jax.Array  # [B] decode-phase target forwards while active
+    draft_calls: jax.Array  # [B]
+    drafted: jax.Array  # [B] speculated positions (tree depth per step)
+    accepted: jax.Array  # [B] accepted draft tokens
+    hist: jax.Array  # [B, Dm+1] steps that accepted 0..Dm drafts
+    steps: jax.Array  # [] loop iterations
+
+
+# ---------------------------------------------------------------------------- helpers
+def _gather_hidden(hidden: Hidden, idx: jax.Array) -> Hidden:
+    """Hidden [B, T, ...] at per-row indices idx [B, J] -> Hidden [B, J, ...]."""
+    take = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
+    return Hidden(final=take(hidden.final), layers=tuple(take(x) for x in hidden.layers))
+
+
+def _is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def _write_tokens(buf: jax.Array, start: jax.Array, new: jax.Array, count: jax.Array):
+    """buf [B, S] with new [B, J] written at start[b] + j for j < count[b]."""
+    j = jnp.arange(new.shape[1])[None, :]
+    cols = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])
+    rows = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], cols.shape)
+    return buf.at[rows, cols].set(new, mode="drop")
+
+
+def _logits_of(config: ModelConfig, params, h: jax.Array) -> jax.Array:
+    return module_for(config).apply({"params": params}, h, method=Transformer.logits)
+
+
+# ---------------------------------------------------------------------------- prefill
+@functools.partial(jax.jit, static_argnames=("config", "chunk", "num_chunks", "backend"),
+                   donate_argnames=("cache", "tokens"))
+def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedKVCache,
+             tokens: jax.Array, prompt_lens: jax.Array, sampling: sampling_lib.Sampling,
+             key: jax.Array, max_new: jax.Array, eos_ids: jax.Array, *, chunk: int,
+             num_chunks: int, backend: str | None):
+    b, s = tokens.shape
+    layers = spec.hidden_layers if spec is not None else ()
+    spec_state = spec.init(config, b, s) if spec is not None else ()
+    d = config.hidden_size
+    dt = jnp.dtype(config.dtype)
+    last = Hidden(jnp.zeros((b, 1, d), dt), tuple(jnp.zeros((b, 1, d), dt) for _ in layers))
+
+    def body(i, carry):
+        cache, spec_state, last = carry
+        start = i * chunk
+        tok = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        nxt = jax.lax.dynamic_slice_in_dim(tokens, start + 1, chunk, axis=1)
+        pos = (start + jnp.arange(chunk, dtype=jnp.int32))[None].repeat(b, 0)
+        q_lens = jnp.clip(prompt_lens - start, 0, chunk)
+        _, hidden, cache = step(config, params, cache, tok, pos, q_lens=q_lens,
+                                hidden_layers=layers, return_logits=False,
+                                attention_backend=backend)
+        li = prompt_lens - 1 - start
+        here = (li >= 0) & (li < chunk)
+        at = _gather_hidden(hidden, jnp.clip(li, 0, chunk - 1)[:, None])
+        last = jax.tree.map(lambda new, old: jnp.where(here[:, None, None], new, old), at, last)
+        if spec is not None:
+            pairs = jnp.clip(prompt_lens - 1 - start, 0, chunk)
+            spec_state = spec.prefill(spec_state, PrefillChunk(tok, nxt, pos, pairs, hidden),
+                                      params)
+        return cache, spec_state, last
+
+    cache, spec_state, last = jax.lax.fori_loop(0, num_chunks, body, (cache, spec_state, last))
+    key, sub = jax.random.split(key)
+    logits = _logits_of(config, params, last.final[:, 0])  # [B, V]
+    first = sampling_lib.sample(sub, logits, sampling)
+    tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
+    lengths = prompt_lens + 1
+    if spec is not None:  # hand over the last prompt pair: (x_{P-1}, h_{P-1}) -> first
+        root_in = jnp.take_along_axis(tokens, (prompt_lens - 1)[:, None], axis=1)
+        spec_state = spec.commit(spec_state, CommitContext(
+            tokens=root_in, next_tokens=first[:, None], positions=(prompt_lens - 1)[:, None],
+            num_pairs=jnp.ones((b,), jnp.int32), hidden=last,
+            num_accepted=jnp.zeros((b,), jnp.int32), lengths=lengths), params)
+    done = _is_eos(first, eos_ids) | (max_new <= 1)
+    dm = spec.max_depth if spec is not None else 0
+    zeros = jnp.zeros((b,), jnp.int32)
+    return LoopState(cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros,
+                     zeros, zeros, jnp.zeros((b, dm + 1), jnp.int32), jnp.int32(0))
+
+
+# ---------------------------------------------------------------------------- decode
+def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend) -> LoopState:
+    b = st.tokens.shape[0]
+    active = ~st.done
+    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
+    logits, _, cache = step(config, params, st.cache, root, (st.lengths - 1)[:, None],
+                            q_lens=active.astype(jnp.int32), attention_backend=backend)
+    key, sub = jax.random.split(st.key)
+    nxt = sampling_lib.sample(sub, logits[:, 0], sampling)
+    tokens = _write_tokens(st.tokens, st.lengths, nxt[:, None], active.astype(jnp.int32))
+    lengths = st.lengths + active
+    done = st.done | (active & _is_eos(nxt, eos_ids)) | (lengths - st.prompt_lens >= max_new)
+    hist = st.hist.at[:, 0].add(active)
+    return st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
+                      target_calls=st.target_calls + active, hist=hist, steps=st.steps + 1)
+
+
+def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
+               backend, cost_ratio: float, adaptive: bool) -> LoopState:
+    b = st.tokens.shape[0]
+    n, dm = spec.num_nodes, spec.max_depth
+    active = ~st.done
+    key, k_prop, k_ver = jax.random.split(st.key, 3)
+    tree, spec_state = spec.propose(
+        st.spec_state, ProposeContext(st.tokens, st.lengths, active, sampling, k_prop), params)
+    check_tree(tree)
+    if tree.num_nodes != n or tree.max_depth != dm:
+        raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
+                         f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
+    if adaptive:  # Leviathan-optimal depth per row from its running acceptance
+        alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
+        limit = leviathan_optimal_k(alpha, cost_ratio, dm)
+        probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
+        limit = jnp.where((limit == 0) & probe, 1, limit)
+        tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))
+    tree = tree.replace(valid=tree.valid & active[:, None])
+    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
+    inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1]
+    base = (st.lengths - 1)[:, None]
+    positions = base + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depth], axis=1)
+    mask = ancestor_mask(tree.parents, dm)
+    q_lens = jnp.where(active, n + 1, 0)
+    logits, hidden, cache = step(config, params, st.cache, inputs, positions, mask=mask,
+                                 q_lens=q_lens, hidden_layers=spec.hidden_layers,
+                                 attention_backend=backend)
+    res = verify(logits, tree, sampling, k_ver, spec.verification)
+    # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
+    budget = max_new - (st.lengths - st.prompt_lens)
+    emit = jnp.minimum(res.num_accepted + 1, budget)
+    j = jnp.arange(dm + 1)[None, :]
+    eos_at = _is_eos(res.path_tokens, eos_ids) & (j < emit[:, None])
+    first_eos = jnp.argmax(eos_at, axis=1)
+    emit = jnp.where(jnp.any(eos_at, axis=1), first_eos + 1, emit)
+    emit = jnp.where(active, emit, 0)
+    # Commit KV: accepted node at tree slot L + node moves to slot L + depth - 1.
+    lens = st.lengths
+    src = lens[:, None] + jnp.maximum(res.accepted, 0)
+    dst = lens[:, None] + jnp.arange(dm)[None, :]
+    keep = (res.accepted >= 0) & (jnp.arange(dm)[None, :] < (emit - 1)[:, None])
+    cache = move_slots(cache, src, dst, keep)
+    cache = cache.replace(lengths=jnp.where(active, lens - 1 + emit, st.cache.lengths))
+    tokens = _write_tokens(st.tokens, lens, res.path_tokens, emit)
+    lengths = lens + emit
+    new_eos = jnp.any(eos_at, axis=1)
+    done = st.done | (active & new_eos) | (lengths - st.prompt_lens >= max_new)
+    kept_in = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
+    spec_state = spec.commit(spec_state, CommitContext(
+        tokens=kept_in, next_tokens=res.path_tokens,
+        positions=base + jnp.arange(dm + 1)[None, :], num_pairs=emit,
+        hidden=_gather_hidden(hidden, res.path_inputs), num_accepted=res.num_accepted,
+        lengths=lengths), params)
+    depth_used = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)
+    acc = jnp.where(active, res.num_accepted, 0)  # what the verifier accepted (α), even
+    # if the row's budget or an EOS then emits fewer
+    hist = st.hist.at[jnp.arange(b), acc].add(active)
+    return st.replace(
+        cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
+        target_calls=st.target_calls + active,
+        draft_calls=st.draft_calls + active * spec.draft_calls_per_step(),
+        drafted=st.drafted + jnp.where(active, depth_used, 0),
+        accepted=st.accepted + acc, hist=hist, steps=st.steps + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "cost_ratio", "adaptive"),
+                   donate_argnames=("state",))
+def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
+            sampling, max_new, eos_ids, *, backend, cost_ratio: float, adaptive: bool):
+    def cond(st):
+        return jnp.any(~st.done) & (st.steps < max_new)
+
+    def body(st):
+        if spec is None:
+            return _ar_step(config, params, st, sampling, max_new, eos_ids, backend)
+        return _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
+                          cost_ratio, adaptive)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+# ---------------------------------------------------------------------------- host API
+def _as_token_lists(model: Model, prompts) -> list[list[int]]:
+    if isinstance(prompts, (str, np.ndarray)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but the model has no tokenizer; "
+                                 "pass token ids")
+            p = model.tokenizer.encode(p).ids
+        ids = [int(x) for x in np.asarray(p).reshape(-1)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        validate_tokens(np.asarray(ids), model.config.vocab_size, what=f"prompt {i} token")
+        out.append(ids)
+    return out
+
+
+def _bucket(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def generate(
+    model: Model,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    speculator: Speculator | None = None,
+    adaptive: bool = True,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    prefill_chunk: int = 128,
+    attention_backend: str | None = None,
+) -> GenerationResult:
+    """Generates up to `max_new_tokens` per prompt; greedy by default.
+
+    prompts: token-id lists (a ragged batch) or strings (needs `model.tokenizer`).
+    eos_id: stop tokens; None uses the config's `eos_token_id` (as transformers does);
+      `ignore_eos=True` generates exactly `max_new_tokens`.
+    speculator: a `specjax.speculators` instance; output is identical to target-only
+      greedy decoding at temperature 0 and distributed as the target at any temperature.
+    adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
+    num_pages: cache pages in the pool (default: exactly what the batch needs).
+    """
+    cfg = model.config
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    sampling_lib.validate_sampling(temperature, top_k, top_p)
+    if page_size < 1 or prefill_chunk < 1:
+        raise ValueError(f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1")
+    rows = _as_token_lists(model, prompts)
+    lens = [len(r) for r in rows]
+    for i, n in enumerate(lens):
+        if n + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                f"the model's context of {cfg.max_position_embeddings} positions")
+    if speculator is not None:
+        if not isinstance(speculator, Speculator):
+            raise ValueError(f"speculator={speculator!r} is not a specjax Speculator")
+        speculator.check_target(cfg)
+    if ignore_eos:
+        eos = ()
+    elif eos_id is None:
+        eos = cfg.eos_ids
+    else:
+        eos = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    b = len(rows)
+    slack = speculator.num_nodes + 1 if speculator is not None else 1
+    chunk = min(prefill_chunk, 1 << (max(lens) - 1).bit_length())
+    num_chunks = -(-max(lens) // chunk)
+    width = _bucket(num_chunks * chunk + max_new_tokens + slack, 64)  # token buffer S
+    pages_per_row = -(-width // page_size)
+    need = [-(-(n + max_new_tokens + slack) // page_size) for n in lens]
+    pool = PagePool(num_pages if num_pages is not None else sum(need), page_size)
+    for r, n in enumerate(lens):
+        pool.allocate(r, n + max_new_tokens + slack)
+    table = pool.page_table(list(range(b)), pages_per_row)
+    buf = np.zeros((b, width), np.int32)
+    for r, ids in enumerate(rows):
+        buf[r, :len(ids)] = ids
+    cache = PagedKVCache.create(cfg, table, num_pages=pool.num_pages, page_size=page_size)
+    sampling = sampling_lib.Sampling.create(temperature, top_k, top_p)
+    eos_arr = jnp.asarray(eos, jnp.int32).reshape(-1)
+    max_new = jnp.int32(max_new_tokens)
+    cost = float(speculator.cost_ratio(cfg)) if speculator is not None else 0.0
+    key = jax.random.key(seed)
+    plens = jnp.asarray(lens, jnp.int32)
+
+    pre_args = (cfg, model.params, speculator, cache, jnp.asarray(buf), plens, sampling, key,
+                max_new, eos_arr)
+    pre_kw = dict(chunk=chunk, num_chunks=num_chunks, backend=attention_backend)
+    t0 = time.perf_counter()
+    pre = _compiled(_prefill, pre_args, pre_kw)
+    state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
+    dec_kw = dict(backend=attention_backend, cost_ratio=cost, adaptive=adaptive)
+    dec = _compiled(_decode, (cfg, model.params, speculator, state_shape, sampling, max_new,
+                              eos_arr), dec_kw)
+    compile_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    state = pre(*_dyn(pre_args))
+    jax.block_until_ready(state.tokens)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = dec(*_dyn((cfg, model.params, speculator, state, sampling, max_new, eos_arr)))
+    jax.block_until_ready(state.tokens)
+    decode_s = time.perf_counter() - t0
+
+    out_tokens = np.asarray(state.tokens)
+    out_lens = np.asarray(state.lengths)
+    gen = [out_tokens[r, lens[r]:out_lens[r]].tolist() for r in range(b)]
+    text = None
+    if model.tokenizer is not None:
+        text = [model.tokenizer.decode(g, skip_special_tokens=True) for g in gen]
+    stats = build_stats(
+        new_tokens=[len(g) for g in gen], target_calls=np.asarray(state.target_calls),
+        draft_calls=np.asarray(state.draft_calls), drafted=np.asarray(state.drafted),
+        accepted=np.asarray(state.accepted), hist=np.asarray(state.hist), cost_ratio=cost,
+        ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
+    return GenerationResult(gen, text, stats)
+
+
+# Compiled programs by (function, static args, argument shapes): jit's own cache would
+# compile on first call, which would put compile time into TTFT.
+_COMPILED: dict = {}
+
+
+def _dyn(args):
+    """Drops the leading static config (positional) for calling a compiled program."""
+    return args[1:]
+
+
+def _compiled(fn, args, kwargs):
+    cfg, rest = args[0], args[1:]
+    leaves, treedef = jax.tree.flatten(rest)
+    sig = (fn.__name__, cfg, treedef, tuple(kwargs.items()),
+           tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x)))) for x in leaves))
+    if sig not in _COMPILED:
+        _COMPILED[sig] = fn.lower(cfg, *rest, **kwargs).compile()
+    return _COMPILED[sig]

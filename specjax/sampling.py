@@ -1,0 +1,79 @@
+"""Logit processing and sampling: temperature, top-k, top-p, all with traced parameters.
+
+`Sampling` holds the three knobs as arrays, so changing them never recompiles. The
+distribution a row samples from is `probs(logits, sampling)`; speculative verification
+applies the very same function to target and draft logits, which is what keeps
+rejection sampling lossless with top-k/top-p (DESIGN decision 5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Sampling:
+    temperature: jax.Array  # [] float32; 0 = greedy
+    top_k: jax.Array  # [] int32; 0 = off
+    top_p: jax.Array  # [] float32; 1 = off
+
+    @classmethod
+    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
+        validate_sampling(temperature, top_k, top_p)
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+
+    @property
+    def greedy(self) -> jax.Array:
+        return self.temperature <= 0
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    if int(top_k) != top_k or top_k < 0:
+        raise ValueError(f"top_k={top_k} must be a non-negative integer")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+
+
+def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits [..., V] f32 -> log-probabilities after temperature, top-k and top-p.
+
+    At temperature 0 this is the (log) one-hot of the argmax, so greedy decoding is the
+    same distribution machinery with a point mass.
+    """
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    greedy = sampling.temperature <= 0
+    temp = jnp.where(greedy, 1.0, sampling.temperature)
+    x = logits / temp
+    neg = jnp.finfo(jnp.float32).min
+    # top-k: keep logits >= the k-th largest (ties kept), k = 0 disables.
+    desc = -jnp.sort(-x, axis=-1)
+    k = jnp.clip(sampling.top_k, 1, v)
+    kth = jnp.take(desc, k - 1, axis=-1)[..., None]
+    x = jnp.where((sampling.top_k > 0) & (x < kth), neg, x)
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p.
+    desc = -jnp.sort(-x, axis=-1)
+    p_desc = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(p_desc, axis=-1) - p_desc  # mass strictly above each sorted entry
+    keep_sorted = before < sampling.top_p
+    cutoff = jnp.min(jnp.where(keep_sorted, desc, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((sampling.top_p < 1) & (x < cutoff), neg, x)
+    lp = jax.nn.log_softmax(x, axis=-1)
+    onehot = jnp.where(jnp.arange(v) == jnp.argmax(logits, axis=-1)[..., None], 0.0, -jnp.inf)
+    return jnp.where(greedy, onehot, lp)
+
+
+def probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """The distribution a row samples from: [..., V] float32."""
+    return jnp.exp(log_probs(logits, sampling))
+
+
+def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per leading index of `logits` [..., V]; argmax when greedy."""
+    lp = log_probs(logits, sampling)
+    drawn = jax.random.categorical(key, lp, axis=-1)
+    return jnp.where(sampling.greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

@@ -1,0 +1,103 @@
+"""The speculator protocol: a pytree (params + static settings) and four pure functions.
+
+A speculator never mutates Python state inside the loop (DESIGN decision 8). Its
+per-generation state is a pytree it creates in `init` and threads through:
+
+  init(target_config, batch, capacity)            -> state
+  prefill(state, PrefillChunk, target_params)     -> state   (once per prompt chunk)
+  propose(state, ProposeContext, target_params)   -> (DraftTree, state)
+  commit(state, CommitContext, target_params)     -> state   (after each verification)
+
+What the loop tells a speculator, in "pairs": a target input at position i with its
+hidden state h_i, and the token x_{i+1} that follows it. Prefill hands over the pairs of
+the prompt (all but the last, whose follower is not sampled yet); every commit hands
+over the pairs of the verified inputs that were kept: the root and the accepted nodes,
+each with the token after it (the next accepted token, or the bonus). So after a commit
+the speculator has seen every pair up to the new root, and its next `propose` drafts
+the root's children. Draft models and EAGLE heads keep their own paged caches in the
+state; n-gram reads the token buffer of the context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+from specjax.config import ModelConfig
+from specjax.models.transformer import Hidden
+from specjax.sampling import Sampling
+from specjax.tree import DraftTree
+
+
+@struct.dataclass
+class PrefillChunk:
+    tokens: jax.Array  # [B, C] target inputs of this chunk
+    next_tokens: jax.Array  # [B, C] the token after each input (valid for pairs only)
+    positions: jax.Array  # [B, C] their positions
+    num_pairs: jax.Array  # [B] leading entries of this chunk that are complete pairs
+    hidden: Hidden  # target hidden states of the chunk's inputs
+
+
+@struct.dataclass
+class ProposeContext:
+    tokens: jax.Array  # [B, S] every token so far (prompt + generated), 0 after lengths
+    lengths: jax.Array  # [B] tokens so far; the root is tokens[b, lengths[b] - 1]
+    active: jax.Array  # [B] bool rows still generating
+    sampling: Sampling
+    key: jax.Array
+
+
+@struct.dataclass
+class CommitContext:
+    tokens: jax.Array  # [B, Dm+1] inputs kept: root then accepted nodes (0 padding)
+    next_tokens: jax.Array  # [B, Dm+1] the token after each kept input
+    positions: jax.Array  # [B, Dm+1] their positions
+    num_pairs: jax.Array  # [B] kept inputs (0 for inactive rows)
+    hidden: Hidden  # target hidden states of the kept inputs, [B, Dm+1, ...]
+    num_accepted: jax.Array  # [B] accepted draft tokens this step
+    lengths: jax.Array  # [B] tokens so far after the commit (new root at lengths - 1)
+
+
+class Speculator:
+    """Base class; subclasses are `flax.struct.dataclass`es (pytrees) implementing the four
+    functions. Static fields (`pytree_node=False`) are part of the compiled program."""
+
+    #: target decoder layers whose outputs `prefill`/`commit` need (EAGLE-3: low/mid/high)
+    hidden_layers: tuple[int, ...] = ()
+    #: verification method for sampled decoding: "rejection" (lossless) or "typical" (lossy)
+    verification: str = "rejection"
+
+    @property
+    def num_nodes(self) -> int:
+        """N: nodes in every proposed tree (static)."""
+        raise NotImplementedError
+
+    @property
+    def max_depth(self) -> int:
+        raise NotImplementedError
+
+    def check_target(self, target_config: ModelConfig) -> None:
+        """Raises a clear error if this speculator cannot serve `target_config`."""
+
+    def cost_ratio(self, target_config: ModelConfig) -> float:
+        """Estimated cost of one draft call relative to one target forward (for the
+        analytical speedup and adaptive length); 0 for free drafts like n-gram."""
+        return 0.0
+
+    def draft_calls_per_step(self) -> int:
+        return 0
+
+    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> Any:
+        return ()
+
+    def prefill(self, state: Any, chunk: PrefillChunk, target_params: Any) -> Any:
+        return state
+
+    def propose(self, state: Any, ctx: ProposeContext,
+                target_params: Any) -> tuple[DraftTree, Any]:
+        raise NotImplementedError
+
+    def commit(self, state: Any, ctx: CommitContext, target_params: Any) -> Any:
+        return state

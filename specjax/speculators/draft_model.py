@@ -1,0 +1,141 @@
+"""`DraftModel`: a second, smaller specjax model drafting a chain of k tokens.
+
+The draft keeps its own paged KV cache in the speculator state. It consumes the loop's
+pairs lazily: `commit` rolls its cache back to before the old root and queues the kept
+inputs; the next `propose` feeds the queue plus the new root in one forward (the first
+draft call), then k - 1 single-token calls. At temperature > 0 drafts are sampled from
+the draft's processed distribution and handed to the verifier with it (Leviathan
+rejection sampling); at temperature 0 they are the draft's argmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import sampling as sampling_lib
+from specjax.cache import PagedKVCache
+from specjax.config import ModelConfig
+from specjax.model import Model, step
+from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
+from specjax.tree import DraftTree, chain
+
+
+@struct.dataclass
+class DraftState:
+    cache: PagedKVCache
+    pending: jax.Array  # [B, Q] kept target inputs the draft has not consumed yet
+    pending_count: jax.Array  # [B]
+
+
+@struct.dataclass
+class DraftModel(Speculator):
+    params: Any
+    config: ModelConfig = struct.field(pytree_node=False)
+    k: int = struct.field(pytree_node=False, default=4)
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    def __init__(self, model: Model | None = None, k: int = 4, *, target: Model | None = None,
+                 params=None, config=None, page_size: int = 16):
+        """`DraftModel(model=draft, k=4)`; pass `target=` to check vocabularies up front."""
+        if model is not None:
+            params, config = model.params, model.config
+        if config is None:
+            raise ValueError("DraftModel needs model=<specjax Model>")
+        if k < 1:
+            raise ValueError(f"DraftModel k={k} must be >= 1")
+        if target is not None:
+            _check_tokenizers(model, target)
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "page_size", page_size)
+        if target is not None:
+            self.check_target(target.config)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.k
+
+    @property
+    def max_depth(self) -> int:
+        return self.k
+
+    def check_target(self, target_config: ModelConfig) -> None:
+        if self.config.vocab_size != target_config.vocab_size:
+            raise ValueError(
+                f"draft vocab_size={self.config.vocab_size} differs from the target's "
+                f"vocab_size={target_config.vocab_size}; a draft must share the target's "
+                "vocabulary")
+
+    def cost_ratio(self, target_config: ModelConfig) -> float:
+        return self.config.param_count() / target_config.param_count()
+
+    def draft_calls_per_step(self) -> int:
+        return self.k
+
+    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> DraftState:
+        m = -(-capacity // self.page_size)
+        table = np.arange(batch * m, dtype=np.int32).reshape(batch, m)
+        cache = PagedKVCache.create(self.config, table, num_pages=batch * m,
+                                    page_size=self.page_size)
+        return DraftState(cache, jnp.zeros((batch, self.k + 1), jnp.int32),
+                          jnp.zeros((batch,), jnp.int32))
+
+    def prefill(self, state: DraftState, chunk: PrefillChunk, target_params) -> DraftState:
+        _, _, cache = step(self.config, self.params, state.cache, chunk.tokens, chunk.positions,
+                           q_lens=chunk.num_pairs, return_logits=False)
+        return state.replace(cache=cache)
+
+    def propose(self, state: DraftState, ctx: ProposeContext,
+                target_params) -> tuple[DraftTree, DraftState]:
+        b, q = state.pending.shape
+        rows = jnp.arange(b)
+        c = state.pending_count
+        root = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)[:, 0]
+        inp = jnp.concatenate([state.pending, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        inp = inp.at[rows, c].set(root)  # [B, Q+1]: queue then root
+        start = ctx.lengths - 1 - c
+        pos = start[:, None] + jnp.arange(q + 1)[None, :]
+        act = ctx.active.astype(jnp.int32)
+        logits, _, cache = step(self.config, self.params, state.cache, inp, pos,
+                                q_lens=(c + 1) * act)
+        keys = jax.random.split(ctx.key, self.k)
+        first = logits[rows, c]  # [B, V] draft logits after the root
+        tok = sampling_lib.sample(keys[0], first, ctx.sampling)
+        prob = sampling_lib.probs(first, ctx.sampling)
+
+        def one(carry, key_i):
+            cache, tok, pos = carry
+            logits, _, cache = step(self.config, self.params, cache, tok[:, None],
+                                    pos[:, None], q_lens=act)
+            nxt = sampling_lib.sample(key_i, logits[:, 0], ctx.sampling)
+            return (cache, nxt, pos + 1), (nxt, sampling_lib.probs(logits[:, 0], ctx.sampling))
+
+        (cache, _, _), (toks, probs) = jax.lax.scan(one, (cache, tok, ctx.lengths), keys[1:])
+        drafts = jnp.concatenate([tok[:, None], toks.T], axis=1)  # [B, k]
+        dprobs = jnp.concatenate([prob[:, None], probs.transpose(1, 0, 2)], axis=1)
+        return chain(drafts, draft_probs=dprobs), state.replace(cache=cache)
+
+    def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
+        act = ctx.num_pairs > 0
+        old_root = ctx.positions[:, 0]
+        lengths = jnp.where(act, old_root, state.cache.lengths)
+        q = state.pending.shape[1]
+        kept = jnp.pad(ctx.tokens, ((0, 0), (0, q - ctx.tokens.shape[1])))
+        pending = jnp.where(act[:, None], kept, state.pending)
+        count = jnp.where(act, ctx.num_pairs, state.pending_count)
+        return state.replace(cache=state.cache.replace(lengths=lengths), pending=pending,
+                             pending_count=count)
+
+
+def _check_tokenizers(draft: Model | None, target: Model) -> None:
+    if draft is None or draft.tokenizer is None or target.tokenizer is None:
+        return
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ValueError("draft and target tokenizers differ; a draft must share the target's "
+                         "vocabulary (same tokenizer.json)")

@@ -1,0 +1,59 @@
+"""`NGram`: prompt-lookup drafts from the row's own tokens, on device, at zero model cost.
+
+For n from `n_max` down to `n_min`, find the most recent earlier occurrence of the row's
+last n tokens and propose the k tokens that followed it (a chain of point masses).
+Repetitive input (code edits, quoting the prompt) gives long accepted runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.config import ModelConfig
+from specjax.speculators.base import ProposeContext, Speculator
+from specjax.tree import DraftTree, chain
+
+
+@struct.dataclass
+class NGram(Speculator):
+    k: int = struct.field(pytree_node=False, default=4)
+    n_max: int = struct.field(pytree_node=False, default=3)
+    n_min: int = struct.field(pytree_node=False, default=1)
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"NGram k={self.k} must be >= 1")
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"NGram needs 1 <= n_min <= n_max; got n_min={self.n_min}, "
+                             f"n_max={self.n_max}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.k
+
+    @property
+    def max_depth(self) -> int:
+        return self.k
+
+    def propose(self, state, ctx: ProposeContext, target_params) -> tuple[DraftTree, tuple]:
+        toks, lens = ctx.tokens, ctx.lengths  # [B, S], [B]
+        b, s = toks.shape
+        p = jnp.arange(s)[None, :]  # candidate end of an earlier match
+        match = jnp.ones((b, s), bool)
+        best = jnp.full((b,), -1, jnp.int32)
+        for i in range(self.n_max):
+            # the i-th token back from p must equal the i-th token back from the end
+            want = jnp.take_along_axis(toks, jnp.maximum(lens - 1 - i, 0)[:, None], axis=1)
+            back = jnp.roll(toks, i, axis=1)
+            match = match & (p - i >= 0) & (back == want) & (lens[:, None] - 1 - i >= 0)
+            n = i + 1
+            if n >= self.n_min:
+                ok = match & (p < (lens - 1)[:, None])
+                last = jnp.max(jnp.where(ok, p, -1), axis=1).astype(jnp.int32)
+                best = jnp.where(last >= 0, last, best)  # longer n overrides shorter
+        idx = best[:, None] + 1 + jnp.arange(self.k)[None, :]  # [B, k]
+        drafts = jnp.take_along_axis(toks, jnp.clip(idx, 0, s - 1), axis=1)
+        valid = (best[:, None] >= 0) & (idx < lens[:, None])
+        return chain(drafts, valid=valid), state

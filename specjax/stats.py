@@ -1,0 +1,103 @@
+"""Generation statistics, named once (DESIGN "Metrics"): per row and in total.
+
+- acceptance_rate α = accepted draft tokens / drafted positions (for a chain, k per
+  step; for a tree, its depth per step: α is per speculated position).
+- mean_accepted_length τ = tokens emitted per target forward in decoding, bonus included.
+- expected_speedup: Leviathan et al.'s (1 - α^(k+1)) / ((1 - α)(k c + 1)) from the
+  measured α, the mean k and the draft/target cost ratio c; print it beside the
+  measured speedup (which needs an autoregressive run of the same prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+def leviathan_speedup(alpha: float, k: float, cost_ratio: float) -> float:
+    """Expected walltime improvement of speculative decoding (Leviathan et al. 2023, Thm 3.8)."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        tokens = k + 1
+    else:
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+    return float(tokens / (k * cost_ratio + 1))
+
+
+def leviathan_optimal_k(alpha: np.ndarray, cost_ratio: float, k_max: int) -> np.ndarray:
+    """argmax_k over 0..k_max of the expected speedup, per row (numpy or jax arrays)."""
+    import jax.numpy as jnp
+
+    ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
+    a = jnp.clip(alpha, 0.0, 0.999)[..., None]
+    gain = (1 - a ** (ks + 1)) / (1 - a) / (ks * cost_ratio + 1)
+    return jnp.argmax(gain, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Totals as attributes; `rows` holds the same fields per row."""
+
+    new_tokens: int
+    target_calls: int
+    draft_calls: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    mean_k: float
+    cost_ratio: float
+    expected_speedup: float
+    wall_s: float
+    ttft_s: float
+    tpot_s: float
+    tokens_per_s: float
+    compile_s: float
+    accepted_hist: list  # counts of steps that accepted 0, 1, ..., Dm drafts (all rows)
+    rows: list = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (f"tokens={self.new_tokens} α={self.acceptance_rate:.3f} "
+                f"τ={self.mean_accepted_length:.2f} tok/s={self.tokens_per_s:.1f} "
+                f"TTFT={self.ttft_s * 1e3:.1f}ms TPOT={self.tpot_s * 1e3:.2f}ms "
+                f"expected_speedup={self.expected_speedup:.2f}")
+
+
+def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, hist,
+                cost_ratio, ttft_s, decode_s, compile_s) -> GenerationStats:
+    """From per-row numpy counters (decode phase) and timings."""
+    new_tokens = np.asarray(new_tokens)
+    rows = []
+    for b in range(len(new_tokens)):
+        rows.append(_row(int(new_tokens[b]), int(target_calls[b]), int(draft_calls[b]),
+                         int(drafted[b]), int(accepted[b]), cost_ratio, ttft_s, decode_s))
+    total = _row(int(new_tokens.sum()), int(np.sum(target_calls)), int(np.sum(draft_calls)),
+                 int(np.sum(drafted)), int(np.sum(accepted)), cost_ratio, ttft_s, decode_s,
+                 decode_tokens=int(np.maximum(new_tokens - 1, 0).sum()))
+    wall = ttft_s + decode_s
+    total["tokens_per_s"] = float(new_tokens.sum() / wall) if wall > 0 else 0.0
+    total["tpot_s"] = float(np.mean([r["tpot_s"] for r in rows])) if rows else 0.0
+    return GenerationStats(**total, compile_s=compile_s,
+                           accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows)
+
+
+def _row(new, calls, dcalls, drafted, accepted, c, ttft_s, decode_s,
+         decode_tokens: int | None = None) -> dict:
+    alpha = accepted / drafted if drafted else 0.0
+    if decode_tokens is None:
+        decode_tokens = max(new - 1, 0)  # the first token comes from prefill
+    tau = decode_tokens / calls if calls else 0.0
+    k = drafted / calls if calls else 0.0
+    wall = ttft_s + decode_s
+    return dict(new_tokens=new, target_calls=calls, draft_calls=dcalls, drafted=drafted,
+                accepted=accepted, acceptance_rate=alpha, mean_accepted_length=tau, mean_k=k,
+                cost_ratio=c, expected_speedup=leviathan_speedup(alpha, k, c),
+                wall_s=wall, ttft_s=ttft_s,
+                tpot_s=decode_s / decode_tokens if decode_tokens else 0.0,
+                tokens_per_s=new / wall if wall > 0 else 0.0)
