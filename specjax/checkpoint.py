@@ -80,8 +80,9 @@ def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray],
                          f"({len(extra)} unexpected in all) for a {config.model_type} config")
     missing = sorted(k for k in names if k not in tensors)
     if missing:
+        files = ", ".join(sorted(set(origin.values()))) or "the given tensors"
         raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) in "
-                         f"the checkpoint's safetensors files")
+                         f"{files}")
     shapes = param_shapes(config)
     out = jax.tree.map(lambda s: np.empty(s.shape, dtype or tensors[next(iter(names))].dtype),
                        shapes)
@@ -236,6 +237,25 @@ def restore_orbax(path: str | os.PathLike, config: ModelConfig, target: Any = No
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_shapes(config))
     try:
         with ocp.StandardCheckpointer() as ckptr:
+            saved = ckptr.metadata(path)
+            saved = getattr(saved, "item_metadata", saved)
+            _check_saved_shapes(getattr(saved, "tree", saved), target, path)
             return ckptr.restore(path, target)
     except (ValueError, KeyError, FileNotFoundError) as e:
+        if str(e).startswith(f"{path}: "):
+            raise
         raise ValueError(f"{path}: orbax params do not match the config ({e})") from e
+
+
+def _check_saved_shapes(saved: Any, target: Any, path: Path) -> None:
+    """Names the first param whose saved shape differs from `target`'s, before orbax reads."""
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
+
+    got, want = shapes(saved), shapes(target)
+    for name in sorted(got.keys() | want.keys()):
+        if got.get(name) != want.get(name):
+            raise ValueError(f"{path}: orbax params do not match the config: param {name} has "
+                             f"shape {got.get(name)} in the checkpoint, the config expects "
+                             f"{want.get(name)}")
