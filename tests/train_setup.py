@@ -27,7 +27,9 @@ VOCAB = 320
 # builds equals this one and reuses its compiled programs.
 MODEL = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=2, num_kv_heads=1, bos_token_id=0, eos_token_id=1)
-DRAFT = MODEL.replace(hidden_size=16, intermediate_size=32, num_layers=1)
+# Built afresh, not MODEL.replace(hidden_size=...): replace keeps the derived head_dim.
+DRAFT = tiny_llama(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1,
+                   num_heads=2, num_kv_heads=1, bos_token_id=0, eos_token_id=1)
 OPTIM = OptimConfig(learning_rate=1e-2, warmup_steps=2)
 DATA = DataConfig(CorpusConfig(max_files=40, eval_fraction=0.2), seq_len=32)
 

@@ -1,4 +1,9 @@
-"""The one optimizer: global-norm clipping, then AdamW on a warmup + cosine schedule."""
+"""The one optimizer: global-norm clipping, then AdamW on a warmup + cosine schedule.
+
+The schedule is evaluated on the host and the step's learning rate enters the jitted
+step as an argument, so runs of different lengths or peak rates share one compiled
+step (and the optimizer state holds no schedule).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # max global gradient norm; None = no clipping
+
+    def update_rule(self) -> "OptimConfig":
+        """These settings without the schedule: all a compiled step depends on."""
+        return dataclasses.replace(self, learning_rate=1.0, warmup_steps=0, end_lr_ratio=1.0)
 
     def __post_init__(self):
         if self.learning_rate <= 0:
@@ -46,9 +55,11 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
-def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    adamw = optax.adamw(schedule(config, total_steps), b1=config.b1, b2=config.b2,
-                        eps=config.eps, weight_decay=config.weight_decay, mask=_decay_mask)
+def make_optimizer(config: OptimConfig, learning_rate: float | jax.Array
+                   ) -> optax.GradientTransformation:
+    """Clip + AdamW at `learning_rate` (a float, or this step's traced value)."""
+    adamw = optax.adamw(learning_rate, b1=config.b1, b2=config.b2, eps=config.eps,
+                        weight_decay=config.weight_decay, mask=_decay_mask)
     if config.grad_clip is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)

@@ -79,7 +79,8 @@ class TrainConfig:
     compute_dtype: str = "float32"  # "bfloat16": bf16 activations, f32 master params
     seed: int = 0  # params init, data order and per-step rng all derive from it
     eval_every: int = 0  # steps between evals; 0 = only at the end
-    eval_batches: int = 8  # held-out batches per eval (None = all)
+    eval_batches: int | None = 8  # held-out batches per eval (None = all)
+    eval_at_start: bool = False  # also eval the initial params (logged at step 0)
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -119,10 +120,9 @@ class TrainResult:
 # -- jitted steps -------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("method", "optim", "total_steps"),
-                   donate_argnames=("state",))
-def _train_step(method: Method, optim: OptimConfig, total_steps: int, state, frozen,
-                batch: Batch, key: jax.Array, step: jax.Array):
+@functools.partial(jax.jit, static_argnames=("method", "optim"), donate_argnames=("state",))
+def _train_step(method: Method, optim: OptimConfig, state, frozen, batch: Batch,
+                key: jax.Array, step: jax.Array, lr: jax.Array):
     """One optimizer step over micro-batches [A, B/A, ...]; grads are their mean."""
     params = state["params"]
     rng = jax.random.fold_in(key, step)
@@ -143,17 +143,16 @@ def _train_step(method: Method, optim: OptimConfig, total_steps: int, state, fro
         grads = jax.tree.map(lambda g: g / accum, grads)
         metrics = jax.tree.map(jnp.mean, metrics)
     metrics["grad_norm"] = optax.global_norm(grads)
-    updates, opt_state = make_optimizer(optim, total_steps).update(
+    updates, opt_state = make_optimizer(optim, lr).update(
         grads, state["opt_state"], params)
     return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("method", "optim", "total_steps"))
-def _init_state(method: Method, optim: OptimConfig, total_steps: int, key: jax.Array,
-                params: Any = None):
+@functools.partial(jax.jit, static_argnames=("method", "optim"))
+def _init_state(method: Method, optim: OptimConfig, key: jax.Array, params: Any = None):
     """Fresh params (unless given) and their optimizer state; cached per method."""
     params = method.init(key) if params is None else params
-    return {"params": params, "opt_state": make_optimizer(optim, total_steps).init(params)}
+    return {"params": params, "opt_state": make_optimizer(optim, 0.0).init(params)}
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -246,8 +245,8 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
     method = method.with_compute_dtype(config.compute_dtype)
     _check_mesh(mesh, config.micro_batch)
     init_key, step_key = jax.random.split(jax.random.key(config.seed))
-    init_state = functools.partial(_init_state, method, config.optim, config.steps, init_key,
-                                   init_params)
+    rule = config.optim.update_rule()
+    init_state = functools.partial(_init_state, method, rule, init_key, init_params)
     replicated = _replicated(mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                             jax.eval_shape(init_state))
@@ -273,6 +272,9 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
     end = config.steps if stop_at is None else min(stop_at, config.steps)
 
     last_eval: dict[str, float] = {}
+    if config.eval_at_start and start == 0:
+        metrics_log.write({"step": 0, "split": "eval",
+                           **evaluate(method, state["params"], frozen, eval_batches, mesh)})
     bar = tqdm(total=config.steps, initial=start, disable=not config.progress,
                desc=method.name, dynamic_ncols=True)
     tick, tokens, t_start = time.perf_counter(), 0.0, time.perf_counter()
@@ -281,8 +283,8 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
             batch = data.train_batch(step, config.batch_size)
             tokens += float(np.sum(batch["mask"]))
             batch = _place_batch(_micro_batches(batch, config.grad_accum), mesh, 1)
-            state, metrics = _train_step(method, config.optim, config.steps, state, frozen,
-                                         batch, step_key, jnp.int32(step))
+            state, metrics = _train_step(method, rule, state, frozen, batch, step_key,
+                                         jnp.int32(step), jnp.float32(lr(step)))
             done = step + 1
             bar.update(1)
             if done % config.log_every == 0 or done == end:
