@@ -105,6 +105,13 @@ def laid_out(x: jax.Array, mesh, spec: P) -> bool:
     return x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
 
+def test_single_device_params_equal_the_mesh_of_one():
+    """No mesh at all (params on one device) is the same program as the 1×1 mesh."""
+    res = specjax.generate(target(), PROMPTS, max_new_tokens=NEW, ignore_eos=True, seed=3,
+                           adaptive=False)
+    assert res.tokens == run("plain", "1x1", 0.0)[0]
+
+
 def test_cache_follows_the_rules():
     mesh = mesh_of("2x4")
     table = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
