@@ -54,6 +54,32 @@ def test_multidevice_slow():
     _run_cases("slow")
 
 
+@pytest.mark.slow
+def test_two_processes(tmp_path):
+    """Multi-host in miniature: 2 processes × 4 CPU devices (gloo) = one 2×4 mesh."""
+    import socket
+
+    cfg = tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=8,
+                     num_kv_heads=4)
+    model = specjax.init_model(cfg, seed=0)
+    specjax.save_hf(model, tmp_path)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5, 5, 5, 5, 5], [10, 11, 12, 13]]
+    want = specjax.generate(model, prompts, max_new_tokens=6, ignore_eos=True).tokens
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = str(sock.getsockname()[1])
+    env = dict(os.environ, SPECJAX_PROMPTS=json.dumps(prompts), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "tests/multihost_worker.py", str(i), port,
+                               str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+        got = json.loads(out.split("RESULT ", 1)[1])
+        assert got == {"plain": want, "ngram": want}
+
+
 # ---------------------------------------------------------------------------- rules
 def test_logical_axes_from_param_paths():
     axes = sharding.param_logical_axes

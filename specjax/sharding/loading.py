@@ -41,7 +41,7 @@ def load_params(path: Path, config: ModelConfig, mesh: Mesh, *, rules=RULES) -> 
 
 def _check_device_memory(config: ModelConfig, mesh: Mesh, rules) -> None:
     """Refuses a load whose params alone exceed a device's memory (when the backend says)."""
-    stats = mesh.devices.flat[0].memory_stats() or {}
+    stats = mesh.local_devices[0].memory_stats() or {}  # an addressable device
     limit = stats.get("bytes_limit")
     if limit:
         check_fits(config, dict(mesh.shape), device_bytes=limit, batch=0, max_len=0,

@@ -302,8 +302,20 @@ def put(x, mesh: Mesh | None, logical: Logical, *, name: str = "array", rules=RU
 
 
 def replicate(tree: Any, mesh: Mesh | None) -> Any:
-    """`tree` replicated on every device of `mesh` (unchanged without a mesh)."""
-    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
+    """`tree` (arrays and PRNG keys) as global arrays copied on every device of `mesh`.
+
+    Not `jax.device_put`: it refuses shardings that span other processes' devices.
+    """
+    if mesh is None:
+        return tree
+
+    def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(one(jax.random.key_data(x)),
+                                            impl=jax.random.key_impl(x))
+        return put(x, mesh, (None,) * np.ndim(x))
+
+    return jax.tree.map(one, tree)
 
 
 def use_mesh(mesh: Mesh | None):
