@@ -25,11 +25,11 @@ import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.sharding import rules as shard
 from specjax.cache import PagedKVCache, PagePool, move_slots
 from specjax.config import ModelConfig
 from specjax.model import Model, module_for, step, validate_tokens
 from specjax.models.transformer import Hidden, Transformer
+from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
 from specjax.stats import GenerationStats, build_stats, leviathan_optimal_k
 from specjax.tree import ancestor_mask, check_tree

@@ -6,7 +6,8 @@ the main pytest process. `tests/test_sharding.py::test_multidevice` runs this fi
 (and `test_multidevice_slow` its `slow` cases, with `-m slow`). The name does not start
 with `test_` so the main run does not collect it with one device. To run it by hand:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/sharding_cases.py -m 'slow or not slow'
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python -m pytest tests/sharding_cases.py -m 'slow or not slow'
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ RTOL, ATOL = 1e-5, 1e-6
 TARGET = tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=8, num_kv_heads=4)
 MESHES = {"1x1": (1, 1), "1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5, 5, 5, 5, 5], [10, 11, 12, 13, 14, 15, 16, 17, 18],
-           [3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]  # 8 ragged rows
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5], [9, 2, 6],
+           [10, 11, 12, 13, 14, 15, 16, 17, 18], [5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]  # ragged
 NEW = 8
 
 
@@ -182,7 +183,8 @@ def test_load_places_params_on_the_mesh(tmp_path, layout, dtype):
 def test_load_refuses_an_indivisible_mesh_before_reading(tmp_path):
     specjax.save_hf(target(), tmp_path)
     mesh = specjax.make_mesh({"data": 1, "model": 3}, devices=jax.devices()[:3])
-    with pytest.raises(sharding.ShardingError, match=r"embed_tokens/embedding: vocab=256 .*model=3"):
+    with pytest.raises(sharding.ShardingError,
+                       match=r"embed_tokens/embedding: vocab=256 .*model=3"):
         specjax.load(tmp_path, mesh=mesh)
 
 
@@ -219,5 +221,8 @@ def test_shard_batch_splits_rows_over_data():
     mesh = mesh_of("2x4")
     batch = sharding.shard_batch({"tokens": np.zeros((8, 5), np.int32)}, mesh)
     assert laid_out(batch["tokens"], mesh, P("data"))
+    with jax.set_mesh(mesh):  # logical constraints inside a step, as train/ would use them
+        x = jax.jit(lambda t: sharding.constrain(t * 2, ("batch", "embed")))(batch["tokens"])
+    assert laid_out(x, mesh, P("data"))
     with pytest.raises(sharding.ShardingError, match="batch=3"):
         sharding.shard_batch(np.zeros((3, 5), np.int32), mesh)

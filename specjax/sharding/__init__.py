@@ -11,8 +11,8 @@ from specjax.sharding.rules import (
     CACHE_AXES, PARAM_AXES, REPLICATE_IF_INDIVISIBLE, RULES, ShardingError, active_mesh,
     auto_mesh, cache_specs, constrain, constrain_cache, create_cache, logical_spec, make_mesh,
     mesh_axis, mesh_of, param_logical_axes, param_shardings, param_specs, partition_spec, put,
-    replicate, shard_batch, shard_model, shard_params, shard_speculator, to_host,
-    tree_logical_axes, tree_specs, use_mesh)
+    replicate, shard_batch, shard_model, shard_params, shard_speculator, to_host, tree_specs,
+    use_mesh)
 
 __all__ = [
     "CACHE_AXES", "DoesNotFitError", "MemoryPlan", "PARAM_AXES", "REPLICATE_IF_INDIVISIBLE",
@@ -21,5 +21,5 @@ __all__ = [
     "mesh_axis", "mesh_of", "param_logical_axes", "param_shardings", "param_specs",
     "params_bytes", "partition_spec", "per_shard_attention", "plan_memory", "put",
     "replicate", "shard_batch", "shard_model", "shard_params", "shard_speculator", "to_host",
-    "tree_logical_axes", "tree_specs", "use_mesh",
+    "tree_specs", "use_mesh",
 ]

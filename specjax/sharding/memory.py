@@ -59,7 +59,8 @@ def _shards(spec: P, mesh_shape: Mapping[str, int]) -> int:
 
 def _bytes_per_device(shapes: Any, specs: Any, mesh_shape, itemsize=None) -> int:
     total = 0
-    for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for s, spec in zip(jax.tree.leaves(shapes), specs):
         size = itemsize or jnp.dtype(s.dtype).itemsize
         total += math.prod(s.shape) // _shards(spec, mesh_shape) * size
     return total
@@ -107,7 +108,7 @@ def plan_memory(
     activations (one layer live at a time, a prefill chunk of C = min(prefill_chunk,
       max_len) tokens, b = rows per data shard, N', K', F', V' = per-shard counts,
       S = ceil(max_len / page_size) × page_size):
-        itemsize·b·C·(4·D + (N' + 2·K')·H + 2·F')   residual, norm, attn/mlp out; q, k, v; gate, up
+        itemsize·b·C·(4·D + (N' + 2·K')·H + 2·F')   residual, norm, attn/mlp out; q/k/v; gate/up
       + 4·b·C·V'                                      float32 logits of the chunk
       + 4·b·N'·C·S                                    float32 attention scores of one layer
     """

@@ -220,12 +220,6 @@ def param_logical_axes(path: str, ndim: int) -> Logical:
                         f"specjax.sharding.PARAM_AXES")
 
 
-def tree_logical_axes(tree: Any) -> Any:
-    """The pytree of logical-axes tuples for a params pytree (arrays or shape structs)."""
-    return jax.tree.map_with_path(lambda p, x: param_logical_axes(path_str(p), len(x.shape)),
-                                  tree)
-
-
 def tree_specs(tree: Any, mesh: Mesh | MeshShape, *, config: ModelConfig | None = None,
                rules=RULES) -> Any:
     """PartitionSpecs for a params pytree: logical axes from the paths, mesh axes from `rules`."""
