@@ -24,9 +24,20 @@ from jax import lax
 WORD_BITS = 32
 
 
+def div(a, b):
+    """Floor division of NON-NEGATIVE ints or int32 arrays by a positive int.
+
+    Truncating `lax.div` equals floor division there and, unlike `//` on arrays, needs
+    no sign fix-up (Mosaic lowers `sign` only with a known TPU generation).
+    """
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b
+    return lax.div(a, jnp.asarray(b, jnp.int32))
+
+
 def cdiv(a, b):
-    """Ceil division for Python ints and int32 scalars alike."""
-    return (a + b - 1) // b
+    """Ceil division of non-negative ints or int32 arrays."""
+    return div(a + b - 1, b)
 
 
 def next_pow2(x: int) -> int:
@@ -98,13 +109,13 @@ def kv_block_range(kv_len, q_len, row0, *, block_rows: int, block_kv: int, group
     start = kv_len - q_len
     end = kv_len
     if causal:
-        t_last = (row0 + block_rows - 1) // group
+        t_last = div(row0 + block_rows - 1, group)
         end = jnp.minimum(end, start + t_last + 1)
     hi = cdiv(jnp.maximum(end, 0), block_kv)
     lo = jnp.zeros_like(hi)
     if sliding_window is not None:
-        first = start + row0 // group - sliding_window + 1
-        lo = jnp.minimum(jnp.maximum(first, 0) // block_kv, hi)
+        first = start + div(row0, group) - sliding_window + 1
+        lo = jnp.minimum(div(jnp.maximum(first, 0), block_kv), hi)
     return lo, hi
 
 
@@ -118,7 +129,7 @@ def allowed(shape, row0, col0, kv_len, q_len, words, *, group: int,
     or None for causal.
     """
     rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-    t = rows // group  # query token of each row
+    t = div(rows, group)  # query token of each row
     j = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)  # KV slot of each column
     start = kv_len - q_len
     rel = j - start  # slot index among the new tokens (< 0: prefix)
