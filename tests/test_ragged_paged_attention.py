@@ -1,0 +1,251 @@
+"""Pallas ragged paged attention (tree mask) == the jnp reference, on hostile data.
+
+`RaggedPagedAttentionTest` holds the cases; its subclasses pick how they run:
+`TestInterpret` (CPU CI: the Triton kernel in interpret mode), `TestMosaicInterpret`
+(the TPU kernel under TPU interpret mode; slow, a smoke subset runs by default),
+`TestGpu` / `TestTpu` (compiled, on the real device: -m gpu / -m tpu).
+
+Hostile data: shuffled page tables whose entries past a row's pages name NaN-filled
+pages, NaN in every unused page and in the slots past each row's length, ragged lengths
+(1, Z-1, Z, Z+1, long) and padding queries (q_lens < T, one row with q_lens = 0) with
+garbage mask bits, real trees (each node's parent earlier; mask = ancestors + self).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from pallas_kernels.ragged_paged_attention import (
+    check_inputs, ragged_paged_attention, reference_ragged_paged_attention, static_check)
+from specjax.cache import PagePool
+
+# One tolerance table keyed by dtype (STYLE): float32 parity is tight.
+TOL = {
+    jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-6),
+    jnp.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
+}
+PAGE_SIZE = 16
+RAGGED = (1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, 5 * PAGE_SIZE + 3)  # KV lengths
+
+
+def random_tree_mask(rng, t_len: int) -> np.ndarray:
+    """[T, T] ancestors-and-self mask of a random tree (node i's parent is < i)."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t_len)]
+    mask = np.zeros((t_len, t_len), bool)
+    for i in range(t_len):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def make_case(rng, *, t_len, num_heads, num_kv_heads, head_dim, dtype, kv_lens=RAGGED,
+              q_lens=None, tree=False, page_size=PAGE_SIZE, spare_pages=3):
+    """Inputs of one call; rows differ in length, everything a row must not read is NaN."""
+    kv_lens = np.asarray(kv_lens, np.int32)
+    b = kv_lens.size
+    if q_lens is None:  # full rows, but the shortest rows can hold fewer new tokens
+        q_lens = np.minimum(kv_lens, t_len)
+    q_lens = np.asarray(q_lens, np.int32)
+    used = -(-kv_lens // page_size)  # pages each row reads
+    m = int(used.max()) + 1  # one table column past the longest row
+    num_pages = int(used.sum()) + spare_pages
+    perm = rng.permutation(num_pages)
+    unused = perm[used.sum():]  # never named by a row's first pages: filled with NaN
+    table = np.empty((b, m), np.int32)
+    offset = 0
+    for r in range(b):
+        table[r, : used[r]] = perm[offset: offset + used[r]]
+        table[r, used[r]:] = rng.choice(unused, m - used[r])  # past the row: NaN pages
+        offset += used[r]
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[:, unused] = v[:, unused] = np.nan
+    for r in range(b):  # slots past the row's length in its last page
+        if kv_lens[r] % page_size:
+            page = table[r, used[r] - 1]
+            k[:, page, kv_lens[r] % page_size:] = v[:, page, kv_lens[r] % page_size:] = np.nan
+    q = rng.standard_normal((b, t_len, num_heads, head_dim)).astype(np.float32)
+    mask = None
+    if tree:
+        mask = rng.random((b, t_len, t_len)) < 0.5  # garbage where t or j >= q_lens
+        for r in range(b):
+            mask[r, : q_lens[r], : q_lens[r]] = random_tree_mask(rng, int(q_lens[r]))
+        mask = jnp.asarray(mask)
+    return dict(q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype),
+                v_pages=jnp.asarray(v, dtype), page_table=jnp.asarray(table),
+                kv_lens=jnp.asarray(kv_lens), q_lens=jnp.asarray(q_lens), mask=mask)
+
+
+def hf(x):  # bf16 arrays to float32 numpy
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def assert_matches_reference(case, *, scale=0.125, soft_cap=None, sliding_window=None,
+                             **kernel_options):
+    """Kernel == reference on valid queries (dtype tolerance); finite everywhere."""
+    opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    out = ragged_paged_attention(**case, **opts, **kernel_options)
+    ref = reference_ragged_paged_attention(**case, **opts)
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    out, ref = hf(out), hf(ref)
+    assert np.isfinite(out).all(), "padding queries must be finite too"
+    valid = np.arange(out.shape[1])[None, :] < np.asarray(case["q_lens"])[:, None]
+    np.testing.assert_allclose(out[valid], ref[valid], **TOL[case["q"].dtype])
+
+
+class RaggedPagedAttentionTest:
+    """The cases. Subclasses set INTERPRET / LOWERING (see the module docstring)."""
+
+    INTERPRET = False
+    LOWERING = None  # None: the default for jax.default_backend()
+
+    def check(self, case, **kw):
+        assert_matches_reference(case, lowering=self.LOWERING, interpret=self.INTERPRET,
+                                 **kw)
+
+    # --- decode: T = 1 -------------------------------------------------------------
+    @pytest.mark.parametrize("group,head_dim,dtype", [
+        (1, 64, jnp.float32), (4, 128, jnp.float32), (8, 64, jnp.bfloat16)])
+    def test_decode(self, group, head_dim, dtype):
+        rng = np.random.default_rng(0)
+        self.check(make_case(rng, t_len=1, num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, dtype=dtype))
+
+    # --- chain verify / prefill chunk: causal among the new tokens ------------------
+    @pytest.mark.parametrize("t_len,group,head_dim,dtype", [
+        (2, 4, 64, jnp.float32), (5, 8, 128, jnp.float32), (16, 1, 64, jnp.bfloat16),
+        (64, 4, 64, jnp.float32)])
+    def test_causal(self, t_len, group, head_dim, dtype):
+        rng = np.random.default_rng(1)
+        kv_lens = np.array(RAGGED) + t_len  # every row holds all T new tokens
+        self.check(make_case(rng, t_len=t_len, num_heads=group, num_kv_heads=1,
+                             head_dim=head_dim, dtype=dtype, kv_lens=kv_lens))
+
+    # --- tree verify ------------------------------------------------------------------
+    @pytest.mark.parametrize("t_len,group,head_dim,dtype", [
+        (5, 4, 64, jnp.float32), (16, 8, 128, jnp.float32), (16, 1, 64, jnp.bfloat16),
+        (64, 4, 64, jnp.float32)])  # T = 64: two mask words per row
+    def test_tree(self, t_len, group, head_dim, dtype):
+        rng = np.random.default_rng(2)
+        self.check(make_case(rng, t_len=t_len, num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, dtype=dtype, tree=True))
+
+    def test_padding_queries(self):
+        """q_lens < T (one row with none): valid queries exact, padding ones finite."""
+        rng = np.random.default_rng(3)
+        kv_lens = np.array([3, 20, 40, 7])
+        self.check(make_case(rng, t_len=5, num_heads=4, num_kv_heads=2, head_dim=64,
+                             dtype=jnp.float32, kv_lens=kv_lens, q_lens=[3, 0, 5, 2],
+                             tree=True))
+
+    # --- options --------------------------------------------------------------------
+    @pytest.mark.parametrize("tree", [False, True])
+    def test_soft_cap_and_sliding_window(self, tree):
+        rng = np.random.default_rng(4)
+        case = make_case(rng, t_len=5, num_heads=8, num_kv_heads=2, head_dim=64,
+                         dtype=jnp.float32, kv_lens=np.array(RAGGED) + 4, tree=tree)
+        self.check(case, scale=1.0, soft_cap=5.0, sliding_window=PAGE_SIZE + 2)
+
+    def test_sliding_window_skips_blocks(self):
+        """A window much shorter than the row: whole KV blocks before it are skipped."""
+        rng = np.random.default_rng(5)
+        case = make_case(rng, t_len=2, num_heads=4, num_kv_heads=4, head_dim=64,
+                         dtype=jnp.float32, kv_lens=[300, 2, 129])
+        self.check(case, sliding_window=3, pages_per_block=2)
+
+    def test_many_row_and_kv_blocks(self):
+        """Small blocks: rows of one token straddle row blocks; many KV blocks per row."""
+        rng = np.random.default_rng(6)
+        case = make_case(rng, t_len=5, num_heads=24, num_kv_heads=8, head_dim=64,
+                         dtype=jnp.float32, tree=True)  # G = 3: not a power of 2
+        self.check(case, block_rows=16, pages_per_block=1)
+
+    @pytest.mark.parametrize("tree", [False, True])
+    def test_kv_splits(self, tree):
+        """Flash-decoding: each row's blocks split over programs, merged afterwards."""
+        if self.LOWERING == "mosaic" or (self.LOWERING is None and
+                                         jax.default_backend() == "tpu"):
+            pytest.skip("KV splits exist on the Triton lowering only")
+        rng = np.random.default_rng(7)
+        case = make_case(rng, t_len=5 if tree else 1, num_heads=8, num_kv_heads=2,
+                         head_dim=64, dtype=jnp.float32, tree=tree)
+        self.check(case, pages_per_block=1, kv_splits=3)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("t_len", [1, 2, 5, 16, 64])
+    @pytest.mark.parametrize("group", [1, 4, 8])
+    @pytest.mark.parametrize("head_dim", [64, 128])
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("tree", [False, True])
+    def test_sweep(self, t_len, group, head_dim, dtype, tree):
+        rng = np.random.default_rng(8)
+        case = make_case(rng, t_len=t_len, num_heads=2 * group, num_kv_heads=2,
+                         head_dim=head_dim, dtype=dtype, tree=tree,
+                         kv_lens=np.array(RAGGED) + t_len)
+        self.check(case)
+        self.check(case, soft_cap=3.0, sliding_window=20)
+
+    # --- the model, end to end --------------------------------------------------------
+    def test_model_step_matches_reference(self, monkeypatch):
+        """A tiny random specjax model: after a prefill, a paged decode step and a tree
+        verify step give the same logits with SPECJAX_ATTENTION=pallas as with the
+        reference backend."""
+        config = specjax.config.tiny_llama()
+        model = specjax.init_model(config)
+        pool = PagePool(num_pages=12, page_size=PAGE_SIZE)
+        rows, prompt = 2, 21
+        for r in range(rows):
+            pool.allocate(r, prompt + 8)
+        table = pool.page_table(range(rows), pages_per_row=4)
+        cache = specjax.PagedKVCache.create(config, table, num_pages=12, page_size=PAGE_SIZE)
+        rng = np.random.default_rng(9)
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, prompt)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (rows, prompt))
+        _, _, cache = specjax.step(config, model.params, cache, tokens, positions,
+                                   attention_backend="reference")
+        tree = np.stack([random_tree_mask(rng, 5) for _ in range(rows)])
+        steps = [  # (tokens, positions, mask): decode, then tree verify at depth positions
+            (tokens[:, -1:], jnp.full((rows, 1), prompt, jnp.int32), None),
+            (tokens[:, :5], prompt + jnp.asarray(tree.sum(-1), jnp.int32), jnp.asarray(tree))]
+        for tok, pos, mask in steps:
+            ref, _, next_cache = specjax.step(config, model.params, cache, tok, pos, mask,
+                                              attention_backend="reference")
+            monkeypatch.setenv("SPECJAX_ATTENTION", "pallas")
+            out, _, _ = specjax.step(config, model.params, cache, tok, pos, mask)
+            monkeypatch.delenv("SPECJAX_ATTENTION")
+            np.testing.assert_allclose(hf(out), hf(ref), **TOL[jnp.dtype(config.dtype)])
+            cache = next_cache
+
+
+class TestInterpret(RaggedPagedAttentionTest):
+    """CPU CI: the Triton kernel in interpret mode (the CPU default)."""
+
+    INTERPRET = True
+    LOWERING = "triton"
+
+
+@pytest.mark.slow
+class TestMosaicInterpret(RaggedPagedAttentionTest):
+    """The TPU kernel under TPU interpret mode (~0.7 s a call): every case, slow."""
+
+    INTERPRET = True
+    LOWERING = "mosaic"
+
+
+@pytest.mark.gpu
+class TestGpu(RaggedPagedAttentionTest):
+    INTERPRET = False
+    LOWERING = "triton"
+
+
+@pytest.mark.tpu
+class TestTpu(RaggedPagedAttentionTest):
+    INTERPRET = False
+    LOWERING = "mosaic"
