@@ -194,34 +194,35 @@ class RaggedPagedAttentionTest:
 
     # --- the model, end to end --------------------------------------------------------
     def test_model_step_matches_reference(self, monkeypatch):
-        """A tiny random specjax model: after a prefill, a paged decode step and a tree
-        verify step give the same logits with SPECJAX_ATTENTION=pallas as with the
+        """A tiny random specjax model over a random, ragged paged cache: a decode step and
+        a tree verify step give the same logits with SPECJAX_ATTENTION=pallas as with the
         reference backend."""
         config = specjax.config.tiny_llama()
-        model = specjax.init_model(config)
-        pool = PagePool(num_pages=12, page_size=PAGE_SIZE)
-        rows, prompt = 2, 21
+        params = specjax.init_model(config).params
+        rows, lengths, num_pages = 2, np.array([21, 9]), 8
+        pool = PagePool(num_pages=num_pages, page_size=PAGE_SIZE)
         for r in range(rows):
-            pool.allocate(r, prompt + 8)
-        table = pool.page_table(range(rows), pages_per_row=4)
-        cache = specjax.PagedKVCache.create(config, table, num_pages=12, page_size=PAGE_SIZE)
+            pool.allocate(r, int(lengths[r]) + 8)
+        table = pool.page_table(range(rows), pages_per_row=3)
+        cache = specjax.PagedKVCache.create(config, table, num_pages=num_pages,
+                                            page_size=PAGE_SIZE, lengths=lengths)
         rng = np.random.default_rng(9)
-        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, prompt)), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (rows, prompt))
-        _, _, cache = specjax.step(config, model.params, cache, tokens, positions,
-                                   attention_backend="reference")
+        shape = cache.k_pages.shape
+        cache = cache.replace(k_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                              v_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+        step = jax.jit(specjax.step, static_argnums=0, static_argnames="attention_backend")
         tree = np.stack([random_tree_mask(rng, 5) for _ in range(rows)])
-        steps = [  # (tokens, positions, mask): decode, then tree verify at depth positions
-            (tokens[:, -1:], jnp.full((rows, 1), prompt, jnp.int32), None),
-            (tokens[:, :5], prompt + jnp.asarray(tree.sum(-1), jnp.int32), jnp.asarray(tree))]
-        for tok, pos, mask in steps:
-            ref, _, next_cache = specjax.step(config, model.params, cache, tok, pos, mask,
-                                              attention_backend="reference")
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, 5)), jnp.int32)
+        cases = [  # (tokens, positions, mask): decode, then a tree at depth positions
+            (tokens[:, :1], jnp.asarray(lengths[:, None], jnp.int32), None),
+            (tokens, jnp.asarray(lengths[:, None] + tree.sum(-1) - 1, jnp.int32),
+             jnp.asarray(tree))]
+        for tok, pos, mask in cases:
+            ref = step(config, params, cache, tok, pos, mask, attention_backend="reference")
             monkeypatch.setenv("SPECJAX_ATTENTION", "pallas")
-            out, _, _ = specjax.step(config, model.params, cache, tok, pos, mask)
+            out = step(config, params, cache, tok, pos, mask)  # backend from the env
             monkeypatch.delenv("SPECJAX_ATTENTION")
-            np.testing.assert_allclose(hf(out), hf(ref), **TOL[jnp.dtype(config.dtype)])
-            cache = next_cache
+            np.testing.assert_allclose(hf(out[0]), hf(ref[0]), **TOL[jnp.dtype(config.dtype)])
 
 
 class TestInterpret(RaggedPagedAttentionTest):
