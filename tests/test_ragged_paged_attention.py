@@ -250,3 +250,110 @@ class TestGpu(RaggedPagedAttentionTest):
 class TestTpu(RaggedPagedAttentionTest):
     INTERPRET = False
     LOWERING = "mosaic"
+
+
+def test_mosaic_interpret_smoke():
+    """The TPU kernel under TPU interpret mode, default suite: tree + window + soft-cap."""
+    case = make_case(np.random.default_rng(10), t_len=5, num_heads=8, num_kv_heads=2,
+                     head_dim=64, dtype=jnp.bfloat16, kv_lens=[4, 17, 40], tree=True)
+    assert_matches_reference(case, soft_cap=5.0, sliding_window=20, lowering="mosaic",
+                             interpret=True, pages_per_block=2)
+
+
+@pytest.mark.parametrize("lowering,platform", [("triton", "cuda"), ("mosaic", "tpu")])
+@pytest.mark.parametrize("tree", [False, True])
+def test_lowers_for_device(lowering, platform, tree):
+    """The compiled kernels lower on CPU (Pallas -> Triton IR / Mosaic MLIR): catches
+    unsupported ops and block shapes without a GPU or TPU. Device compilers not run."""
+    case = make_case(np.random.default_rng(11), t_len=5, num_heads=8, num_kv_heads=2,
+                     head_dim=128, dtype=jnp.bfloat16, kv_lens=[4, 40], tree=tree)
+    mask = case.pop("mask")
+
+    def fn(*args):
+        return ragged_paged_attention(*args, mask, scale=0.1, soft_cap=30.0,
+                                      sliding_window=8, lowering=lowering, interpret=False)
+
+    lowered = jax.jit(fn).trace(*case.values()).lower(lowering_platforms=(platform,))
+    text = lowered.as_text()
+    assert ("triton" in text) if lowering == "triton" else ("tpu_custom_call" in text)
+
+
+class TestValidation:
+    """Static errors at trace time and dynamic ones from `check_inputs`, naming the value."""
+
+    def case(self, **kw):
+        opts = dict(t_len=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                    dtype=jnp.float32, kv_lens=[3, 20])
+        opts.update(kw)
+        return make_case(np.random.default_rng(12), **opts)
+
+    @pytest.mark.parametrize("change,message", [
+        (lambda c: c.update(q=c["q"][0]), "q.shape="),
+        (lambda c: c.update(v_pages=c["v_pages"][:, :-1]), "v_pages.shape="),
+        (lambda c: c.update(q=c["q"][..., :32]), "head_dim of q"),
+        (lambda c: c.update(q=c["q"][:, :, :3]), "num_heads=3"),
+        (lambda c: c.update(q=c["q"].astype(jnp.int32)), "q.dtype="),
+        (lambda c: c.update(k_pages=c["k_pages"].astype(jnp.bfloat16)), "k_pages.dtype="),
+        (lambda c: c.update(page_table=c["page_table"][:1]), "page_table.shape="),
+        (lambda c: c.update(kv_lens=c["kv_lens"].astype(jnp.int16)), "kv_lens.dtype="),
+        (lambda c: c.update(q_lens=c["q_lens"][:1]), "q_lens.shape="),
+        (lambda c: c.update(mask=jnp.ones((2, 2, 3), bool)), "mask.shape="),
+        (lambda c: c.update(mask=jnp.ones((2, 2, 2), jnp.int32)), "mask.dtype="),
+    ])
+    def test_static_shapes_and_dtypes(self, change, message):
+        case = self.case()
+        change(case)
+        with pytest.raises(ValueError, match=message):
+            ragged_paged_attention(**case, scale=0.1)
+
+    @pytest.mark.parametrize("options,message", [
+        (dict(scale=float("nan")), "scale="),
+        (dict(scale=0.1, soft_cap=0.0), "soft_cap=0.0"),
+        (dict(scale=0.1, sliding_window=0), "sliding_window=0"),
+        (dict(scale=0.1, block_rows=12), "block_rows=12"),
+        (dict(scale=0.1, pages_per_block=3), "pages_per_block=3"),
+        (dict(scale=0.1, kv_splits=0), "kv_splits=0"),
+        (dict(scale=0.1, kv_splits=2, lowering="mosaic"), "kv_splits=2"),
+        (dict(scale=0.1, lowering="cuda"), "lowering='cuda'"),
+        (dict(scale=0.1, lowering="triton", interpret=False, block_rows=8), "block_rows=8"),
+    ])
+    def test_static_options(self, options, message):
+        with pytest.raises(ValueError, match=message):
+            ragged_paged_attention(**self.case(), **options)
+
+    def test_triton_page_size_must_be_pow2(self):
+        case = self.case(page_size=12)
+        with pytest.raises(ValueError, match="page_size=12"):
+            ragged_paged_attention(**case, scale=0.1, lowering="triton", interpret=False)
+
+    @pytest.mark.parametrize("change,message", [
+        (lambda c: c.update(q_lens=jnp.array([3, 2], jnp.int32)), r"q_lens\[0\]=3"),
+        (lambda c: c.update(q_lens=jnp.array([2, -1], jnp.int32)), r"q_lens\[1\]=-1"),
+        (lambda c: c.update(kv_lens=jnp.array([1, 20], jnp.int32)), r"kv_lens\[0\]=1"),
+        (lambda c: c.update(kv_lens=jnp.array([3, 999], jnp.int32)), r"kv_lens\[1\]=999"),
+        (lambda c: c.update(page_table=c["page_table"].at[1, 1].set(-1)),
+         r"page_table\[1, 1\]=-1"),
+        (lambda c: c.update(page_table=c["page_table"].at[0, 0].set(10_000)),
+         r"page_table\[0, 0\]=10000"),
+    ])
+    def test_dynamic_values(self, change, message):
+        case = self.case()
+        check_inputs(**case)  # the unchanged case is valid
+        change(case)
+        with pytest.raises(ValueError, match=message):
+            check_inputs(**case)
+        with pytest.raises(ValueError, match=message):
+            ragged_paged_attention(**case, scale=0.1, validate=True)
+
+    def test_dynamic_needs_concrete_values(self):
+        case = self.case()
+        fn = jax.jit(lambda c: ragged_paged_attention(**c, scale=0.1, validate=True))
+        with pytest.raises(ValueError, match="concrete"):
+            fn(case)
+
+    def test_unused_table_entries_are_free(self):
+        """Entries past a row's pages may hold anything: they are never read."""
+        case = self.case()
+        case["page_table"] = case["page_table"].at[0, 1:].set(-7)
+        check_inputs(**case)
+        static_check(**case, scale=0.1, soft_cap=None, sliding_window=None)

@@ -8,13 +8,14 @@ Design notes: docs/kernels.md.
 """
 
 from specjax.attention import reference_paged_attention as reference_ragged_paged_attention
-from pallas_kernels.ragged_paged_attention.api import default_lowering, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.api import (
+    native_lowering, ragged_paged_attention, resolve_block_sizes)
 from pallas_kernels.ragged_paged_attention.tuned_block_sizes import (
     TUNED_BLOCK_SIZES, BlockSizes, get_block_sizes)
 from pallas_kernels.ragged_paged_attention.validation import check_inputs, static_check
 
 __all__ = [
-    "BlockSizes", "TUNED_BLOCK_SIZES", "check_inputs", "default_lowering",
+    "BlockSizes", "TUNED_BLOCK_SIZES", "check_inputs", "native_lowering",
     "get_block_sizes", "ragged_paged_attention", "reference_ragged_paged_attention",
-    "static_check",
+    "resolve_block_sizes", "static_check",
 ]

@@ -23,17 +23,54 @@ from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
 from pallas_kernels.ragged_paged_attention import validation
 
 Lowering = Literal["triton", "mosaic"]
-_MIN_ROWS = {"triton": 16, "mosaic": 8}  # Triton dots need >= 16; TPU sublanes are 8
+LOWERINGS = ("triton", "mosaic")
+_TRITON_MIN_DIM = 16  # every dim of a Triton dot
 
 
-def default_lowering() -> tuple[Lowering, bool]:
-    """(lowering, interpret) for `jax.default_backend()`."""
-    backend = jax.default_backend()
-    if backend == "tpu":
-        return "mosaic", False
-    if backend in ("gpu", "cuda", "rocm"):
-        return "triton", False
-    return "triton", True
+def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
+                        lowering: Lowering, interpret: bool, block_rows: int | None = None,
+                        pages_per_block: int | None = None,
+                        kv_splits: int | None = None) -> dict:
+    """Static kernel options: the caller's, else the tuned table's, fitted to the problem.
+
+    Requested sizes are validated first; then block_rows shrinks to the next power of 2
+    above T x G and pages_per_block to the table width (never below what the lowering's
+    tiles need), and Triton splits KV until the grid has the table's `min_programs`.
+    """
+    b, t, n, _ = q_shape
+    kh, _, z, h = pages_shape
+    sizes = tuned.get_block_sizes(t, "cpu" if interpret else None)
+    if block_rows is None:
+        block_rows = sizes.block_rows
+    if pages_per_block is None:
+        pages_per_block = common.prev_pow2(sizes.block_kv // z)
+    validation.check_block_sizes(
+        lowering=lowering, interpret=interpret, block_rows=block_rows,
+        pages_per_block=pages_per_block, kv_splits=1 if kv_splits is None else kv_splits,
+        page_size=z, head_dim=h)
+    if lowering == "triton":
+        min_rows, min_pages = _TRITON_MIN_DIM, common.next_pow2(common.cdiv(_TRITON_MIN_DIM, z))
+    else:  # TPU sublane tile: 8 rows of 32-bit, 16 of 16-bit values
+        min_rows, min_pages = 8 * 4 // jnp.dtype(dtype).itemsize, 1
+    rows = t * (n // kh)
+    block_rows = min(block_rows, max(min_rows, common.next_pow2(rows)))
+    pages_per_block = min(pages_per_block, max(min_pages, common.next_pow2(pages_per_row)))
+    if kv_splits is None:
+        kv_splits = 1
+        if lowering == "triton":
+            programs = b * kh * common.cdiv(rows, block_rows)
+            kv_blocks = common.cdiv(pages_per_row, pages_per_block)
+            kv_splits = max(1, min(common.cdiv(sizes.min_programs, programs), kv_blocks))
+    return dict(block_rows=block_rows, pages_per_block=pages_per_block, kv_splits=kv_splits,
+                num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+
+
+_NATIVE = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic"}
+
+
+def native_lowering() -> Lowering | None:
+    """The lowering that compiles for `jax.default_backend()`; None on CPU."""
+    return _NATIVE.get(jax.default_backend())
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -102,8 +139,9 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [B, T, N, H]
     """Tree/causal attention of T new tokens per row over a paged KV cache (Pallas).
 
-    Same contract as `specjax.attention.reference_paged_attention`. Options left None
-    come from `default_lowering()` and the tuned table for this device and T;
+    Same contract as `specjax.attention.reference_paged_attention`. Options left None:
+    the device's own lowering (CPU: Triton in interpret mode), compiled unless it is
+    not the device's, and block sizes from the tuned table for this device and T;
     `block_rows` is an upper bound (a small T x G uses the next power of 2 above it).
     `validate=True` also runs `check_inputs` on the values (concrete arrays only).
     """
@@ -111,33 +149,17 @@ def ragged_paged_attention(
                             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if validate:
         validation.check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask)
-    default, default_interpret = default_lowering()
-    lowering = lowering or default
-    if lowering not in _MIN_ROWS:
-        raise ValueError(f"{lowering=} must be one of {tuple(_MIN_ROWS)}")
-    interpret = default_interpret if interpret is None else interpret
-    b, t, n, _ = q.shape
-    kh, _, z, h = k_pages.shape
-    sizes = tuned.get_block_sizes(t, "cpu" if interpret else None)
-    block_rows = block_rows or sizes.block_rows
-    pages_per_block = pages_per_block or common.prev_pow2(sizes.block_kv // z)
-    validation.check_block_sizes(
-        lowering=lowering, interpret=interpret, block_rows=block_rows,
-        pages_per_block=pages_per_block, kv_splits=kv_splits or 1, page_size=z,
-        head_dim=h)
-    # Shrink blocks to the problem: T x G rows, M pages.
-    rows = t * (n // kh)
-    block_rows = min(block_rows, max(_MIN_ROWS[lowering], common.next_pow2(rows)))
-    pages_per_block = min(pages_per_block, common.next_pow2(page_table.shape[1]))
-    if kv_splits is None:
-        kv_splits = 1
-        if lowering == "triton":
-            programs = b * kh * common.cdiv(rows, block_rows)
-            kv_blocks = common.cdiv(page_table.shape[1], pages_per_block)
-            kv_splits = max(1, min(common.cdiv(sizes.min_programs, programs), kv_blocks))
+    native = native_lowering()
+    lowering = lowering or native or "triton"
+    if lowering not in LOWERINGS:
+        raise ValueError(f"{lowering=} must be one of {LOWERINGS}")
+    interpret = lowering != native if interpret is None else interpret
+    sizes = resolve_block_sizes(
+        q.shape, k_pages.shape, page_table.shape[1], q.dtype, lowering=lowering,
+        interpret=interpret, block_rows=block_rows, pages_per_block=pages_per_block,
+        kv_splits=kv_splits)
     return _ragged_paged_attention(
         q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=sliding_window, lowering=lowering, block_rows=block_rows,
-        pages_per_block=pages_per_block, kv_splits=kv_splits, num_warps=sizes.num_warps,
-        num_stages=sizes.num_stages, interpret=bool(interpret), debug=debug)
+        sliding_window=sliding_window, lowering=lowering, interpret=bool(interpret),
+        debug=debug, **sizes)
