@@ -261,17 +261,20 @@ def test_mosaic_interpret_smoke():
 
 
 @pytest.mark.parametrize("lowering,platform", [("triton", "cuda"), ("mosaic", "tpu")])
-@pytest.mark.parametrize("tree", [False, True])
-def test_lowers_for_device(lowering, platform, tree):
+@pytest.mark.parametrize("t_len,tree,kv_splits", [
+    (1, False, 4), (5, False, None), (5, True, None), (64, True, 2)])  # T=64: 2 words
+def test_lowers_for_device(lowering, platform, t_len, tree, kv_splits):
     """The compiled kernels lower on CPU (Pallas -> Triton IR / Mosaic MLIR): catches
     unsupported ops and block shapes without a GPU or TPU. Device compilers not run."""
-    case = make_case(np.random.default_rng(11), t_len=5, num_heads=8, num_kv_heads=2,
-                     head_dim=128, dtype=jnp.bfloat16, kv_lens=[4, 40], tree=tree)
+    case = make_case(np.random.default_rng(11), t_len=t_len, num_heads=8, num_kv_heads=2,
+                     head_dim=128, dtype=jnp.bfloat16, kv_lens=[70, 140], tree=tree)
     mask = case.pop("mask")
+    kv_splits = kv_splits if lowering == "triton" else None
 
     def fn(*args):
         return ragged_paged_attention(*args, mask, scale=0.1, soft_cap=30.0,
-                                      sliding_window=8, lowering=lowering, interpret=False)
+                                      sliding_window=8, lowering=lowering, interpret=False,
+                                      kv_splits=kv_splits)
 
     lowered = jax.jit(fn).trace(*case.values()).lower(lowering_platforms=(platform,))
     text = lowered.as_text()

@@ -121,11 +121,19 @@ def kv_block_range(kv_len, q_len, row0, *, block_rows: int, block_kv: int, group
 
 # --------------------------------------------------------------------------- math
 
+def load_words(words_ref):
+    """Tree-mask word columns [R, 1] from a [R, W] ref (None stays None)."""
+    if words_ref is None:
+        return None
+    return [words_ref[:, w:w + 1] for w in range(words_ref.shape[1])]
+
+
 def allowed(shape, row0, col0, kv_len, q_len, words, *, group: int,
             sliding_window: int | None):
     """Which (row, slot) pairs of a [R, C] block are attended: the contract's mask.
 
-    row0/col0: first row / KV slot of the block; words: [R, W] int32 tree-mask bits,
+    row0/col0: first row / KV slot of the block; words: the W tree-mask word columns,
+    each [R, 1] int32 (loaded one by one from the ref: Triton cannot slice a value),
     or None for causal.
     """
     rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -138,9 +146,9 @@ def allowed(shape, row0, col0, kv_len, q_len, words, *, group: int,
     else:
         bit_idx = rel & (WORD_BITS - 1)
         new_ok = None
-        for w in range(words.shape[1]):
-            bit = ((words[:, w:w + 1] >> bit_idx) & 1) != 0
-            if words.shape[1] > 1:
+        for w, word in enumerate(words):
+            bit = ((word >> bit_idx) & 1) != 0
+            if len(words) > 1:
                 bit &= (rel >> 5) == w
             new_ok = bit if new_ok is None else new_ok | bit
     ok = (rel < 0) | ((rel < q_len) & new_ok)

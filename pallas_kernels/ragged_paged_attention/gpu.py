@@ -32,7 +32,8 @@ def _kernel(
     q_ref,  # [R, H] query rows of KV head k
     k_pages_ref,  # [P, Z, H] KV head k's key pages (the whole pool)
     v_pages_ref,  # [P, Z, H]
-    *refs,  # words_ref [R, W] int32 if tree mask; then o_ref [R, H] or (acc [R, H], m [R, 1], l [R, 1])
+    *refs,  # words [R, W] int32 if tree mask; then out [R, H], or with splits > 1 the
+    # state: acc [R, H], m [R, 1], l [R, 1] (float32)
     pages_per_block: int,
     group: int,
     splits: int,
@@ -49,7 +50,7 @@ def _kernel(
     kv_len = kv_lens_ref[0]
     q_len = q_lens_ref[0]
     q = q_ref[...]
-    words = None if words_ref is None else words_ref[...]
+    words = common.load_words(words_ref)  # W x [R, 1]
 
     lo, hi = common.kv_block_range(
         kv_len, q_len, row0, block_rows=rows, block_kv=block_kv, group=group,

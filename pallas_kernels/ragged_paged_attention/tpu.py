@@ -64,7 +64,7 @@ def _kernel(
         k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [C, H]
         v = jnp.concatenate([r[...] for r in v_refs], axis=0)
         col0 = j * block_kv
-        words = None if words_ref is None else words_ref[...]
+        words = common.load_words(words_ref)  # W x [R, 1]
         ok = common.allowed((rows, block_kv), row0, col0, kv_len, q_len, words,
                             group=group, sliding_window=sliding_window)
         state = (m_ref[...][:, :1], l_ref[...][:, :1], acc_ref[...])
