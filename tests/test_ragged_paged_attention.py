@@ -20,7 +20,8 @@ import pytest
 
 import specjax
 from pallas_kernels.ragged_paged_attention import (
-    check_inputs, ragged_paged_attention, reference_ragged_paged_attention, static_check)
+    check_inputs, dequantize_pages, quantize_pages, ragged_paged_attention,
+    reference_ragged_paged_attention, static_check)
 from specjax.cache import PagePool
 
 # One tolerance table keyed by dtype (STYLE): float32 parity is tight.
@@ -89,10 +90,19 @@ def hf(x):  # bf16 arrays to float32 numpy
 
 def assert_matches_reference(case, *, scale=0.125, soft_cap=None, sliding_window=None,
                              **kernel_options):
-    """Kernel == reference on valid queries (dtype tolerance); finite everywhere."""
+    """Kernel == reference on valid queries (dtype tolerance); finite everywhere.
+
+    int8 cases (`k_scales` in `case`) compare with the reference on dequantized pages.
+    """
     opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     out = ragged_paged_attention(**case, **opts, **kernel_options)
-    ref = reference_ragged_paged_attention(**case, **opts)
+    ref_case = dict(case)
+    if "k_scales" in case:
+        dtype = case["q"].dtype
+        for name in ("k", "v"):
+            ref_case[f"{name}_pages"] = dequantize_pages(
+                case[f"{name}_pages"], ref_case.pop(f"{name}_scales"), dtype)
+    ref = reference_ragged_paged_attention(**ref_case, **opts)
     assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
     out, ref = hf(out), hf(ref)
     assert np.isfinite(out).all(), "padding queries must be finite too"
@@ -170,13 +180,27 @@ class RaggedPagedAttentionTest:
     @pytest.mark.parametrize("tree", [False, True])
     def test_kv_splits(self, tree):
         """Flash-decoding: each row's blocks split over programs, merged afterwards."""
-        if self.LOWERING == "mosaic" or (self.LOWERING is None and
-                                         jax.default_backend() == "tpu"):
-            pytest.skip("KV splits exist on the Triton lowering only")
         rng = np.random.default_rng(7)
         case = make_case(rng, t_len=5 if tree else 1, num_heads=8, num_kv_heads=2,
                          head_dim=64, dtype=jnp.float32, tree=tree)
+        if self.LOWERING == "mosaic":  # a sequential grid: splits would only add a merge
+            with pytest.raises(ValueError, match="kv_splits=3"):
+                self.check(case, pages_per_block=1, kv_splits=3)
+            return
         self.check(case, pages_per_block=1, kv_splits=3)
+
+    @pytest.mark.parametrize("t_len,tree,dtype", [
+        (1, False, jnp.float32), (5, True, jnp.bfloat16)])
+    def test_int8_pages(self, t_len, tree, dtype):
+        """int8 pages, per-slot scales (NaN where the pages are NaN), dequantized per block."""
+        rng = np.random.default_rng(13)
+        case = make_case(rng, t_len=t_len, num_heads=8, num_kv_heads=2, head_dim=64,
+                         dtype=dtype, tree=tree)
+        for name in ("k", "v"):
+            pages = case[f"{name}_pages"]
+            case[f"{name}_pages"], scales = quantize_pages(pages)
+            case[f"{name}_scales"] = jnp.where(jnp.isnan(pages).any(-1), jnp.nan, scales)
+        self.check(case, soft_cap=5.0, pages_per_block=2)
 
     @pytest.mark.slow
     @pytest.mark.parametrize("t_len", [1, 2, 5, 16, 64])
@@ -191,38 +215,6 @@ class RaggedPagedAttentionTest:
                          kv_lens=np.array(RAGGED) + t_len)
         self.check(case)
         self.check(case, soft_cap=3.0, sliding_window=20)
-
-    # --- the model, end to end --------------------------------------------------------
-    def test_model_step_matches_reference(self, monkeypatch):
-        """A tiny random specjax model over a random, ragged paged cache: a decode step and
-        a tree verify step give the same logits with SPECJAX_ATTENTION=pallas as with the
-        reference backend."""
-        config = specjax.config.tiny_llama()
-        params = specjax.init_model(config).params
-        rows, lengths, num_pages = 2, np.array([21, 9]), 8
-        pool = PagePool(num_pages=num_pages, page_size=PAGE_SIZE)
-        for r in range(rows):
-            pool.allocate(r, int(lengths[r]) + 8)
-        table = pool.page_table(range(rows), pages_per_row=3)
-        cache = specjax.PagedKVCache.create(config, table, num_pages=num_pages,
-                                            page_size=PAGE_SIZE, lengths=lengths)
-        rng = np.random.default_rng(9)
-        shape = cache.k_pages.shape
-        cache = cache.replace(k_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                              v_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32))
-        step = jax.jit(specjax.step, static_argnums=0, static_argnames="attention_backend")
-        tree = np.stack([random_tree_mask(rng, 5) for _ in range(rows)])
-        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, 5)), jnp.int32)
-        cases = [  # (tokens, positions, mask): decode, then a tree at depth positions
-            (tokens[:, :1], jnp.asarray(lengths[:, None], jnp.int32), None),
-            (tokens, jnp.asarray(lengths[:, None] + tree.sum(-1) - 1, jnp.int32),
-             jnp.asarray(tree))]
-        for tok, pos, mask in cases:
-            ref = step(config, params, cache, tok, pos, mask, attention_backend="reference")
-            monkeypatch.setenv("SPECJAX_ATTENTION", "pallas")
-            out = step(config, params, cache, tok, pos, mask)  # backend from the env
-            monkeypatch.delenv("SPECJAX_ATTENTION")
-            np.testing.assert_allclose(hf(out[0]), hf(ref[0]), **TOL[jnp.dtype(config.dtype)])
 
 
 class TestInterpret(RaggedPagedAttentionTest):
@@ -252,6 +244,38 @@ class TestTpu(RaggedPagedAttentionTest):
     LOWERING = "mosaic"
 
 
+def test_model_step_matches_reference(monkeypatch):
+    """A tiny random specjax model over a random, ragged paged cache: a decode step and
+    a tree verify step give the same logits with SPECJAX_ATTENTION=pallas (the device's
+    own lowering; CPU: Triton interpret) as with the reference backend."""
+    config = specjax.config.tiny_llama()
+    params = specjax.init_model(config).params
+    rows, lengths, num_pages = 2, np.array([21, 9]), 8
+    pool = PagePool(num_pages=num_pages, page_size=PAGE_SIZE)
+    for r in range(rows):
+        pool.allocate(r, int(lengths[r]) + 8)
+    table = pool.page_table(range(rows), pages_per_row=3)
+    cache = specjax.PagedKVCache.create(config, table, num_pages=num_pages,
+                                        page_size=PAGE_SIZE, lengths=lengths)
+    rng = np.random.default_rng(9)
+    shape = cache.k_pages.shape
+    cache = cache.replace(k_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                          v_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    step = jax.jit(specjax.step, static_argnums=0, static_argnames="attention_backend")
+    tree = np.stack([random_tree_mask(rng, 5) for _ in range(rows)])
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, 5)), jnp.int32)
+    cases = [  # (tokens, positions, mask): decode, then a tree at depth positions
+        (tokens[:, :1], jnp.asarray(lengths[:, None], jnp.int32), None),
+        (tokens, jnp.asarray(lengths[:, None] + tree.sum(-1) - 1, jnp.int32),
+         jnp.asarray(tree))]
+    for tok, pos, mask in cases:
+        ref = step(config, params, cache, tok, pos, mask, attention_backend="reference")
+        monkeypatch.setenv("SPECJAX_ATTENTION", "pallas")
+        out = step(config, params, cache, tok, pos, mask)  # backend from the env
+        monkeypatch.delenv("SPECJAX_ATTENTION")
+        np.testing.assert_allclose(hf(out[0]), hf(ref[0]), **TOL[jnp.dtype(config.dtype)])
+
+
 def test_mosaic_interpret_smoke():
     """The TPU kernel under TPU interpret mode, default suite: tree + window + soft-cap."""
     case = make_case(np.random.default_rng(10), t_len=5, num_heads=8, num_kv_heads=2,
@@ -261,20 +285,25 @@ def test_mosaic_interpret_smoke():
 
 
 @pytest.mark.parametrize("lowering,platform", [("triton", "cuda"), ("mosaic", "tpu")])
-@pytest.mark.parametrize("t_len,tree,kv_splits", [
-    (1, False, 4), (5, False, None), (5, True, None), (64, True, 2)])  # T=64: 2 words
-def test_lowers_for_device(lowering, platform, t_len, tree, kv_splits):
+@pytest.mark.parametrize("t_len,tree,kv_splits,int8", [
+    (1, False, 4, False), (5, False, None, True), (5, True, None, False),
+    (64, True, 2, True)])  # T=64: 2 mask words
+def test_lowers_for_device(lowering, platform, t_len, tree, kv_splits, int8):
     """The compiled kernels lower on CPU (Pallas -> Triton IR / Mosaic MLIR): catches
     unsupported ops and block shapes without a GPU or TPU. Device compilers not run."""
     case = make_case(np.random.default_rng(11), t_len=t_len, num_heads=8, num_kv_heads=2,
                      head_dim=128, dtype=jnp.bfloat16, kv_lens=[70, 140], tree=tree)
     mask = case.pop("mask")
     kv_splits = kv_splits if lowering == "triton" else None
+    scales = {}
+    if int8:
+        case["k_pages"], scales["k_scales"] = quantize_pages(case["k_pages"])
+        case["v_pages"], scales["v_scales"] = quantize_pages(case["v_pages"])
 
     def fn(*args):
         return ragged_paged_attention(*args, mask, scale=0.1, soft_cap=30.0,
                                       sliding_window=8, lowering=lowering, interpret=False,
-                                      kv_splits=kv_splits)
+                                      kv_splits=kv_splits, **scales)
 
     lowered = jax.jit(fn).trace(*case.values()).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
@@ -323,6 +352,22 @@ class TestValidation:
     def test_static_options(self, options, message):
         with pytest.raises(ValueError, match=message):
             ragged_paged_attention(**self.case(), **options)
+
+    def test_int8_pages_need_scales(self):
+        case = self.case()
+        k8, ks = quantize_pages(case["k_pages"])
+        v8, vs = quantize_pages(case["v_pages"])
+        with pytest.raises(ValueError, match="v_scales=None"):
+            ragged_paged_attention(**{**case, "k_pages": k8, "v_pages": v8}, scale=0.1,
+                                   k_scales=ks)
+        with pytest.raises(ValueError, match=r"k_scales.shape=\(2, 3, 16\)"):
+            ragged_paged_attention(**{**case, "k_pages": k8, "v_pages": v8}, scale=0.1,
+                                   k_scales=ks[:, :3], v_scales=vs)
+        with pytest.raises(ValueError, match="must be int8 like"):
+            ragged_paged_attention(**{**case, "k_pages": k8}, scale=0.1, k_scales=ks,
+                                   v_scales=vs)
+        with pytest.raises(ValueError, match="are for int8 pages"):
+            ragged_paged_attention(**case, scale=0.1, k_scales=ks, v_scales=vs)
 
     def test_triton_page_size_must_be_pow2(self):
         case = self.case(page_size=12)

@@ -97,6 +97,26 @@ def pad_page_table(page_table: jax.Array, num_pages: int, multiple: int) -> jax.
     return jnp.pad(pt, ((0, 0), (0, cdiv(m, multiple) * multiple - m)))
 
 
+def quantize_pages(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[K, P, Z, H] float -> (int8 pages, float32 scales [K, P, Z]): symmetric, per token."""
+    x = pages.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    q = jnp.round(x / jnp.where(scales > 0, scales, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scales
+
+
+def dequantize_pages(pages: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """int8 [K, P, Z, H] x scales [K, P, Z] -> dtype (what the kernels compute per block)."""
+    return (pages.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+def dequantize(x: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
+    """In-kernel: an int8 block [C, H] times its per-slot scales [C, 1]; as-is if None."""
+    if scales is None:
+        return x
+    return (x.astype(jnp.float32) * scales).astype(dtype)
+
+
 # --------------------------------------------------------------------------- ranges
 
 def kv_block_range(kv_len, q_len, row0, *, block_rows: int, block_kv: int, group: int,

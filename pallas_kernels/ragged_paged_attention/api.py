@@ -84,6 +84,8 @@ def _ragged_paged_attention(
     kv_lens: jax.Array,  # [B] int32
     q_lens: jax.Array,  # [B] int32
     mask: jax.Array | None,  # [B, T, T] bool
+    k_scales: jax.Array | None,  # [K, P, Z] float32, with int8 pages
+    v_scales: jax.Array | None,  # [K, P, Z] float32
     *,
     scale: float,
     soft_cap: float | None,
@@ -104,7 +106,8 @@ def _ragged_paged_attention(
     q_rows = common.rows_from_q(q, kh, rows_pad)  # [B, K, R_pad, H]
     words = None if mask is None else common.mask_words(mask, group, rows_pad)
     table = common.pad_page_table(page_table, p, pages_per_block)  # [B, M_pad]
-    args = (q_rows, k_pages, v_pages, table, kv_lens, q_lens, words)
+    kv_scales = None if k_scales is None else (k_scales[..., None], v_scales[..., None])
+    args = (q_rows, k_pages, v_pages, table, kv_lens, q_lens, words, kv_scales)
     opts = dict(group=group, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
                 block_rows=block_rows, pages_per_block=pages_per_block, debug=debug)
     if lowering == "triton":
@@ -129,6 +132,8 @@ def ragged_paged_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
+    v_scales: jax.Array | None = None,  # [K, P, Z] float32
     lowering: Lowering | None = None,
     interpret: bool | None = None,
     block_rows: int | None = None,
@@ -144,11 +149,14 @@ def ragged_paged_attention(
     not the device's, and block sizes from the tuned table for this device and T;
     `block_rows` is an upper bound (a small T x G uses the next power of 2 above it).
     `validate=True` also runs `check_inputs` on the values (concrete arrays only).
+    int8 pages (`quantize_pages`) come with per-slot scales; a block is dequantized to
+    q's dtype after it is read, so the pages move half (bf16) the bytes.
     """
     validation.static_check(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask,
-                            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+                            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                            k_scales=k_scales, v_scales=v_scales)
     if validate:
-        validation.check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask)
+        validation.check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_lens)
     native = native_lowering()
     lowering = lowering or native or "triton"
     if lowering not in LOWERINGS:
@@ -159,7 +167,8 @@ def ragged_paged_attention(
         interpret=interpret, block_rows=block_rows, pages_per_block=pages_per_block,
         kv_splits=kv_splits)
     return _ragged_paged_attention(
-        q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, scale=float(scale),
+        q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, k_scales, v_scales,
+        scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=sliding_window, lowering=lowering, interpret=bool(interpret),
         debug=debug, **sizes)

@@ -32,17 +32,21 @@ def _kernel(
     q_ref,  # [R, H] query rows of KV head k
     k_pages_ref,  # [P, Z, H] KV head k's key pages (the whole pool)
     v_pages_ref,  # [P, Z, H]
-    *refs,  # words [R, W] int32 if tree mask; then out [R, H], or with splits > 1 the
-    # state: acc [R, H], m [R, 1], l [R, 1] (float32)
+    *refs,  # if int8: k/v scales [P, Z, 1] f32; if tree mask: words [R, W] int32; then
+    # out [R, H], or with splits > 1 the state: acc [R, H], m [R, 1], l [R, 1] (float32)
     pages_per_block: int,
     group: int,
     splits: int,
     has_mask: bool,
+    quantized: bool,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
 ):
-    words_ref, out_refs = (refs[0], refs[1:]) if has_mask else (None, refs)
+    refs = list(refs)
+    k_scales_ref, v_scales_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    words_ref = refs.pop(0) if has_mask else None
+    out_refs = refs
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     block_kv = pages_per_block * page_size
@@ -63,6 +67,9 @@ def _kernel(
         pages = page_table_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
         k = k_pages_ref[pages].reshape(block_kv, head_dim)  # [C, H]
         v = v_pages_ref[pages].reshape(block_kv, head_dim)
+        if quantized:  # int8 pages times per-slot scales [C, 1]
+            k = common.dequantize(k, k_scales_ref[pages].reshape(block_kv, 1), q.dtype)
+            v = common.dequantize(v, v_scales_ref[pages].reshape(block_kv, 1), q.dtype)
         col0 = blk * block_kv
         ok = common.allowed((rows, block_kv), row0, col0, kv_len, q_len, words,
                             group=group, sliding_window=sliding_window)
@@ -88,6 +95,7 @@ def ragged_paged_attention_gpu(
     kv_lens: jax.Array,  # [B] int32
     q_lens: jax.Array,  # [B] int32
     words: jax.Array | None,  # [B, R_pad, W] int32 tree-mask bits, None = causal
+    kv_scales: tuple | None,  # int8 pages: (k, v) scales, each [K, P, Z, 1] float32
     *,
     group: int,
     scale: float,
@@ -108,8 +116,8 @@ def ragged_paged_attention_gpu(
     grid = (b, kh, rows_pad // block_rows, splits)
     kernel = functools.partial(
         _kernel, pages_per_block=pages_per_block, group=group, splits=splits,
-        has_mask=words is not None, scale=scale, soft_cap=soft_cap,
-        sliding_window=sliding_window)
+        has_mask=words is not None, quantized=kv_scales is not None, scale=scale,
+        soft_cap=soft_cap, sliding_window=sliding_window)
     row_spec = pl.BlockSpec((None, None, block_rows, h), lambda b, k, i, s: (b, k, i, 0))
     pages_spec = pl.BlockSpec((None, p, z, h), lambda b, k, i, s: (k, 0, 0, 0))
     len_spec = pl.BlockSpec((1,), lambda b, k, i, s: (b,))
@@ -117,6 +125,10 @@ def ragged_paged_attention_gpu(
                 pl.BlockSpec((None, m_pad), lambda b, k, i, s: (b, 0)),
                 row_spec, pages_spec, pages_spec]
     operands = [kv_lens, q_lens, page_table, q_rows, k_pages, v_pages]
+    if kv_scales is not None:
+        scale_spec = pl.BlockSpec((None, p, z, 1), lambda b, k, i, s: (k, 0, 0, 0))
+        in_specs += [scale_spec, scale_spec]
+        operands += list(kv_scales)
     if words is not None:
         in_specs.append(pl.BlockSpec((None, block_rows, words.shape[-1]),
                                      lambda b, k, i, s: (b, i, 0)))

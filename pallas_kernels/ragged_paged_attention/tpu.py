@@ -29,19 +29,24 @@ def _kernel(
     q_lens_ref,  # [B] int32 (SMEM)
     page_table_ref,  # [B, M_pad] int32 (SMEM)
     q_ref,  # [R, H] query rows of KV head k
-    *refs,  # ppb key pages [Z, H], ppb value pages [Z, H], words [R, W] if tree mask,
-    # o_ref [R, H], then scratch m [R, 128], l [R, 128], acc [R, H] (float32)
+    *refs,  # ppb key pages [Z, H], ppb value pages [Z, H]; if int8, ppb key and ppb
+    # value scales [Z, 1] f32; if tree mask, words [R, W] int32; o_ref [R, H]; scratch
+    # m [R, 128], l [R, 128], acc [R, H] (float32)
     pages_per_block: int,
     group: int,
     has_mask: bool,
+    quantized: bool,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
 ):
-    k_refs = refs[:pages_per_block]
-    v_refs = refs[pages_per_block:2 * pages_per_block]
-    words_ref = refs[2 * pages_per_block] if has_mask else None
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_block + has_mask:]
+    refs = list(refs)
+    take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
+    k_refs, v_refs = take(pages_per_block), take(pages_per_block)
+    k_scale_refs = take(pages_per_block) if quantized else None
+    v_scale_refs = take(pages_per_block) if quantized else None
+    words_ref = refs.pop(0) if has_mask else None
+    o_ref, m_ref, l_ref, acc_ref = refs
     rows, head_dim = q_ref.shape
     block_kv = pages_per_block * k_refs[0].shape[0]
     b, j = pl.program_id(0), pl.program_id(3)
@@ -63,6 +68,11 @@ def _kernel(
     def _step():
         k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [C, H]
         v = jnp.concatenate([r[...] for r in v_refs], axis=0)
+        if quantized:  # int8 pages times per-slot scales [C, 1]
+            k = common.dequantize(k, jnp.concatenate([r[...] for r in k_scale_refs]),
+                                  q_ref.dtype)
+            v = common.dequantize(v, jnp.concatenate([r[...] for r in v_scale_refs]),
+                                  q_ref.dtype)
         col0 = j * block_kv
         words = common.load_words(words_ref)  # W x [R, 1]
         ok = common.allowed((rows, block_kv), row0, col0, kv_len, q_len, words,
@@ -87,6 +97,7 @@ def ragged_paged_attention_tpu(
     kv_lens: jax.Array,  # [B] int32
     q_lens: jax.Array,  # [B] int32
     words: jax.Array | None,  # [B, R_pad, W] int32 tree-mask bits, None = causal
+    kv_scales: tuple | None,  # int8 pages: (k, v) scales, each [K, P, Z, 1] float32
     *,
     group: int,
     scale: float,
@@ -122,13 +133,18 @@ def ragged_paged_attention_tpu(
     page_specs = [pl.BlockSpec((None, None, z, h), page_map(c)) for c in range(ppb)]
     in_specs = [row_spec] + page_specs + page_specs
     operands = [q_rows] + [k_pages] * ppb + [v_pages] * ppb
+    if kv_scales is not None:  # [K, P, Z, 1]: same index maps as the pages
+        in_specs += [pl.BlockSpec((None, None, z, 1), page_map(c))
+                     for c in range(ppb)] * 2
+        operands += [kv_scales[0]] * ppb + [kv_scales[1]] * ppb
     if words is not None:
         in_specs.append(pl.BlockSpec((None, block_rows, words.shape[-1]),
                                      lambda b, k, i, j, *_: (b, i, 0)))
         operands.append(words)
     kernel = functools.partial(
         _kernel, pages_per_block=ppb, group=group, has_mask=words is not None,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+        quantized=kv_scales is not None, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

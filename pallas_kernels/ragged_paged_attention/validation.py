@@ -16,7 +16,7 @@ def _is_pow2(x: int) -> bool:
 
 
 def static_check(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, *, scale,
-                 soft_cap, sliding_window) -> None:
+                 soft_cap, sliding_window, k_scales=None, v_scales=None) -> None:
     """Shapes, dtypes and options; raises ValueError naming the offending value."""
     if q.ndim != 4:
         raise ValueError(f"{q.shape=} must be [B, T, N, H]")
@@ -35,8 +35,21 @@ def static_check(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, *, scal
         raise ValueError(f"empty axis: {q.shape=}, {k_pages.shape=}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{q.dtype=} must be one of float32, bfloat16, float16")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}")
+    quantized = k_pages.dtype == jnp.int8
+    if quantized:
+        if v_pages.dtype != jnp.int8:
+            raise ValueError(f"{v_pages.dtype=} must be int8 like {k_pages.dtype=}")
+        for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if x is None:
+                raise ValueError(f"{name}=None: int8 pages need per-slot scales [K, P, Z]")
+            if x.shape != (kh, p, z) or x.dtype != jnp.float32:
+                raise ValueError(f"{name}.shape={x.shape}, {name}.dtype={x.dtype} must be "
+                                 f"({kh}, {p}, {z}) float32")
+    elif k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=} "
+                         "(or be int8 with scales)")
+    elif k_scales is not None or v_scales is not None:
+        raise ValueError(f"k_scales/v_scales are for int8 pages, not {k_pages.dtype=}")
     if page_table.ndim != 2 or page_table.shape[0] != b:
         raise ValueError(f"{page_table.shape=} must be [B={b}, M]")
     for name, x in (("page_table", page_table), ("kv_lens", kv_lens), ("q_lens", q_lens)):
@@ -87,14 +100,16 @@ def check_block_sizes(*, lowering: str, interpret: bool, block_rows: int,
                              "for Triton dots")
 
 
-def check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask=None) -> None:
+def check_inputs(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask=None, k_scales=None,
+                 v_scales=None) -> None:
     """Dynamic checks on concrete values (outside jit): raises ValueError naming the row.
 
     * 0 <= q_lens[b] <= T and q_lens[b] <= kv_lens[b] <= M * Z (the table's capacity);
     * every page a row reads (its first ceil(kv_lens[b] / Z) table entries) is in [0, P).
-    Entries past a row's pages and the contents of unused pages are free (never read
-    into the output), as the mask's rows and columns past q_lens[b] are.
+    Entries past a row's pages and the contents of unused pages (and their scales) are
+    free (never read into the output), as the mask's rows and columns past q_lens[b] are.
     """
+    del mask, k_scales, v_scales  # any values are valid
     if any(isinstance(x, jax.core.Tracer) for x in (page_table, kv_lens, q_lens)):
         raise ValueError("check_inputs needs concrete arrays; call it outside jit (or "
                          "pass validate=False under a trace)")
