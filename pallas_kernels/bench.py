@@ -4,6 +4,7 @@ and the jnp reference under XLA.
     python -m pallas_kernels.bench                # on a GPU: the full table
     python -m pallas_kernels.bench --small        # anywhere (CPU: interpret mode), tiny
     python -m pallas_kernels.bench --tune         # sweep block sizes, print table entries
+    python -m pallas_kernels.bench --int8         # int8 KV pages with per-slot scales
 
 First it measures the device's memory bandwidth with a large elementwise copy
 (read + write). Then, for a Llama-3-8B attention layer (32 query heads, 8 KV heads,
@@ -37,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ragged_paged_attention import (
-    TUNED_BLOCK_SIZES, BlockSizes, ragged_paged_attention, reference_ragged_paged_attention)
+    TUNED_BLOCK_SIZES, BlockSizes, dequantize_pages, quantize_pages, ragged_paged_attention,
+    reference_ragged_paged_attention)
 from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
 
 
@@ -70,8 +72,9 @@ def cases(small: bool) -> list[Shape]:
                   for tree in (False, True)]
 
 
-def make_inputs(s: Shape, dtype, seed: int = 0) -> dict:
-    """Random q and pages; each row owns its own shuffled pages; trees are random."""
+def make_inputs(s: Shape, dtype, seed: int = 0, int8: bool = False) -> dict:
+    """Random q and pages (int8 + per-slot scales if asked); each row owns its own
+    shuffled pages; trees are random."""
     rng = np.random.default_rng(seed)
     m = -(-s.context // s.page_size)
     num_pages = s.batch * m
@@ -87,7 +90,7 @@ def make_inputs(s: Shape, dtype, seed: int = 0) -> dict:
             while j >= 0:
                 tree[i, j], j = True, parents[j]
         mask = jnp.asarray(np.broadcast_to(tree, (s.batch, s.t_len, s.t_len)))
-    return dict(
+    inputs = dict(
         q=jax.random.normal(k1, (s.batch, s.t_len, s.num_heads, s.head_dim), dtype),
         k_pages=jax.random.normal(k2, kv_shape, dtype),
         v_pages=jax.random.normal(k3, kv_shape, dtype),
@@ -95,12 +98,29 @@ def make_inputs(s: Shape, dtype, seed: int = 0) -> dict:
         kv_lens=jnp.full((s.batch,), s.context, jnp.int32),
         q_lens=jnp.full((s.batch,), s.t_len, jnp.int32),
         mask=mask)
+    if int8:
+        inputs["k_pages"], inputs["k_scales"] = quantize_pages(inputs["k_pages"])
+        inputs["v_pages"], inputs["v_scales"] = quantize_pages(inputs["v_pages"])
+    return inputs
 
 
-def bytes_moved(s: Shape, dtype) -> int:
-    """What any implementation must move: visible KV once, q, out, page table, lengths."""
+def dequantized(a: dict) -> dict:
+    """The inputs with int8 pages turned back into q's dtype (for the reference)."""
+    if "k_scales" not in a:
+        return a
+    a = dict(a)
+    for name in ("k", "v"):
+        a[f"{name}_pages"] = dequantize_pages(a[f"{name}_pages"], a.pop(f"{name}_scales"),
+                                              a["q"].dtype)
+    return a
+
+
+def bytes_moved(s: Shape, dtype, int8: bool = False) -> int:
+    """What any implementation must move: visible KV once (int8: + a float32 scale per
+    slot), q, out, page table, lengths."""
     item = jnp.dtype(dtype).itemsize
-    kv = 2 * s.batch * s.context * s.num_kv_heads * s.head_dim * item
+    slot_bytes = s.head_dim + 4 if int8 else s.head_dim * item
+    kv = 2 * s.batch * s.context * s.num_kv_heads * slot_bytes
     qo = 2 * s.batch * s.t_len * s.num_heads * s.head_dim * item
     table = 4 * s.batch * (-(-s.context // s.page_size) + 2)
     return kv + qo + table
@@ -128,7 +148,7 @@ def measure_bandwidth(num_bytes: int, iters: int) -> float:
 def implementations(s: Shape, interpret: bool, scale: float, sizes: dict | None = None):
     """name -> function of the `make_inputs` dict; None where an implementation can't run."""
     ours = lambda a: ragged_paged_attention(**a, scale=scale, **(sizes or {}))  # noqa: E731
-    ref = jax.jit(lambda a: reference_ragged_paged_attention(**a, scale=scale))
+    ref = jax.jit(lambda a: reference_ragged_paged_attention(**dequantized(a), scale=scale))
     impls = {"pallas ragged (ours)": ours, "jax pallas gpu paged_attention": None,
              "jnp reference (XLA)": ref}
     if not s.tree and (interpret or jax.default_backend() == "gpu"):
@@ -152,6 +172,7 @@ def jax_paged_attention(s: Shape, interpret: bool, scale: float):
         table = jnp.repeat(a["page_table"], t, axis=0)
         lengths = (a["kv_lens"][:, None] - t + 1 + jnp.arange(t)[None, :]).reshape(-1)
         out = jax_pa.paged_attention(q, a["k_pages"], a["v_pages"], table, lengths,
+                                     a.get("k_scales"), a.get("v_scales"),
                                      k_splits=k_splits, interpret=interpret)
         return out.reshape(b, t, n, h)
 
@@ -169,8 +190,8 @@ def run_table(args, interpret: bool) -> list[dict]:
     for s in cases(args.small):
         if not re.search(args.only, s.name):
             continue
-        a = make_inputs(s, dtype)
-        moved = bytes_moved(s, dtype)
+        a = make_inputs(s, dtype, int8=args.int8)
+        moved = bytes_moved(s, dtype, int8=args.int8)
         scale = s.head_dim ** -0.5
         impls = implementations(s, interpret, scale)
         want = np.asarray(impls["jnp reference (XLA)"](a), np.float32)
@@ -187,7 +208,7 @@ def run_table(args, interpret: bool) -> list[dict]:
                                 pct_bandwidth=pct, max_abs_err=err))
     return [dict(device=jax.devices()[0].device_kind, interpret=interpret,
                  bandwidth_bytes_per_s=bw, date=datetime.date.today().isoformat(),
-                 command=" ".join(sys.argv), dtype=str(dtype))] + results
+                 command=" ".join(sys.argv), dtype=str(dtype), int8=args.int8)] + results
 
 
 def run_tune(args, interpret: bool) -> None:
@@ -233,6 +254,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU, CI)")
     parser.add_argument("--tune", action="store_true", help="sweep block sizes")
     parser.add_argument("--dtype", default=None, help="bfloat16 (default) or float32")
+    parser.add_argument("--int8", action="store_true", help="int8 KV pages + scales")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--copy-mib", type=int, default=None, help="bandwidth copy size")
     parser.add_argument("--only", default="", help="regex: run only matching case names")

@@ -24,3 +24,12 @@ def test_bench_tune_small(capsys):
     bench.main(["--small", "--tune", "--iters", "1"])
     printed = capsys.readouterr().out
     assert all(regime in printed for regime in ("DECODE", "VERIFY", "PREFILL"))
+
+
+def test_bench_small_int8(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    bench.main(["--small", "--int8", "--dtype", "float32", "--iters", "1", "--copy-mib", "8",
+                "--only", "B=1 ctx=64$", "--json", str(out)])
+    header, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert header["int8"] and len(rows) == 3
+    assert all(r["max_abs_err"] < 1e-4 for r in rows)  # all dequantize the same way
