@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 WORD_BITS = 32
+WORD_SHIFT = 5  # log2(WORD_BITS)
 
 
 def div(a, b):
@@ -169,7 +170,7 @@ def allowed(shape, row0, col0, kv_len, q_len, words, *, group: int,
         for w, word in enumerate(words):
             bit = ((word >> bit_idx) & 1) != 0
             if len(words) > 1:
-                bit &= (rel >> 5) == w
+                bit &= (rel >> WORD_SHIFT) == w
             new_ok = bit if new_ok is None else new_ok | bit
     ok = (rel < 0) | ((rel < q_len) & new_ok)
     if sliding_window is not None:
