@@ -89,7 +89,7 @@ def hf(x):  # bf16 arrays to float32 numpy
 
 
 def assert_matches_reference(case, *, scale=0.125, soft_cap=None, sliding_window=None,
-                             **kernel_options):
+                             tol=None, **kernel_options):
     """Kernel == reference on valid queries (dtype tolerance); finite everywhere.
 
     int8 cases (`k_scales` in `case`) compare with the reference on dequantized pages.
@@ -107,7 +107,7 @@ def assert_matches_reference(case, *, scale=0.125, soft_cap=None, sliding_window
     out, ref = hf(out), hf(ref)
     assert np.isfinite(out).all(), "padding queries must be finite too"
     valid = np.arange(out.shape[1])[None, :] < np.asarray(case["q_lens"])[:, None]
-    np.testing.assert_allclose(out[valid], ref[valid], **TOL[case["q"].dtype])
+    np.testing.assert_allclose(out[valid], ref[valid], **(tol or TOL[case["q"].dtype]))
 
 
 class RaggedPagedAttentionTest:
@@ -201,6 +201,16 @@ class RaggedPagedAttentionTest:
             case[f"{name}_pages"], scales = quantize_pages(pages)
             case[f"{name}_scales"] = jnp.where(jnp.isnan(pages).any(-1), jnp.nan, scales)
         self.check(case, soft_cap=5.0, pages_per_block=2)
+
+    def test_pages_in_another_dtype(self):
+        """bf16 pages under float32 queries (a bf16 cache, f32 compute): as the reference,
+        which promotes; bf16 tolerance, since it rounds p to the pages' dtype."""
+        rng = np.random.default_rng(14)
+        case = make_case(rng, t_len=5, num_heads=8, num_kv_heads=2, head_dim=64,
+                         dtype=jnp.float32, tree=True)
+        case["k_pages"] = case["k_pages"].astype(jnp.bfloat16)
+        case["v_pages"] = case["v_pages"].astype(jnp.bfloat16)
+        self.check(case, tol=TOL[jnp.dtype(jnp.bfloat16)])
 
     @pytest.mark.slow
     @pytest.mark.parametrize("t_len", [1, 2, 5, 16, 64])
@@ -325,7 +335,8 @@ class TestValidation:
         (lambda c: c.update(q=c["q"][..., :32]), "head_dim of q"),
         (lambda c: c.update(q=c["q"][:, :, :3]), "num_heads=3"),
         (lambda c: c.update(q=c["q"].astype(jnp.int32)), "q.dtype="),
-        (lambda c: c.update(k_pages=c["k_pages"].astype(jnp.bfloat16)), "k_pages.dtype="),
+        (lambda c: c.update(k_pages=c["k_pages"].astype(jnp.bfloat16)), "one float dtype"),
+        (lambda c: c.update(k_pages=c["k_pages"].astype(jnp.int32)), "k_pages.dtype="),
         (lambda c: c.update(page_table=c["page_table"][:1]), "page_table.shape="),
         (lambda c: c.update(kv_lens=c["kv_lens"].astype(jnp.int16)), "kv_lens.dtype="),
         (lambda c: c.update(q_lens=c["q_lens"][:1]), "q_lens.shape="),

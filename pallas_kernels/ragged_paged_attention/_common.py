@@ -111,10 +111,10 @@ def dequantize_pages(pages: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     return (pages.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-def dequantize(x: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
-    """In-kernel: an int8 block [C, H] times its per-slot scales [C, 1]; as-is if None."""
+def to_compute(x: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
+    """In-kernel: a KV block [C, H] in q's dtype; int8 times its per-slot scales [C, 1]."""
     if scales is None:
-        return x
+        return x if x.dtype == dtype else x.astype(dtype)
     return (x.astype(jnp.float32) * scales).astype(dtype)
 
 

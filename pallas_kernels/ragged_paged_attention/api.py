@@ -103,7 +103,9 @@ def _ragged_paged_attention(
     kh, p, _, _ = k_pages.shape
     group = n // kh
     rows_pad = common.cdiv(t * group, block_rows) * block_rows
-    q_rows = common.rows_from_q(q, kh, rows_pad)  # [B, K, R_pad, H]
+    # Float pages of another dtype: compute in the wider one, as the reference's einsum.
+    compute = q.dtype if k_scales is not None else jnp.promote_types(q.dtype, k_pages.dtype)
+    q_rows = common.rows_from_q(q.astype(compute), kh, rows_pad)  # [B, K, R_pad, H]
     words = None if mask is None else common.mask_words(mask, group, rows_pad)
     table = common.pad_page_table(page_table, p, pages_per_block)  # [B, M_pad]
     kv_scales = None if k_scales is None else (k_scales[..., None], v_scales[..., None])
@@ -117,7 +119,7 @@ def _ragged_paged_attention(
     else:
         out = tpu.ragged_paged_attention_tpu(
             *args, **opts, interpret=pltpu.InterpretParams() if interpret else False)
-    return common.q_from_rows(out, t, n)
+    return common.q_from_rows(out, t, n).astype(q.dtype)
 
 
 def ragged_paged_attention(
@@ -149,8 +151,9 @@ def ragged_paged_attention(
     not the device's, and block sizes from the tuned table for this device and T;
     `block_rows` is an upper bound (a small T x G uses the next power of 2 above it).
     `validate=True` also runs `check_inputs` on the values (concrete arrays only).
-    int8 pages (`quantize_pages`) come with per-slot scales; a block is dequantized to
-    q's dtype after it is read, so the pages move half (bf16) the bytes.
+    Pages may be another float dtype than q (computed in the wider of the two, as the
+    reference), or int8 (`quantize_pages`) with per-slot scales: a block is dequantized
+    to q's dtype after it is read, so the pages move half the bytes of bf16 ones.
     """
     validation.static_check(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask,
                             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,

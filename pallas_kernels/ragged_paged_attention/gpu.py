@@ -67,9 +67,12 @@ def _kernel(
         pages = page_table_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
         k = k_pages_ref[pages].reshape(block_kv, head_dim)  # [C, H]
         v = v_pages_ref[pages].reshape(block_kv, head_dim)
-        if quantized:  # int8 pages times per-slot scales [C, 1]
-            k = common.dequantize(k, k_scales_ref[pages].reshape(block_kv, 1), q.dtype)
-            v = common.dequantize(v, v_scales_ref[pages].reshape(block_kv, 1), q.dtype)
+        k_scales = v_scales = None  # int8 pages: per-slot scales [C, 1]
+        if quantized:
+            k_scales = k_scales_ref[pages].reshape(block_kv, 1)
+            v_scales = v_scales_ref[pages].reshape(block_kv, 1)
+        k = common.to_compute(k, k_scales, q.dtype)
+        v = common.to_compute(v, v_scales, q.dtype)
         col0 = blk * block_kv
         ok = common.allowed((rows, block_kv), row0, col0, kv_len, q_len, words,
                             group=group, sliding_window=sliding_window)

@@ -66,13 +66,13 @@ def _kernel(
 
     @pl.when((j >= lo) & (j < hi))
     def _step():
-        k = jnp.concatenate([r[...] for r in k_refs], axis=0)  # [C, H]
-        v = jnp.concatenate([r[...] for r in v_refs], axis=0)
-        if quantized:  # int8 pages times per-slot scales [C, 1]
-            k = common.dequantize(k, jnp.concatenate([r[...] for r in k_scale_refs]),
-                                  q_ref.dtype)
-            v = common.dequantize(v, jnp.concatenate([r[...] for r in v_scale_refs]),
-                                  q_ref.dtype)
+        def block(page_refs):  # ppb pages [Z, ...] -> one block [C, ...]
+            return None if page_refs is None else jnp.concatenate(
+                [r[...] for r in page_refs], axis=0)
+
+        # int8 pages: times per-slot scales [C, 1]
+        k = common.to_compute(block(k_refs), block(k_scale_refs), q_ref.dtype)  # [C, H]
+        v = common.to_compute(block(v_refs), block(v_scale_refs), q_ref.dtype)
         col0 = j * block_kv
         words = common.load_words(words_ref)  # W x [R, 1]
         ok = common.allowed((rows, block_kv), row0, col0, kv_len, q_len, words,

@@ -45,9 +45,9 @@ def static_check(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, *, scal
             if x.shape != (kh, p, z) or x.dtype != jnp.float32:
                 raise ValueError(f"{name}.shape={x.shape}, {name}.dtype={x.dtype} must be "
                                  f"({kh}, {p}, {z}) float32")
-    elif k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=} "
-                         "(or be int8 with scales)")
+    elif k_pages.dtype not in SUPPORTED_DTYPES or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must be one float dtype "
+                         "(float32, bfloat16, float16) or int8 with scales")
     elif k_scales is not None or v_scales is not None:
         raise ValueError(f"k_scales/v_scales are for int8 pages, not {k_pages.dtype=}")
     if page_table.ndim != 2 or page_table.shape[0] != b:
