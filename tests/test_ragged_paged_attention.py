@@ -236,7 +236,7 @@ class TestInterpret(RaggedPagedAttentionTest):
 
 @pytest.mark.slow
 class TestMosaicInterpret(RaggedPagedAttentionTest):
-    """The TPU kernel under TPU interpret mode (~0.7 s a call): every case, slow."""
+    """The TPU kernel under TPU interpret mode (0.6-2.5 s a call here): every case, slow."""
 
     INTERPRET = True
     LOWERING = "mosaic"
