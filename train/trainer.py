@@ -266,7 +266,11 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
     ckpts = RunCheckpoints(workdir / "checkpoints", identity, keep=config.keep_checkpoints)
     start = ckpts.latest_step() or 0
     if start:
-        state = ckpts.restore(start, abstract)
+        try:
+            state = ckpts.restore(start, abstract)
+        except Exception:
+            ckpts.close()
+            raise
         log.info("resuming %s from step %d", workdir, start)
     else:
         state = jax.device_put(init_state(), replicated)
