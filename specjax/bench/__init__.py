@@ -1,1 +1,1 @@
-"""Benchmark scripts (not tests): `python -m specjax.bench.<name>` or `specjax bench <name>`."""
+"""Benchmark scripts (run as modules or through `specjax bench`), never timed tests."""
