@@ -6,7 +6,7 @@ transformers' `LlamaForCausalLM` (float32, PyTorch). Both generate exactly N new
 greedily from the same fixed prompts (specjax: `ignore_eos=True`; transformers:
 `min_new_tokens = max_new_tokens = N`), each after a warm-up call (specjax compiles
 there). ms/token = wall time of one `generate` call / N, prefill included for both;
-the median of `--repeats` calls. transformers runs twice, with torch's default thread
+the median of `--repeats` interleaved rounds. transformers runs twice, with torch's default thread
 count and with one thread (on a shared, oversubscribed CPU its spinning OpenMP threads
 can be several times slower), and the ratio is taken against the faster of the two.
 The table goes into docs/benchmarks.md between markers.
@@ -40,15 +40,6 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[int(x) for x in rng.integers(1, vocab, length)] for _ in range(batch)]
 
 
-def _time(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
 def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) -> dict:
     import torch
     import transformers
@@ -72,24 +63,37 @@ def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) 
         def ours():
             return specjax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True)
 
-        def theirs():
+        def theirs(threads, n=new_tokens):
+            torch.set_num_threads(threads)
             with torch.no_grad():
                 return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                                   max_new_tokens=n, min_new_tokens=n)
 
-        ours()  # warm-up: specjax compiles here
-        t_ours, out = _time(ours, repeats)
-        t_hf = {}
+        ours()  # warm-up: specjax compiles here; torch warms its allocator and threads
         for threads in (default_threads, 1):
-            torch.set_num_threads(threads)
-            theirs()  # warm-up: torch's allocator and thread pool
-            t_hf[threads], hf_out = _time(theirs, repeats)
+            theirs(threads, n=2)
+        # Interleaved rounds, so both libraries see the same load on a shared machine.
+        times = {"specjax": [], default_threads: [], 1: []}
+        ttft, tpot = [], []
+        for _ in range(repeats):
+            for name in times:
+                t0 = time.perf_counter()
+                got = ours() if name == "specjax" else theirs(name)
+                times[name].append(time.perf_counter() - t0)
+                if name == "specjax":
+                    out = got
+                    ttft.append(got.stats.ttft_s)
+                    tpot.append(got.stats.tpot_s)
+                else:
+                    hf_out = got
         torch.set_num_threads(default_threads)
+        t_ours = statistics.median(times["specjax"])
+        t_hf = {k: statistics.median(v) for k, v in times.items() if k != "specjax"}
         same = out.tokens == hf_out[:, prompt_len:].tolist()
         row = dict(batch=b, specjax_ms=1e3 * t_ours / new_tokens,
                    hf_ms=1e3 * t_hf[default_threads] / new_tokens,
-                   hf1_ms=1e3 * t_hf[1] / new_tokens, ttft_ms=1e3 * out.stats.ttft_s,
-                   tpot_ms=1e3 * out.stats.tpot_s, same=same)
+                   hf1_ms=1e3 * t_hf[1] / new_tokens, ttft_ms=1e3 * statistics.median(ttft),
+                   tpot_ms=1e3 * statistics.median(tpot), same=same)
         row["speedup"] = min(row["hf_ms"], row["hf1_ms"]) / row["specjax_ms"]
         rows.append(row)
         print(f"batch {b}: specjax {row['specjax_ms']:.2f} ms/token (TTFT "
@@ -128,7 +132,7 @@ def markdown(result: dict, args, command: str) -> str:
         f"- model: random Llama, {result['params']:,} params (vocab 8192, hidden 512, 8 layers, "
         f"8 heads / 4 KV heads, mlp 1408), float32; the same weights in both (`save_hf`)",
         f"- {args.prompt_len}-token prompts, {args.new_tokens} new tokens per row, greedy; "
-        f"median of {args.repeats} calls after a warm-up",
+        f"median of {args.repeats} interleaved rounds after a warm-up",
         "- ms/token = wall time of one `generate` call / new tokens per row (prefill included)",
         "",
         f"- transformers timed with torch's default {result['threads']} thread(s) and with 1; "
