@@ -134,7 +134,6 @@ def markdown(result: dict, args, command: str) -> str:
         f"- {args.prompt_len}-token prompts, {args.new_tokens} new tokens per row, greedy; "
         f"median of {args.repeats} interleaved rounds after a warm-up",
         "- ms/token = wall time of one `generate` call / new tokens per row (prefill included)",
-        "",
         f"- transformers timed with torch's default {result['threads']} thread(s) and with 1; "
         "the ratio uses the faster",
         "",
