@@ -153,23 +153,25 @@ def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend)
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, cost_ratio: float, adaptive: bool) -> LoopState:
+               backend, cost_ratio: jax.Array, adaptive: jax.Array) -> LoopState:
     b = st.tokens.shape[0]
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
+    # Adaptive depth: Leviathan-optimal k per row from its running acceptance.
+    alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
+    limit = leviathan_optimal_k(alpha, cost_ratio, dm)
+    probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
+    limit = jnp.where((limit == 0) & probe, 1, limit)
+    limit = jnp.where(adaptive & active, limit, jnp.where(active, dm, 0))
     tree, spec_state = spec.propose(
-        st.spec_state, ProposeContext(st.tokens, st.lengths, active, sampling, k_prop), params)
+        st.spec_state, ProposeContext(st.tokens, st.lengths, active, sampling, k_prop, limit),
+        params)
     check_tree(tree)
     if tree.num_nodes != n or tree.max_depth != dm:
         raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
                          f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
-    if adaptive:  # Leviathan-optimal depth per row from its running acceptance
-        alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
-        limit = leviathan_optimal_k(alpha, cost_ratio, dm)
-        probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
-        limit = jnp.where((limit == 0) & probe, 1, limit)
-        tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))
+    tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))
     tree = tree.replace(valid=tree.valid & active[:, None])
     root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
     inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1]
@@ -213,15 +215,16 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     return st.replace(
         cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
         target_calls=st.target_calls + active,
-        draft_calls=st.draft_calls + active * spec.draft_calls_per_step(),
+        # drafting stops at the deepest kept depth (see ProposeContext.depth_limit)
+        draft_calls=st.draft_calls + active * jnp.minimum(spec.draft_calls_per_step(),
+                                                          jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, steps=st.steps + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "cost_ratio", "adaptive"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))
 def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
-            sampling, max_new, eos_ids, *, backend, cost_ratio: float, adaptive: bool):
+            sampling, max_new, eos_ids, cost_ratio, adaptive, *, backend):
     def cond(st):
         return jnp.any(~st.done) & (st.steps < max_new)
 
@@ -317,8 +320,9 @@ def generate(
     num_chunks = -(-max(lens) // chunk)
     width = _bucket(num_chunks * chunk + max_new_tokens + slack, 64)  # token buffer S
     pages_per_row = -(-width // page_size)
-    need = [-(-(n + max_new_tokens + slack) // page_size) for n in lens]
-    pool = PagePool(num_pages if num_pages is not None else sum(need), page_size)
+    # Default pool: a full table per row, so the cache shape (and the compiled program)
+    # depends only on the bucketed buffer width, not on the exact prompt lengths.
+    pool = PagePool(num_pages if num_pages is not None else b * pages_per_row, page_size)
     for r, n in enumerate(lens):
         pool.allocate(r, n + max_new_tokens + slack)
     table = pool.page_table(list(range(b)), pages_per_row)
@@ -327,7 +331,8 @@ def generate(
         buf[r, :len(ids)] = ids
     cache = PagedKVCache.create(cfg, table, num_pages=pool.num_pages, page_size=page_size)
     sampling = sampling_lib.Sampling.create(temperature, top_k, top_p)
-    eos_arr = jnp.asarray(eos, jnp.int32).reshape(-1)
+    eos_pad = _bucket(max(len(eos), 1), 8)  # fixed size so stop tokens never recompile
+    eos_arr = jnp.asarray(list(eos) + [-1] * (eos_pad - len(eos)), jnp.int32)
     max_new = jnp.int32(max_new_tokens)
     cost = float(speculator.cost_ratio(cfg)) if speculator is not None else 0.0
     key = jax.random.key(seed)
@@ -339,9 +344,10 @@ def generate(
     t0 = time.perf_counter()
     pre = _compiled(_prefill, pre_args, pre_kw)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
-    dec_kw = dict(backend=attention_backend, cost_ratio=cost, adaptive=adaptive)
+    dec_args = (jnp.float32(cost), jnp.bool_(adaptive))
+    dec_kw = dict(backend=attention_backend)
     dec = _compiled(_decode, (cfg, model.params, speculator, state_shape, sampling, max_new,
-                              eos_arr), dec_kw)
+                              eos_arr) + dec_args, dec_kw)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -349,7 +355,8 @@ def generate(
     jax.block_until_ready(state.tokens)
     ttft = time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = dec(*_dyn((cfg, model.params, speculator, state, sampling, max_new, eos_arr)))
+    state = dec(*_dyn((cfg, model.params, speculator, state, sampling, max_new, eos_arr)
+                      + dec_args))
     jax.block_until_ready(state.tokens)
     decode_s = time.perf_counter() - t0
 

@@ -32,7 +32,7 @@ def leviathan_optimal_k(alpha: np.ndarray, cost_ratio: float, k_max: int) -> np.
     import jax.numpy as jnp
 
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
-    a = jnp.clip(alpha, 0.0, 0.999)[..., None]
+    a = jnp.clip(alpha, 0.0, 0.999)[..., None]  # cost_ratio may be traced
     gain = (1 - a ** (ks + 1)) / (1 - a) / (ks * cost_ratio + 1)
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 

@@ -47,6 +47,9 @@ class ProposeContext:
     active: jax.Array  # [B] bool rows still generating
     sampling: Sampling
     key: jax.Array
+    # [B] int32: the loop keeps only nodes with depth <= depth_limit (adaptive length);
+    # a speculator may skip draft work beyond max(depth_limit) to save its cost.
+    depth_limit: jax.Array
 
 
 @struct.dataclass

@@ -137,16 +137,21 @@ class DraftModel(Speculator):
         tok = sampling_lib.sample(keys[0], first, ctx.sampling)
         prob = sampling_lib.probs(first, ctx.sampling)
 
-        def one(carry, key_i):
-            cache, tok, pos = carry
-            logits, _, cache = step(self.config, self.params, cache, tok[:, None],
-                                    pos[:, None], q_lens=act)
-            nxt = sampling_lib.sample(key_i, logits[:, 0], ctx.sampling)
-            return (cache, nxt, pos + 1), (nxt, sampling_lib.probs(logits[:, 0], ctx.sampling))
+        drafts = jnp.zeros((b, self.k), jnp.int32).at[:, 0].set(tok)
+        dprobs = jnp.zeros((b, self.k, prob.shape[-1]), jnp.float32).at[:, 0].set(prob)
+        # Further draft calls only up to the deepest depth the loop will keep this step.
+        steps = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
 
-        (cache, _, _), (toks, probs) = jax.lax.scan(one, (cache, tok, ctx.lengths), keys[1:])
-        drafts = jnp.concatenate([tok[:, None], toks.T], axis=1)  # [B, k]
-        dprobs = jnp.concatenate([prob[:, None], probs.transpose(1, 0, 2)], axis=1)
+        def one(i, carry):
+            cache, drafts, dprobs = carry
+            row_act = act * (i < ctx.depth_limit)
+            logits, _, cache = step(self.config, self.params, cache, drafts[:, i - 1, None],
+                                    (ctx.lengths + i - 1)[:, None], q_lens=row_act)
+            nxt = sampling_lib.sample(keys[i], logits[:, 0], ctx.sampling)
+            return (cache, drafts.at[:, i].set(nxt),
+                    dprobs.at[:, i].set(sampling_lib.probs(logits[:, 0], ctx.sampling)))
+
+        cache, drafts, dprobs = jax.lax.fori_loop(1, steps, one, (cache, drafts, dprobs))
         return chain(drafts, draft_probs=dprobs), state.replace(cache=cache)
 
     def _tree(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,

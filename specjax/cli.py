@@ -1,0 +1,101 @@
+"""The `specjax` command line.
+
+  specjax generate [--model DIR] [--prompt TEXT | --ids 1,2,3] [--speculator ngram|draft|none]
+  specjax bench decode [...]
+
+Errors in arguments exit non-zero with a one-line message naming the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(args) -> int:
+    import specjax
+    from specjax.config import tiny_llama
+    from specjax.speculators import DraftModel, NGram
+
+    if args.model:
+        model = specjax.load(args.model)
+        source = args.model
+    else:  # a small random model built on the spot: no download, runs anywhere
+        model = specjax.init_model(tiny_llama(vocab_size=256, hidden_size=128, num_layers=4,
+                                              intermediate_size=344, num_heads=4,
+                                              num_kv_heads=2), seed=args.seed)
+        source = f"random tiny Llama ({model.num_params():,} params, seed {args.seed})"
+    if args.ids:
+        prompts = [[int(x) for x in args.ids.split(",")]]
+    elif args.prompt:
+        prompts = [args.prompt]
+    else:
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
+    spec = None
+    if args.speculator == "ngram":
+        spec = NGram(k=args.k)
+    elif args.speculator == "draft":
+        if not args.draft:
+            raise ValueError("--speculator draft needs --draft DIR")
+        spec = DraftModel(model=specjax.load(args.draft), k=args.k, target=model)
+    print(f"model: {source}")
+    plain = specjax.generate(model, prompts, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, seed=args.seed)
+    print(f"autoregressive: {plain.stats.summary()}")
+    if spec is not None:
+        out = specjax.generate(model, prompts, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed, speculator=spec)
+        print(f"{args.speculator:>14}: {out.stats.summary()}")
+        if args.temperature == 0:
+            same = out.tokens == plain.tokens
+            print(f"greedy outputs identical: {same}")
+            if not same:
+                return 1
+        plain = out
+    for row, toks in enumerate(plain.tokens):
+        shown = plain.text[row] if plain.text else toks
+        print(f"[{row}] {shown}")
+    if args.json:
+        print(json.dumps(plain.stats.to_dict()))
+    return 0
+
+
+def _bench(args, rest) -> int:
+    if args.what == "decode":
+        from specjax.bench import decode
+        return decode.main(rest)
+    raise ValueError(f"unknown benchmark {args.what!r}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="specjax", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate from a model (default: a random tiny one)")
+    g.add_argument("--model", help="Hugging Face or orbax directory")
+    g.add_argument("--prompt", help="text prompt (needs the model's tokenizer)")
+    g.add_argument("--ids", help="comma-separated prompt token ids")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculator", choices=["none", "ngram", "draft"], default="ngram")
+    g.add_argument("--draft", help="draft model directory for --speculator draft")
+    g.add_argument("--k", type=int, default=4)
+    g.add_argument("--json", action="store_true", help="also print stats as JSON")
+    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)")
+    b.add_argument("what", choices=["decode"])
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "generate":
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return _generate(args)
+        return _bench(args, rest)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

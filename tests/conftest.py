@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models, built locally and seeded (no downloads)."""
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.config import tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return specjax.init_model(tiny_llama(vocab_size=128), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft():
+    return specjax.init_model(tiny_llama(vocab_size=128, num_layers=1, hidden_size=32,
+                                         intermediate_size=64, num_heads=2, num_kv_heads=1),
+                              seed=1)
+
+
+def greedy_reference(model, prompt, n):
+    """Target-only greedy continuation by repeated full forwards (no cache, no loop)."""
+    seq = list(prompt)
+    width = -(-(len(prompt) + n) // 32) * 32  # one padded shape: causal, so padding is inert
+    for _ in range(n):
+        padded = seq + [0] * (width - len(seq))
+        logits = np.asarray(specjax.forward(model, [padded]))[0, len(seq) - 1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10] * 20, [3, 4, 5, 3, 4, 5, 3, 4]]

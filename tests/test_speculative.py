@@ -1,0 +1,115 @@
+"""Speculative generation end to end: lossless greedy, α/τ, sampling distribution, errors."""
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax.config import tiny_llama
+from specjax.speculators import DraftModel, NGram
+from tests.conftest import PROMPTS
+from tests.stat_utils import assert_same_distribution, exact_joint
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny_target):
+    return specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True).tokens
+
+
+def _speculators(tiny_target, tiny_draft):
+    return {
+        "ngram": NGram(k=4),
+        "draft": DraftModel(model=tiny_draft, k=3),
+        "self": DraftModel(model=tiny_target, k=4),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "self"])
+def test_greedy_is_lossless(tiny_target, tiny_draft, greedy_ref, name):
+    spec = _speculators(tiny_target, tiny_draft)[name]
+    for adaptive in (False, True):
+        out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                               speculator=spec, adaptive=adaptive)
+        assert out.tokens == greedy_ref
+    single = specjax.generate(tiny_target, PROMPTS[1:2], max_new_tokens=16, ignore_eos=True,
+                              speculator=spec)
+    assert single.tokens == greedy_ref[1:2]
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_target):
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                           speculator=DraftModel(model=tiny_target, k=4), adaptive=False)
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.mean_accepted_length > 4.0  # k + 1 per step but for the budget's end
+    assert out.stats.draft_calls == 4 * out.stats.target_calls
+
+
+def test_ngram_on_repetitive_input_accepts_long_runs(tiny_target):
+    # The tiny model falls into a loop on this prompt; n-gram then drafts from the loop.
+    prompt = [10] * 20
+    out = specjax.generate(tiny_target, [prompt], max_new_tokens=48, ignore_eos=True,
+                           speculator=NGram(k=6), adaptive=False)
+    assert out.stats.mean_accepted_length > 2.0
+    assert out.stats.draft_calls == 0
+
+
+def test_eos_inside_an_accepted_run_stops_the_row(tiny_target, greedy_ref):
+    eos = greedy_ref[2][5]
+    plain = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, eos_id=eos)
+    spec = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, eos_id=eos,
+                            speculator=DraftModel(model=tiny_target, k=4), adaptive=False)
+    assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda t, d: NGram(k=0), "k=0"),
+    (lambda t, d: NGram(n_min=3, n_max=2), "n_min"),
+    (lambda t, d: DraftModel(model=d, k=0), "k=0"),
+])
+def test_bad_speculator_settings(tiny_target, tiny_draft, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(tiny_target, tiny_draft)
+
+
+def test_draft_with_another_vocabulary_is_rejected(tiny_target):
+    other = specjax.init_model(tiny_llama(vocab_size=100, num_layers=1), seed=2)
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        specjax.generate(tiny_target, PROMPTS, max_new_tokens=4,
+                         speculator=DraftModel(model=other, k=2))
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        DraftModel(model=other, k=2, target=tiny_target)
+
+
+# ---- sampling: the output distribution is the target's ------------------------------
+VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def peaked_pair():
+    """A tiny-vocab target and draft with peaked, different distributions (so a wrong
+    verifier is detectable): embeddings scaled up from the random init."""
+    def make(seed):
+        m = specjax.init_model(tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_heads=2, num_kv_heads=1), seed=seed)
+        m.params["lm_head"]["kernel"] = m.params["lm_head"]["kernel"] * 60.0
+        return m
+    target = make(10)
+    draft = make(11)  # a noisy copy of the target: overlapping but different distributions
+    draft.params = jax.tree.map(lambda t, d: t + 0.3 * (d - t), target.params, draft.params)
+    return target, draft
+
+
+@pytest.mark.parametrize("spec_name,temperature,top_p", [
+    ("draft", 1.0, 1.0), ("draft", 0.7, 0.9), ("ngram", 1.0, 1.0)])
+def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temperature, top_p):
+    target, draft = peaked_pair
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    n_rows = 3000
+    spec = DraftModel(model=draft, k=2) if spec_name == "draft" else NGram(k=2)
+    out = specjax.generate(target, [prompt] * n_rows, max_new_tokens=3, ignore_eos=True,
+                           temperature=temperature, top_p=top_p, seed=1, speculator=spec,
+                           adaptive=False)
+    assert out.stats.accepted > 0  # speculation really happened
+    samples = [tuple(t[:3]) for t in out.tokens]
+    exact = exact_joint(target, prompt, 3, temperature, top_p)
+    assert_same_distribution(samples, exact)
