@@ -28,6 +28,7 @@ cache (one layer) with tree masks exactly like the target. Params are a plain py
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -159,11 +160,15 @@ def init_eagle_params(config: EagleConfig, target_config: ModelConfig,
     """Random head params (normal(0.02) kernels, unit norms); `config` must be resolved."""
     if isinstance(key, int):
         key = jax.random.key(key)
+    return _init_eagle(config, target_config, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_eagle(config: EagleConfig, target_config: ModelConfig, key: jax.Array):
     lc = layer_config(target_config)
-    d = target_config.hidden_size
     pos = jnp.zeros((1, 1), jnp.int32)
     ctx = step_context(lc, pos, jnp.ones((1,), jnp.int32), None, None, "reference")
-    emb = jnp.zeros((1, 1, d), jnp.dtype(lc.dtype))
+    emb = jnp.zeros((1, 1, target_config.hidden_size), jnp.dtype(lc.dtype))
     feats = jnp.zeros((1, 1, feature_width(config, target_config)), jnp.dtype(lc.dtype))
     return EagleHead(config, lc).init(key, emb, feats, ctx, method=EagleHead._init_all)["params"]
 

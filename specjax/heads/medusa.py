@@ -74,14 +74,13 @@ def init_medusa_params(config: MedusaConfig, target_config: ModelConfig, target_
     init), or normal(init_scale) to get distinct random heads (tests, ablations)."""
     if isinstance(key, int):
         key = jax.random.key(key)
-    module = medusa_module(config, target_config)
-    params = module.init(key, jnp.zeros((1, 1, target_config.hidden_size)))["params"]
-    head = target_lm_head(target_config, target_params).astype(jnp.float32)
-    params = dict(params, lm_head=jnp.broadcast_to(head, params["lm_head"].shape))
+    m, r, d = config.num_heads, config.num_residual_layers, target_config.hidden_size
+    head = target_lm_head(target_config, target_params).astype(jnp.float32)  # [D, V]
+    res = jnp.zeros((m, r, d, d), jnp.float32)
     if init_scale > 0:
-        noise = jax.random.normal(jax.random.fold_in(key, 1), params["res_kernel"].shape)
-        params["res_kernel"] = noise * init_scale
-    return params
+        res = jax.random.normal(key, res.shape) * init_scale
+    return {"res_kernel": res, "res_bias": jnp.zeros((m, r, d), jnp.float32),
+            "lm_head": jnp.broadcast_to(head, (m,) + head.shape)}
 
 
 def medusa_logits(config: MedusaConfig, target_config: ModelConfig, params,

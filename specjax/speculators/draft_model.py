@@ -169,9 +169,10 @@ class DraftModel(Speculator):
                                                    method=Transformer.logits)
             return jax.nn.log_softmax(logits, axis=-1), cache
 
+        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
         tree, cache = dynamic_tree(jax.nn.log_softmax(first, axis=-1), expand, cache,
                                    top_k=self.tree_top_k, depth=self.k,
-                                   total_tokens=self.total_tokens)
+                                   total_tokens=self.total_tokens, levels=levels)
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:

@@ -72,11 +72,13 @@ def _put(buf: jax.Array, new: jax.Array, start) -> jax.Array:
 
 
 def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: int, depth: int,
-                 total_tokens: int, vocab_map: jax.Array | None = None
-                 ) -> tuple[DraftTree, Any]:
+                 total_tokens: int, vocab_map: jax.Array | None = None,
+                 levels: jax.Array | None = None) -> tuple[DraftTree, Any]:
     """EAGLE-2 dynamic tree from the root's child log-probs first_logp [B, V'].
 
     vocab_map [V'] maps draft indices to target ids (EAGLE-3's d2t); None = identity.
+    levels: [] int32, expand only depths <= levels (the loop's deepest kept depth); the
+      node budget then goes to the shallower depths. None = all `depth` levels.
     Returns a tree of `total_tokens` nodes and max_depth `depth`.
     """
     b = first_logp.shape[0]
@@ -87,15 +89,20 @@ def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: in
                          f"top_k + (depth - 1) * top_k**2 = {n_cand}; got {top_k=}, {depth=}, "
                          f"{total_tokens=}")
     h = (depth - 1) * k  # nodes the draft runs over: the frontiers of depths 1..depth-1
+    levels = jnp.int32(depth) if levels is None else levels
     score, idx = jax.lax.top_k(first_logp, k)  # [B, k]
     tok = _map(idx, vocab_map)
     i32 = lambda n, fill: jnp.full((b, n), fill, jnp.int32)
+    # candidates: k children of the root, then k*k per further depth
+    cand_depth = np.concatenate([np.ones(k, np.int32)] +
+                                [np.full(k * k, d, np.int32) for d in range(2, depth + 1)])
     cand = dict(tok=_put(i32(n_cand, 0), tok, 0),
                 score=_put(jnp.full((b, n_cand), -jnp.inf, jnp.float32), score, 0),
-                parent=i32(n_cand, -1), depth=_put(i32(n_cand, 0), i32(k, 1), 0))
+                parent=i32(n_cand, -1), filled=jnp.asarray(cand_depth == 1)[None].repeat(b, 0))
     # the frontiers (one spare block so the last write stays in bounds)
     hist = dict(tok=_put(i32(h + k, 0), tok, 0), par=i32(h + k, -1),
-                dep=_put(i32(h + k, 0), i32(k, 1), 0))
+                dep=jnp.asarray(np.repeat(np.arange(1, depth + 1, dtype=np.int32), k))[None]
+                .repeat(b, 0))
     beam = (score, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)))
 
     def level(state, j):  # expands depth d = j + 2 from the frontier of depth j + 1
@@ -109,17 +116,19 @@ def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: in
         off = k + j * k * k
         cand = dict(tok=_put(cand["tok"], kids, off), score=_put(cand["score"], cum, off),
                     parent=_put(cand["parent"], jnp.repeat(beam_cand, k, axis=1), off),
-                    depth=_put(cand["depth"], i32(k * k, 0) + j + 2, off))
+                    filled=_put(cand["filled"], jnp.ones((b, k * k), bool), off))
         score, pick = jax.lax.top_k(cum, k)  # the next frontier
         pick = pick.astype(jnp.int32)
         at = (j + 1) * k
         hist = dict(tok=_put(hist["tok"], jnp.take_along_axis(kids, pick, axis=1), at),
-                    par=_put(hist["par"], j * k + pick // k, at),
-                    dep=_put(hist["dep"], i32(k, 0) + j + 2, at))
-        return (carry, cand, hist, (score, off + pick)), None
+                    par=_put(hist["par"], j * k + pick // k, at), dep=hist["dep"])
+        return carry, cand, hist, (score, off + pick)
+
+    def maybe_level(state, j):
+        return jax.lax.cond(j + 2 <= levels, level, lambda s, j: s, state, j), None
 
     if depth > 1:
-        (carry, cand, _, _), _ = jax.lax.scan(level, (carry, cand, hist, beam),
+        (carry, cand, _, _), _ = jax.lax.scan(maybe_level, (carry, cand, hist, beam),
                                               jnp.arange(depth - 1, dtype=jnp.int32))
     _, best = jax.lax.top_k(cand["score"], total_tokens)  # ties: lower (shallower) index first
     sel = jnp.sort(best, axis=1).astype(jnp.int32)  # candidate order is topological
@@ -127,15 +136,20 @@ def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: in
     par_cand = take(cand["parent"])
     match = sel[:, None, :] == par_cand[:, :, None]  # [B, N, N] node j is i's parent
     parents = jnp.where(par_cand >= 0, jnp.argmax(match, axis=2), -1).astype(jnp.int32)
-    valid = (par_cand < 0) | jnp.any(match, axis=2)  # always true; guards closure
-    return DraftTree(take(cand["tok"]), parents, take(cand["depth"]), valid, None,
+    # a child never outscores its parent, so the selection is ancestor-closed; the check
+    # also drops unexpanded candidates (levels < depth)
+    valid = take(cand["filled"]) & ((par_cand < 0) | jnp.any(match, axis=2))
+    node_depth = jnp.take(jnp.asarray(cand_depth), sel)
+    return DraftTree(take(cand["tok"]), parents, node_depth, valid, None,
                      max_depth=depth), carry
 
 
 def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
                        parents: np.ndarray, depth: np.ndarray, choice: Sequence[int],
-                       vocab_map: jax.Array | None = None) -> tuple[DraftTree, Any]:
-    """A fixed tree (`specjax.tree.static_tree` output) filled in depth by depth."""
+                       vocab_map: jax.Array | None = None,
+                       levels: jax.Array | None = None) -> tuple[DraftTree, Any]:
+    """A fixed tree (`specjax.tree.static_tree` output) filled in depth by depth, up to
+    depth `levels` (deeper nodes are left 0; the loop does not keep them)."""
     b = first_logp.shape[0]
     n = len(depth)
     dm = int(depth.max())
@@ -150,6 +164,7 @@ def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
         w = max(int(np.sum(depth == d)) for d in range(1, dm + 1))
         # per expanded depth d = 2..dm: the nodes of depth d-1 (query), and the children
         query, kids, owner, pick, count = [], [], [], [], []
+        levels = jnp.int32(dm) if levels is None else levels
         for d in range(2, dm + 1):
             q = np.flatnonzero(depth == d - 1)
             c = np.flatnonzero(depth == d)
@@ -160,16 +175,20 @@ def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
             pick.append(pad(choice[c], 0))
             count.append(int(np.sum(depth < d)))
         xs = tuple(jnp.asarray(np.stack(x)) for x in (query, kids, owner, pick, count))
+        xs += (jnp.arange(2, dm + 1, dtype=jnp.int32),)
 
         def level(state, x):
             carry, tokens = state
-            query, kids, owner, pick, count = x
+            query, kids, owner, pick, count, _ = x
             nodes = Nodes(tokens[:, :t], bc(parents[:t]), bc(depth[:t]), count, query, dm - 1)
             logp, carry = expand(carry, nodes)  # [B, W, V']
             _, idx = jax.lax.top_k(logp, kmax)  # [B, W, kmax]
             new = _map(idx[:, owner, pick], vocab_map)  # [B, W]
-            return (carry, tokens.at[:, kids].set(new, mode="drop")), None
+            return carry, tokens.at[:, kids].set(new, mode="drop")
 
-        (carry, tokens), _ = jax.lax.scan(level, (carry, tokens), xs)
+        def maybe_level(state, x):
+            return jax.lax.cond(x[-1] <= levels, level, lambda s, x: s, state, x), None
+
+        (carry, tokens), _ = jax.lax.scan(maybe_level, (carry, tokens), xs)
     return DraftTree(tokens, bc(parents), bc(depth), jnp.ones((b, n), bool), None,
                      max_depth=dm), carry

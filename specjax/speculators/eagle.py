@@ -94,15 +94,8 @@ class Eagle(Speculator):
             raise ValueError("vocab_map (d2t) is an EAGLE-3 setting; these are version-1 heads")
         fields.update(config=config, tree=None if tree is None else
                       tuple(tuple(int(c) for c in p) for p in tree))
+        _check_tree(fields["tree"], top_k, depth, total_tokens)
         set_fields(self, params=heads, d2t=vocab_map, target_config=tcfg, **fields)
-        if self.tree is None:
-            n_cand = top_k + (depth - 1) * top_k * top_k
-            if not (top_k >= 1 and 1 <= depth <= total_tokens <= n_cand):
-                raise ValueError(f"Eagle dynamic tree needs top_k >= 1 and 1 <= depth <= "
-                                 f"total_tokens <= top_k + (depth-1)*top_k**2 = {n_cand}; "
-                                 f"got {top_k=}, {depth=}, {total_tokens=}")
-        else:
-            static_tree(self.tree)  # validates the paths
         self.check_target(tcfg)
 
     @classmethod
@@ -116,6 +109,10 @@ class Eagle(Speculator):
             config = EagleConfig(version)
         config.check(target.config)
         config = config.resolved(target.config)
+        tree = kwargs.get("tree")
+        _check_tree(tree, kwargs.get("top_k", 10), kwargs.get("depth", 6),
+                    kwargs.get("total_tokens", 60), config.draft_vocab_size or
+                    target.config.vocab_size)  # before the (slower) init
         params = init_eagle_params(config, target.config, seed)
         return cls(params, config, target=target, vocab_map=vocab_map, **kwargs)
 
@@ -160,10 +157,7 @@ class Eagle(Speculator):
                                    target_config, "this EAGLE head")
         self.config.check(target_config)
         vocab = target_config.vocab_size if self.config.version == 1 else len(self.d2t)
-        widest = self.top_k if self.tree is None else max(p[-1] for p in self.tree) + 1
-        if widest > vocab:
-            raise ValueError(f"the tree asks for the top-{widest} children of a node but the "
-                             f"draft vocabulary has {vocab} tokens")
+        _check_tree(self.tree, self.top_k, self.depth, self.total_tokens, vocab)
         if self.d2t is not None and self.d2t.shape != (self.config.draft_vocab_size,):
             raise ValueError(f"d2t has shape {self.d2t.shape}; expected "
                              f"({self.config.draft_vocab_size},)")
@@ -234,14 +228,15 @@ class Eagle(Speculator):
 
         prev = jnp.zeros((b, 1 + self._extra_slots, root_out.shape[-1]), root_out.dtype)
         carry = (cache, prev.at[:, 0].set(root_out))
+        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
         if self.tree is None:
             tree, (cache, _) = dynamic_tree(first, expand, carry, top_k=self.top_k,
                                             depth=self.depth, total_tokens=self.total_tokens,
-                                            vocab_map=self.d2t)
+                                            vocab_map=self.d2t, levels=levels)
         else:
             parents, depth, choice = self._static
             tree, (cache, _) = static_tree_expand(first, expand, carry, parents, depth, choice,
-                                                  vocab_map=self.d2t)
+                                                  vocab_map=self.d2t, levels=levels)
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def commit(self, state: EagleState, ctx: CommitContext, target_params) -> EagleState:
@@ -257,3 +252,20 @@ class Eagle(Speculator):
             pending=jnp.where(act[:, None], nxt, state.pending),
             pending_feats=jnp.where(act[:, None, None], feats, state.pending_feats),
             pending_count=jnp.where(act, ctx.num_pairs, state.pending_count))
+
+
+def _check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):
+    """Static checks of the tree settings (and that the branching fits the vocabulary)."""
+    if tree is None:
+        n_cand = top_k + (depth - 1) * top_k * top_k
+        if not (top_k >= 1 and 1 <= depth <= total_tokens <= n_cand):
+            raise ValueError(f"Eagle dynamic tree needs top_k >= 1 and 1 <= depth <= "
+                             f"total_tokens <= top_k + (depth-1)*top_k**2 = {n_cand}; "
+                             f"got {top_k=}, {depth=}, {total_tokens=}")
+        widest = top_k
+    else:
+        static_tree(tree)  # validates the paths
+        widest = max(p[-1] for p in tree) + 1
+    if vocab is not None and widest > vocab:
+        raise ValueError(f"the tree asks for the top-{widest} children of a node but the "
+                         f"draft vocabulary has {vocab} tokens")
