@@ -149,9 +149,22 @@ def paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
+    mesh=None,
 ) -> jax.Array:  # [B, T, N, H]
-    """Attention of T new query tokens per row against a paged KV cache (see module doc)."""
+    """Attention of T new query tokens per row against a paged KV cache (see module doc).
+
+    With a mesh (`mesh`, or the one `jax.set_mesh` made active) the backend runs once per
+    shard under `shard_map`: KV heads over the model axis, rows over the data axis
+    (`specjax.sharding.per_shard`).
+    """
+    from specjax.sharding import rules as sharding_rules, per_shard
+
     backend = resolve_backend(backend)
     fn = reference_paged_attention if backend == "reference" else _pallas_backend()
+    mesh = sharding_rules.active_mesh() if mesh is None else mesh
+    if mesh is not None:
+        return per_shard.per_shard_attention(fn, mesh, q, k_pages, v_pages, page_table, kv_lens,
+                                             q_lens, mask, scale=scale, soft_cap=soft_cap,
+                                             sliding_window=sliding_window)
     return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, scale=scale,
               soft_cap=soft_cap, sliding_window=sliding_window)

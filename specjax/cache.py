@@ -49,14 +49,21 @@ class PagedKVCache:
     @classmethod
     def create(cls, config: ModelConfig, page_table: jax.Array, *, num_pages: int,
                page_size: int, dtype=None, lengths: jax.Array | None = None) -> "PagedKVCache":
-        """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`."""
+        """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`.
+
+        Under an active mesh (`jax.set_mesh`) the cache is laid out by the sharding rules
+        (KV heads over `model`, rows over `data`); call it inside `jax.jit` so the pages
+        are created shard by shard rather than on one device first.
+        """
+        from specjax.sharding.rules import constrain_cache
+
         dtype = dtype or config.dtype
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
         page_table = jnp.asarray(page_table, jnp.int32)
         if lengths is None:
             lengths = jnp.zeros((page_table.shape[0],), jnp.int32)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_table,
-                   jnp.asarray(lengths, jnp.int32))
+        return constrain_cache(cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_table,
+                                   jnp.asarray(lengths, jnp.int32)))
 
 
 def slot_pages(page_table: jax.Array, slots: jax.Array, valid: jax.Array, page_size: int,

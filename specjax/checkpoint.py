@@ -66,35 +66,45 @@ def params_to_hf(config: ModelConfig, params: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray],
-                 origin: dict[str, str] | None = None, dtype=None) -> Any:
-    """{HF name: array} -> params pytree; errors name the tensor and the file it came from."""
+def check_hf_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                     origin: dict[str, str] | None = None) -> None:
+    """Checks {HF name: shape} against `config`: unexpected, missing, wrong shape."""
     origin = origin or {}
     names = hf_names(config)
     # Tied checkpoints sometimes still carry lm_head.weight; rotary caches are derived.
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    extra = sorted(k for k in tensors if k not in names and k not in ignorable
+    extra = sorted(k for k in shapes if k not in names and k not in ignorable
                    and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(f"unexpected tensor {extra[0]!r} in {origin.get(extra[0], '?')} "
                          f"({len(extra)} unexpected in all) for a {config.model_type} config")
-    missing = sorted(k for k in names if k not in tensors)
+    missing = sorted(k for k in names if k not in shapes)
     if missing:
+        files = ", ".join(sorted(set(origin.values()))) or "the given tensors"
         raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) in "
-                         f"the checkpoint's safetensors files")
-    shapes = param_shapes(config)
+                         f"{files}")
+    params = param_shapes(config)
+    for name, (path, layer, transpose) in names.items():
+        target = _get(params, path).shape
+        want = tuple(target[1:] if layer is not None else target)
+        want = want[::-1] if transpose else want
+        if tuple(shapes[name]) != want:
+            raise ValueError(f"tensor {name!r} in {origin.get(name, '?')} has shape "
+                             f"{tuple(shapes[name])}, expected {want}")
+
+
+def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray],
+                 origin: dict[str, str] | None = None, dtype=None) -> Any:
+    """{HF name: array} -> params pytree; errors name the tensor and the file it came from."""
+    check_hf_tensors(config, {k: np.shape(v) for k, v in tensors.items()}, origin)
+    names = hf_names(config)
     out = jax.tree.map(lambda s: np.empty(s.shape, dtype or tensors[next(iter(names))].dtype),
-                       shapes)
+                       param_shapes(config))
     for name, (path, layer, transpose) in names.items():
         x = np.asarray(tensors[name])
         if transpose:
             x = x.T
         target = _get(out, path)
-        want = target.shape[1:] if layer is not None else target.shape
-        if x.shape != tuple(want):
-            raise ValueError(f"tensor {name!r} in {origin.get(name, '?')} has shape "
-                             f"{tuple(np.asarray(tensors[name]).shape)}, expected "
-                             f"{tuple(want[::-1]) if transpose else tuple(want)}")
         if layer is None:
             target[...] = x
         else:
@@ -102,10 +112,8 @@ def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray],
     return jax.tree.map(jnp.asarray, out)
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a HF directory (from the index if there is one)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -117,11 +125,18 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]
         files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors file in {path}")
-    tensors, origin = {}, {}
     for fname in files:
-        fpath = path / fname
-        if not fpath.exists():
-            raise FileNotFoundError(f"{fpath} is named in the index but does not exist")
+        if not (path / fname).exists():
+            raise FileNotFoundError(f"{path / fname} is named in the index but does not exist")
+    return [path / fname for fname in files]
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    tensors, origin = {}, {}
+    for fpath in safetensors_files(path):
         try:
             part = _load_bf16_aware(fpath, load_file)
         except (SafetensorError, OSError, ValueError) as e:
@@ -148,11 +163,13 @@ def _read_tokenizer(path: Path):
         raise ValueError(f"{tok_file}: cannot read tokenizer ({e})") from e
 
 
-def load(path: str | os.PathLike, dtype=None) -> Model:
+def load(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
     """Loads a Hugging Face directory (or an orbax directory saved by `save_orbax`).
 
     `dtype` ("float32", "bfloat16", ...) casts params and sets the compute dtype; None
-    keeps the checkpoint's (float32 if it does not say).
+    keeps the checkpoint's (float32 if it does not say). `mesh` (a `jax.sharding.Mesh`,
+    e.g. `specjax.make_mesh({'data': -1, 'model': 2})`) places every param straight onto
+    its shards by the sharding rules; no device ever holds the whole model.
     """
     path = Path(path)
     if not path.is_dir():
@@ -170,6 +187,9 @@ def load(path: str | os.PathLike, dtype=None) -> Model:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     config = config.replace(dtype=dtype)
+    if mesh is not None:
+        from specjax.sharding.loading import load_params
+        return Model(config, load_params(path, config, mesh), _read_tokenizer(path))
     if (path / "params").is_dir():  # orbax layout written by save_orbax
         params = restore_orbax(path / "params", config)
     else:
@@ -236,6 +256,25 @@ def restore_orbax(path: str | os.PathLike, config: ModelConfig, target: Any = No
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_shapes(config))
     try:
         with ocp.StandardCheckpointer() as ckptr:
+            saved = ckptr.metadata(path)
+            saved = getattr(saved, "item_metadata", saved)
+            _check_saved_shapes(getattr(saved, "tree", saved), target, path)
             return ckptr.restore(path, target)
     except (ValueError, KeyError, FileNotFoundError) as e:
+        if str(e).startswith(f"{path}: "):
+            raise
         raise ValueError(f"{path}: orbax params do not match the config ({e})") from e
+
+
+def _check_saved_shapes(saved: Any, target: Any, path: Path) -> None:
+    """Names the first param whose saved shape differs from `target`'s, before orbax reads."""
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
+
+    got, want = shapes(saved), shapes(target)
+    for name in sorted(got.keys() | want.keys()):
+        if got.get(name) != want.get(name):
+            raise ValueError(f"{path}: orbax params do not match the config: param {name} has "
+                             f"shape {got.get(name)} in the checkpoint, the config expects "
+                             f"{want.get(name)}")

@@ -2,6 +2,7 @@
 
   specjax generate [--model DIR] [--prompt TEXT | --ids 1,2,3] [--speculator ngram|draft|none]
   specjax bench decode [...]
+  specjax bench speculative [...]
 
 Errors in arguments exit non-zero with a one-line message naming the value.
 """
@@ -65,6 +66,9 @@ def _bench(args, rest) -> int:
     if args.what == "decode":
         from specjax.bench import decode
         return decode.main(rest)
+    if args.what == "speculative":
+        from specjax.bench import speculative
+        return speculative.main(rest)
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     g.add_argument("--k", type=int, default=4)
     g.add_argument("--json", action="store_true", help="also print stats as JSON")
     b = sub.add_parser("bench", help="benchmarks (scripts, not tests)")
-    b.add_argument("what", choices=["decode"])
+    b.add_argument("what", choices=["decode", "speculative"])
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "generate":

@@ -138,6 +138,14 @@ class ModelConfig:
         sliding = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             sliding = None
+        layer_types = set(cfg.get("layer_types") or ())
+        if sliding is not None and len(layer_types) > 1:  # Qwen2/3: max_window_layers
+            raise ValueError(
+                f"{source}: per-layer attention types {sorted(layer_types)} (sliding window "
+                f"on some layers only) are not supported; specjax applies sliding_window to "
+                f"every layer or to none")
+        if layer_types == {"full_attention"}:
+            sliding = None
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = tuple(eos)
@@ -193,7 +201,12 @@ class ModelConfig:
         if self.model_type in ("llama", "qwen3"):
             out["attention_bias"] = self.qkv_bias
         if self.model_type in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = self.sliding_window is not None
+            # Qwen windows only layers >= max_window_layers; specjax windows all or none.
+            sliding = self.sliding_window is not None
+            out["use_sliding_window"] = sliding
+            out["max_window_layers"] = 0 if sliding else self.num_layers
+            out["layer_types"] = [("sliding_attention" if sliding else "full_attention")
+                                  ] * self.num_layers
         return out
 
     def to_json(self) -> str:

@@ -29,6 +29,7 @@ from specjax.cache import PagedKVCache, PagePool, move_slots
 from specjax.config import ModelConfig
 from specjax.model import Model, module_for, step, validate_tokens
 from specjax.models.transformer import Hidden, Transformer
+from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
 from specjax.stats import GenerationStats, build_stats, leviathan_optimal_k
 from specjax.tree import ancestor_mask, check_tree
@@ -152,8 +153,22 @@ def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend)
                       target_calls=st.target_calls + active, hist=hist, steps=st.steps + 1)
 
 
-def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, cost_ratio: jax.Array, adaptive: jax.Array) -> LoopState:
+@struct.dataclass
+class Speculation:
+    """One propose + verify, before commit (also what `specjax.inspect` shows)."""
+
+    tree: Any  # DraftTree, validity cut by depth_limit and activity
+    result: Any  # VerifyResult
+    inputs: jax.Array  # [B, N+1] verify inputs: root, nodes
+    hidden: Hidden  # target hidden states of the inputs
+    cache: PagedKVCache  # with the N+1 inputs written
+    spec_state: Any
+    depth_limit: jax.Array  # [B]
+    key: jax.Array
+
+
+def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
+                    cost_ratio: jax.Array, adaptive: jax.Array) -> Speculation:
     b = st.tokens.shape[0]
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
@@ -183,6 +198,18 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
                                  q_lens=q_lens, hidden_layers=spec.hidden_layers,
                                  attention_backend=backend)
     res = verify(logits, tree, sampling, k_ver, spec.verification)
+    return Speculation(tree, res, inputs, hidden, cache, spec_state, limit, key)
+
+
+def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
+               backend, cost_ratio: jax.Array, adaptive: jax.Array) -> LoopState:
+    b = st.tokens.shape[0]
+    dm = spec.max_depth
+    active = ~st.done
+    sp = _propose_verify(config, params, spec, st, sampling, backend, cost_ratio, adaptive)
+    tree, res, inputs, hidden, cache = sp.tree, sp.result, sp.inputs, sp.hidden, sp.cache
+    spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
+    base = (st.lengths - 1)[:, None]
     # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
     budget = max_new - (st.lengths - st.prompt_lens)
     emit = jnp.minimum(res.num_accepted + 1, budget)
@@ -308,6 +335,9 @@ def generate(
         if not isinstance(speculator, Speculator):
             raise ValueError(f"speculator={speculator!r} is not a specjax Speculator")
         speculator.check_target(cfg)
+    mesh = shard.mesh_of(model.params)  # run where the params live (None: one device)
+    if mesh is not None and speculator is not None:
+        speculator = shard.shard_speculator(speculator, mesh)
     if ignore_eos:
         eos = ()
     elif eos_id is None:
@@ -329,25 +359,27 @@ def generate(
     buf = np.zeros((b, width), np.int32)
     for r, ids in enumerate(rows):
         buf[r, :len(ids)] = ids
-    cache = PagedKVCache.create(cfg, table, num_pages=pool.num_pages, page_size=page_size)
-    sampling = sampling_lib.Sampling.create(temperature, top_k, top_p)
+    cache = shard.create_cache(cfg, table, num_pages=pool.num_pages, page_size=page_size,
+                               mesh=mesh)
     eos_pad = _bucket(max(len(eos), 1), 8)  # fixed size so stop tokens never recompile
-    eos_arr = jnp.asarray(list(eos) + [-1] * (eos_pad - len(eos)), jnp.int32)
-    max_new = jnp.int32(max_new_tokens)
+    eos_list = list(eos) + [-1] * (eos_pad - len(eos))
+    sampling, key, max_new, eos_arr = shard.replicate(
+        (sampling_lib.Sampling.create(temperature, top_k, top_p), jax.random.key(seed),
+         jnp.int32(max_new_tokens), jnp.asarray(eos_list, jnp.int32)), mesh)
     cost = float(speculator.cost_ratio(cfg)) if speculator is not None else 0.0
-    key = jax.random.key(seed)
-    plens = jnp.asarray(lens, jnp.int32)
+    plens = shard.put(np.asarray(lens, np.int32), mesh, ("batch",), name="prompt_lens")
 
-    pre_args = (cfg, model.params, speculator, cache, jnp.asarray(buf), plens, sampling, key,
+    pre_args = (cfg, model.params, speculator, cache,
+                shard.put(buf, mesh, ("batch", None), name="tokens"), plens, sampling, key,
                 max_new, eos_arr)
     pre_kw = dict(chunk=chunk, num_chunks=num_chunks, backend=attention_backend)
     t0 = time.perf_counter()
-    pre = _compiled(_prefill, pre_args, pre_kw)
+    pre = _compiled(_prefill, pre_args, pre_kw, mesh)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
-    dec_args = (jnp.float32(cost), jnp.bool_(adaptive))
+    dec_args = tuple(shard.replicate((jnp.float32(cost), jnp.bool_(adaptive)), mesh))
     dec_kw = dict(backend=attention_backend)
     dec = _compiled(_decode, (cfg, model.params, speculator, state_shape, sampling, max_new,
-                              eos_arr) + dec_args, dec_kw)
+                              eos_arr) + dec_args, dec_kw, mesh)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -360,22 +392,22 @@ def generate(
     jax.block_until_ready(state.tokens)
     decode_s = time.perf_counter() - t0
 
-    out_tokens = np.asarray(state.tokens)
-    out_lens = np.asarray(state.lengths)
+    out_tokens = shard.to_host(state.tokens)
+    out_lens = shard.to_host(state.lengths)
     gen = [out_tokens[r, lens[r]:out_lens[r]].tolist() for r in range(b)]
     text = None
     if model.tokenizer is not None:
         text = [model.tokenizer.decode(g, skip_special_tokens=True) for g in gen]
     stats = build_stats(
-        new_tokens=[len(g) for g in gen], target_calls=np.asarray(state.target_calls),
-        draft_calls=np.asarray(state.draft_calls), drafted=np.asarray(state.drafted),
-        accepted=np.asarray(state.accepted), hist=np.asarray(state.hist), cost_ratio=cost,
+        new_tokens=[len(g) for g in gen], target_calls=shard.to_host(state.target_calls),
+        draft_calls=shard.to_host(state.draft_calls), drafted=shard.to_host(state.drafted),
+        accepted=shard.to_host(state.accepted), hist=shard.to_host(state.hist), cost_ratio=cost,
         ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
     return GenerationResult(gen, text, stats)
 
 
-# Compiled programs by (function, static args, argument shapes): jit's own cache would
-# compile on first call, which would put compile time into TTFT.
+# Compiled programs by (function, static args, argument shapes and shardings): jit's own
+# cache would compile on first call, which would put compile time into TTFT.
 _COMPILED: dict = {}
 
 
@@ -384,11 +416,13 @@ def _dyn(args):
     return args[1:]
 
 
-def _compiled(fn, args, kwargs):
+def _compiled(fn, args, kwargs, mesh=None):
     cfg, rest = args[0], args[1:]
     leaves, treedef = jax.tree.flatten(rest)
     sig = (fn.__name__, cfg, treedef, tuple(kwargs.items()),
-           tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x)))) for x in leaves))
+           tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
+                  getattr(x, "sharding", None)) for x in leaves))
     if sig not in _COMPILED:
-        _COMPILED[sig] = fn.lower(cfg, *rest, **kwargs).compile()
+        with shard.use_mesh(mesh):  # traced under the mesh: attention runs per shard
+            _COMPILED[sig] = fn.lower(cfg, *rest, **kwargs).compile()
     return _COMPILED[sig]

@@ -208,10 +208,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"hidden_layers entry {i} is outside [0, {c.num_layers})")
         taps = None
         tap_slots = None
-        if hidden_layers:
-            taps = jnp.zeros((len(hidden_layers), b, t, c.hidden_size), x.dtype)
-            table = [len(hidden_layers)] * c.num_layers
-            for slot, i in enumerate(hidden_layers):
+        tapped = tuple(dict.fromkeys(hidden_layers))  # each layer recorded once, even if repeated
+        if tapped:
+            taps = jnp.zeros((len(tapped), b, t, c.hidden_size), x.dtype)
+            table = [len(tapped)] * c.num_layers
+            for slot, i in enumerate(tapped):
                 table[i] = slot
             tap_slots = jnp.asarray(table, jnp.int32)
         (x, k_pages, v_pages, _, taps), _ = self.layers(
@@ -222,7 +223,7 @@ class Transformer(nn.Module):
         if cache is not None:
             new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages,
                                       lengths=cache.lengths + q_lens)
-        hidden = Hidden(final=h, layers=tuple(taps[i] for i in range(len(hidden_layers))))
+        hidden = Hidden(final=h, layers=tuple(taps[tapped.index(i)] for i in hidden_layers))
         return logits, hidden, new_cache
 
 

@@ -1,0 +1,1 @@
+"""Benchmark scripts (run as modules or through `specjax bench`), never timed tests."""

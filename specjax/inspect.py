@@ -1,0 +1,56 @@
+"""Look inside one speculative step: the draft tree a speculator proposes after the
+prompt, and what the target's verification keeps of it. For notebooks and debugging;
+the decode loop runs the very same functions (`generation._propose_verify`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import generation as gen
+from specjax.cache import PagedKVCache, PagePool
+from specjax.model import Model
+from specjax.sampling import Sampling
+from specjax.speculators.base import Speculator
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _one(config, params, spec, state, sampling):
+    return gen._propose_verify(config, params, spec, state, sampling, None, jnp.float32(0.0),
+                               jnp.bool_(False))
+
+
+def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
+                temperature: float = 0.0, seed: int = 0, page_size: int = 16) -> dict:
+    """Prefill `prompt`, sample its first token, then one propose + verify.
+
+    Returns numpy values: `root` (the first generated token), per node `tokens`,
+    `parents` (-1 = root), `depth`, `valid`, and the verifier's `accepted` node indices,
+    `num_accepted` and `bonus`.
+    """
+    cfg = model.config
+    ids = gen._as_token_lists(model, [prompt])[0]
+    width = gen._bucket(len(ids) + speculator.num_nodes + 2, 64)
+    pool = PagePool(-(-width // page_size), page_size)
+    pool.allocate(0, width)
+    cache = PagedKVCache.create(cfg, pool.page_table([0], pool.num_pages),
+                                num_pages=pool.num_pages, page_size=page_size)
+    buf = np.zeros((1, width), np.int32)
+    buf[0, :len(ids)] = ids
+    sampling = Sampling.create(temperature)
+    chunk = 1 << (len(ids) - 1).bit_length()
+    state = gen._prefill(cfg, model.params, speculator, cache, jnp.asarray(buf),
+                         jnp.asarray([len(ids)], jnp.int32), sampling, jax.random.key(seed),
+                         jnp.int32(2), jnp.full((8,), -1, jnp.int32), chunk=chunk,
+                         num_chunks=1, backend=None)
+    state = state.replace(done=jnp.zeros_like(state.done))
+    sp = _one(cfg, model.params, speculator, state, sampling)
+    t, r = sp.tree, sp.result
+    first = lambda x: np.asarray(x)[0]
+    return dict(root=int(first(state.tokens)[len(ids)]), tokens=first(t.tokens),
+                parents=first(t.parents), depth=first(t.depth), valid=first(t.valid),
+                accepted=first(r.accepted), num_accepted=int(first(r.num_accepted)),
+                bonus=int(first(r.bonus)))

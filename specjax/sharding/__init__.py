@@ -1,0 +1,25 @@
+"""Sharding: logical axis names, one rules table, meshes, placement and the memory planner.
+
+See docs/sharding.md. `load(path, mesh=...)`, `shard_model` and `generate` use these;
+the loader (`specjax.sharding.loading`) is imported on use.
+"""
+
+from specjax.sharding.memory import (DoesNotFitError, MemoryPlan, cache_bytes, check_fits,
+                                     params_bytes, plan_memory)
+from specjax.sharding.per_shard import per_shard_attention
+from specjax.sharding.rules import (
+    CACHE_AXES, PARAM_AXES, REPLICATE_IF_INDIVISIBLE, RULES, ShardingError, active_mesh,
+    auto_mesh, cache_specs, constrain, constrain_cache, create_cache, logical_spec, make_mesh,
+    mesh_axis, mesh_of, param_logical_axes, param_shardings, param_specs, partition_spec, put,
+    replicate, shard_batch, shard_model, shard_params, shard_speculator, to_host, tree_specs,
+    use_mesh)
+
+__all__ = [
+    "CACHE_AXES", "DoesNotFitError", "MemoryPlan", "PARAM_AXES", "REPLICATE_IF_INDIVISIBLE",
+    "RULES", "ShardingError", "active_mesh", "auto_mesh", "cache_bytes", "cache_specs",
+    "check_fits", "constrain", "constrain_cache", "create_cache", "logical_spec", "make_mesh",
+    "mesh_axis", "mesh_of", "param_logical_axes", "param_shardings", "param_specs",
+    "params_bytes", "partition_spec", "per_shard_attention", "plan_memory", "put",
+    "replicate", "shard_batch", "shard_model", "shard_params", "shard_speculator", "to_host",
+    "tree_specs", "use_mesh",
+]

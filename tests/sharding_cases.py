@@ -1,0 +1,228 @@
+"""Multi-device sharding cases, run on 8 forced CPU devices in a subprocess.
+
+XLA fixes the CPU device count when jax is first imported, so these cases cannot share
+the main pytest process. `tests/test_sharding.py::test_multidevice` runs this file as
+`XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/sharding_cases.py`
+(and `test_multidevice_slow` its `slow` cases, with `-m slow`). The name does not start
+with `test_` so the main run does not collect it with one device. To run it by hand:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python -m pytest tests/sharding_cases.py -m 'slow or not slow'
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import specjax
+from specjax import attention, sharding
+from specjax.config import tiny_llama
+
+if jax.device_count() != 8:  # pragma: no cover - misuse guard
+    pytest.exit("tests/sharding_cases.py needs XLA_FLAGS=--xla_force_host_platform_device_count=8",
+                returncode=2)
+
+# float32 tolerances for sharded vs unsharded math (reductions split across devices)
+RTOL, ATOL = 1e-5, 1e-6
+
+# heads 8 / kv_heads 4: model axis 4 shards KV heads; model axis 8 replicates them (rule).
+TARGET = tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=8, num_kv_heads=4)
+MESHES = {"1x1": (1, 1), "1x8": (1, 8), "2x4": (2, 4), "8x1": (8, 1)}
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5], [9, 2, 6],
+           [10, 11, 12, 13, 14, 15, 16, 17, 18], [5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]  # ragged
+NEW = 8
+
+
+def mesh_of(name: str):
+    d, m = MESHES[name]
+    return specjax.make_mesh({"data": d, "model": m}, devices=jax.devices()[:d * m])
+
+
+@functools.lru_cache(maxsize=None)
+def target() -> specjax.Model:
+    return specjax.init_model(TARGET, seed=0)
+
+
+@functools.lru_cache(maxsize=None)
+def draft() -> specjax.Model:
+    """The target's first layer alone: a distinct, cheaper config that agrees often."""
+    params = dict(target().params)
+    params["layers"] = jax.tree.map(lambda x: x[:1], params["layers"])
+    return specjax.Model(TARGET.replace(num_layers=1), params)
+
+
+def speculator(kind: str):
+    if kind == "plain":
+        return None
+    if kind == "ngram":
+        return specjax.speculators.NGram(k=3)
+    return specjax.speculators.DraftModel(model=draft(), k=3)
+
+
+@functools.lru_cache(maxsize=None)
+def run(kind: str, mesh_name: str, temperature: float):
+    model = specjax.shard_model(target(), mesh_of(mesh_name))
+    res = specjax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                           temperature=temperature, seed=3, speculator=speculator(kind),
+                           adaptive=False)
+    return res.tokens, int(res.stats.accepted)
+
+
+# ---------------------------------------------------------------------------- meshes
+def test_make_mesh_fills_and_is_auto():
+    mesh = specjax.make_mesh({"data": -1, "model": 2})
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(ValueError, match="not divisible"):
+        specjax.make_mesh({"data": -1, "model": 3})
+
+
+# ---------------------------------------------------------------------------- generate
+SLOW = {("ngram", "1x8"), ("ngram", "8x1"), ("draft", "1x8"), ("draft", "8x1")}
+CASES = [pytest.param(k, m, marks=[pytest.mark.slow] if (k, m) in SLOW else [], id=f"{k}-{m}")
+         for k in ("plain", "ngram", "draft") for m in MESHES if m != "1x1"]
+
+
+@pytest.mark.parametrize("kind,mesh_name", CASES)
+def test_generate_identical_across_meshes(kind, mesh_name):
+    """Greedy and seeded sampling give the 1×1 mesh's tokens on every mesh."""
+    for temperature in (0.0, 1.0):  # sampling is traced: both share one compiled program
+        want, _ = run(kind, "1x1", temperature)
+        got, accepted = run(kind, mesh_name, temperature)
+        assert got == want, (kind, mesh_name, temperature)
+    if kind != "plain":  # lossless: speculative greedy is the target's greedy
+        assert run(kind, mesh_name, 0.0)[0] == run("plain", "1x1", 0.0)[0]
+        assert run(kind, mesh_name, 0.0)[1] + run(kind, mesh_name, 1.0)[1] > 0  # drafts accepted
+
+
+def laid_out(x: jax.Array, mesh, spec: P) -> bool:
+    return x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+
+
+def test_single_device_params_equal_the_mesh_of_one():
+    """No mesh at all (params on one device) is the same program as the 1×1 mesh."""
+    res = specjax.generate(target(), PROMPTS, max_new_tokens=NEW, ignore_eos=True, seed=3,
+                           adaptive=False)
+    assert res.tokens == run("plain", "1x1", 0.0)[0]
+
+
+def test_cache_follows_the_rules():
+    mesh = mesh_of("2x4")
+    table = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+    cache = sharding.create_cache(TARGET, table, num_pages=24, page_size=4, mesh=mesh)
+    assert laid_out(cache.k_pages, mesh, P(None, "model"))
+    assert laid_out(cache.page_table, mesh, P("data"))
+    assert laid_out(cache.lengths, mesh, P("data"))
+    # model axis 8 > kv_heads 4: the cache is replicated over `model` (documented rule)
+    mesh = mesh_of("1x8")
+    cache = sharding.create_cache(TARGET, table, num_pages=24, page_size=4, mesh=mesh)
+    assert laid_out(cache.k_pages, mesh, P())
+
+
+# ---------------------------------------------------------------------------- attention hook
+def _paged_inputs(rng, b=4, t=3, n=8, k=4, h=8, pages=16, z=4, m=4):
+    q = rng.standard_normal((b, t, n, h), dtype=np.float32)
+    kp = rng.standard_normal((k, pages, z, h), dtype=np.float32)
+    vp = rng.standard_normal((k, pages, z, h), dtype=np.float32)
+    table = rng.permutation(pages).reshape(b, m).astype(np.int32)  # shuffled pages
+    q_lens = np.array([3, 1, 2, 3], np.int32)
+    kv_lens = np.array([z - 1, z, z + 1, 13], np.int32) + q_lens  # ragged around a page
+    mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+    mask[0, 2, 1] = False  # a tree: node 2 is a sibling of node 1
+    return q, kp, vp, table, kv_lens, q_lens, mask
+
+
+@pytest.mark.parametrize("mesh_name", ["2x4", "1x8"])
+def test_paged_attention_per_shard_matches(mesh_name):
+    args = _paged_inputs(np.random.default_rng(0))
+    kw = dict(scale=8 ** -0.5, backend="reference")
+    want = attention.paged_attention(*args, **kw)
+    got = jax.jit(functools.partial(attention.paged_attention, mesh=mesh_of(mesh_name), **kw))(
+        *args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
+
+
+def test_model_step_under_a_mesh_runs_attention_per_shard():
+    model = specjax.shard_model(target(), mesh_of("2x4"))
+    cache = sharding.create_cache(TARGET, np.arange(8).reshape(2, 4), num_pages=8,
+                                  page_size=4, mesh=mesh_of("2x4"))
+    tok = jnp.zeros((2, 3), jnp.int32)
+    with jax.set_mesh(mesh_of("2x4")):
+        jaxpr = jax.make_jaxpr(functools.partial(specjax.step, TARGET))(
+            model.params, cache, tok, tok)
+    assert "shard_map" in str(jaxpr)
+
+
+# ---------------------------------------------------------------------------- loading
+@pytest.mark.parametrize("layout", ["safetensors", "orbax"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_places_params_on_the_mesh(tmp_path, layout, dtype):
+    if layout == "safetensors":
+        specjax.save_hf(target(), tmp_path, max_shard_bytes=200_000)  # several files
+    else:
+        specjax.save_orbax(target(), tmp_path)
+    mesh = mesh_of("2x4")
+    got = specjax.load(tmp_path, dtype=dtype, mesh=mesh)
+    want = specjax.load(tmp_path, dtype=dtype)
+    specs = sharding.param_specs(got.config, mesh)
+    for (path, x), spec, y in zip(jax.tree.leaves_with_path(got.params), jax.tree.leaves(
+            specs, is_leaf=lambda s: isinstance(s, P)), jax.tree.leaves(want.params)):
+        assert laid_out(x, mesh, spec), (path, x.sharding)
+        assert x.dtype == jnp.dtype(dtype), path
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)),
+                                      np.asarray(y.astype(jnp.float32)), err_msg=str(path))
+
+
+def test_load_refuses_an_indivisible_mesh_before_reading(tmp_path):
+    specjax.save_hf(target(), tmp_path)
+    mesh = specjax.make_mesh({"data": 1, "model": 3}, devices=jax.devices()[:3])
+    with pytest.raises(sharding.ShardingError,
+                       match=r"embed_tokens/embedding: vocab=256 .*model=3"):
+        specjax.load(tmp_path, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------- training
+def _train_step(params, tokens, lr=0.5):
+    """One SGD step of next-token cross-entropy over `specjax.step` (uncached forward)."""
+
+    def loss_fn(p):
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        pos = jnp.broadcast_to(jnp.arange(inp.shape[1], dtype=jnp.int32), inp.shape)
+        logits, _, _ = specjax.step(TARGET, p, None, inp, pos)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], axis=-1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return loss, jax.tree.map(lambda w, g: w - lr * g, params, grads)
+
+
+def test_sharded_train_step_equals_unsharded():
+    tokens = np.random.default_rng(0).integers(0, TARGET.vocab_size, (8, 12), dtype=np.int32)
+    step = jax.jit(_train_step)
+    loss0, new0 = step(target().params, jnp.asarray(tokens))
+    mesh = mesh_of("2x4")
+    params = sharding.shard_params(target().params, mesh, config=TARGET)
+    with jax.set_mesh(mesh):
+        loss1, new1 = step(params, sharding.shard_batch(tokens, mesh))
+    np.testing.assert_allclose(float(loss1), float(loss0), rtol=RTOL)
+    for a, b, p in zip(jax.tree.leaves(new1), jax.tree.leaves(new0), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+        assert a.sharding.is_equivalent_to(p.sharding, a.ndim)  # updates keep the layout
+
+
+def test_shard_batch_splits_rows_over_data():
+    mesh = mesh_of("2x4")
+    batch = sharding.shard_batch({"tokens": np.zeros((8, 5), np.int32)}, mesh)
+    assert laid_out(batch["tokens"], mesh, P("data"))
+    with jax.set_mesh(mesh):  # logical constraints inside a step, as train/ would use them
+        x = jax.jit(lambda t: sharding.constrain(t * 2, ("batch", "embed")))(batch["tokens"])
+    assert laid_out(x, mesh, P("data"))
+    with pytest.raises(sharding.ShardingError, match="batch=3"):
+        sharding.shard_batch(np.zeros((3, 5), np.int32), mesh)

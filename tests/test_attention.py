@@ -1,0 +1,142 @@
+"""specjax.attention: the entry point's contract (module docstring), checked on hostile data.
+
+Unused pages and every slot at or past a row's length hold NaN; page tables are
+shuffled; lengths are ragged around the page size. The reference is a float64 numpy
+loop that spells the contract out slot by slot. Decode, prefill, verify and tree
+cases are kept apart.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import attention
+from specjax.config import ModelConfig
+from tests.hf_models import CACHE_ATOL, VOCAB, random_params
+
+ATOL = CACHE_ATOL["float32"]
+N, K, H = 4, 2, 8  # query heads, KV heads, head_dim
+Z, M, P = 4, 5, 32  # page size, pages per row, pages in the pool (7 never named)
+# kv_lens around the page size: Z-1, Z, Z+1, long; an idle row (nothing new, empty).
+KV_LENS = np.asarray([Z - 1, Z, Z + 1, M * Z - 2, 0], np.int32)
+
+
+def _naive(q, k_pages, v_pages, table, kv_lens, q_lens, mask, scale, soft_cap, window):
+    """float64 loop over the contract: [B, T, N, H], padding queries left at 0."""
+    b, t_len = q.shape[:2]
+    out = np.zeros(q.shape, np.float64)
+    for row in range(b):
+        start = kv_lens[row] - q_lens[row]
+        for t in range(q_lens[row]):
+            seen = []
+            for j in range(kv_lens[row]):
+                rel = j - start
+                ok = rel < 0 or (mask[row, t, rel] if mask is not None else rel <= t)
+                if window is not None:
+                    ok = ok and start + t - j < window
+                if ok:
+                    seen.append(j)
+            page = table[row, np.asarray(seen) // Z]
+            off = np.asarray(seen) % Z
+            for n in range(N):
+                kk = k_pages[n // (N // K), page, off].astype(np.float64)  # [S', H]
+                vv = v_pages[n // (N // K), page, off].astype(np.float64)
+                s = kk @ q[row, t, n].astype(np.float64) * scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.exp(s - s.max())
+                out[row, t, n] = (p / p.sum()) @ vv
+    return out
+
+
+def _case(t_len, q_lens, mask=None, seed=0):
+    """Inputs with NaN in every unused page and every slot at or past kv_lens."""
+    rng = np.random.default_rng(seed)
+    b = len(KV_LENS)
+    table = rng.permutation(P)[:b * M].reshape(b, M).astype(np.int32)
+    k_pages = np.full((K, P, Z, H), np.nan, np.float32)
+    v_pages = np.full((K, P, Z, H), np.nan, np.float32)
+    for row in range(b):
+        for j in range(KV_LENS[row]):
+            page, off = table[row, j // Z], j % Z
+            k_pages[:, page, off] = rng.standard_normal((K, H))
+            v_pages[:, page, off] = rng.standard_normal((K, H))
+    q = rng.standard_normal((b, t_len, N, H)).astype(np.float32)
+    return q, k_pages, v_pages, table, KV_LENS.copy(), np.asarray(q_lens, np.int32), mask
+
+
+def _tree_mask(parents, t_len, b):
+    mask = np.zeros((b, t_len, t_len), bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            mask[:, i, j] = True
+            j = parents[j]
+    return mask
+
+
+CASES = {  # name -> (T, q_lens, tree parents or None)
+    "decode": (1, [1, 1, 1, 1, 0], None),
+    "prefill": (5, [3, 4, 5, 5, 0], None),  # whole rows (first 3) and a chunk (row 3)
+    "verify": (3, [3, 2, 3, 3, 0], None),  # a k+1 = 3 chain, one row shorter
+    "tree": (5, [3, 4, 5, 5, 0], [-1, 0, 0, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("soft_cap, window", [(None, None), (5.0, None), (None, 3)])
+@pytest.mark.parametrize("name", CASES)
+def test_reference_matches_contract_with_nan_outside(name, soft_cap, window):
+    t_len, q_lens, parents = CASES[name]
+    mask = None if parents is None else _tree_mask(parents, t_len, len(KV_LENS))
+    args = _case(t_len, q_lens, mask)
+    scale = H ** -0.5
+    out = np.asarray(attention.paged_attention(
+        *map(lambda a: None if a is None else jnp.asarray(a), args), scale=scale,
+        soft_cap=soft_cap, sliding_window=window, backend="reference"))
+    assert np.isfinite(out).all()  # NaN never reaches any output, padding queries included
+    want = _naive(*args, scale, soft_cap, window)
+    for row, n in enumerate(q_lens):
+        np.testing.assert_allclose(out[row, :n], want[row, :n], atol=ATOL, rtol=0)
+
+
+def test_nan_query_rows_stay_in_their_row():
+    """A NaN query (a garbage padding token) poisons only its own output."""
+    q, k_pages, v_pages, table, kv_lens, q_lens, _ = _case(5, [3, 4, 5, 5, 0])
+    q[0, 4] = np.nan  # row 0 has q_len 3: t = 4 is padding
+    out = np.asarray(attention.paged_attention(
+        jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(table),
+        jnp.asarray(kv_lens), jnp.asarray(q_lens), scale=H ** -0.5, backend="reference"))
+    bad = ~np.isfinite(out).all(axis=(2, 3))
+    assert bad.sum() <= 1 and not bad[:, :4].any() and not bad[1:].any()
+
+
+def test_default_backend_and_env_var(monkeypatch):
+    monkeypatch.delenv("SPECJAX_ATTENTION", raising=False)
+    assert attention.default_backend() == ("reference" if jax.default_backend() == "cpu"
+                                           else "pallas")
+    monkeypatch.setenv("SPECJAX_ATTENTION", "reference")
+    assert attention.resolve_backend(None) == "reference"
+    monkeypatch.setenv("SPECJAX_ATTENTION", "flash")
+    with pytest.raises(ValueError, match=r"SPECJAX_ATTENTION='flash' must be one of"):
+        attention.resolve_backend(None)
+    assert attention.resolve_backend("reference") == "reference"  # explicit beats the env
+
+
+def test_backend_argument_validation(monkeypatch):
+    monkeypatch.delenv("SPECJAX_ATTENTION", raising=False)
+    args = [jnp.asarray(a) for a in _case(1, [1, 1, 1, 1, 0])[:6]]
+    with pytest.raises(ValueError, match=r"attention backend='cuda' must be one of"):
+        attention.paged_attention(*args, scale=1.0, backend="cuda")
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=4, num_kv_heads=2)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"attention backend='cuda'"):
+        specjax.step(config, random_params(config), None, tokens, tokens,
+                     attention_backend="cuda")
+    monkeypatch.setenv("SPECJAX_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match=r"SPECJAX_ATTENTION='bogus'"):
+        specjax.step(config, random_params(config), None, tokens, tokens)

@@ -1,0 +1,138 @@
+"""specjax.model / specjax.models: parity with transformers, hidden states, eval_shape, bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax.checkpoint import hf_to_params
+from specjax.config import ModelConfig, llama3_70b, llama3_8b
+from tests.hf_models import (PARITY_ATOL, VOCAB, hf_logits, max_diff, random_params,
+                             state_dict_np, tiny_hf)
+
+ATOL = PARITY_ATOL["float32"]
+SEQ = 40  # > 32: past llama3/yarn original_max_position_embeddings and the sliding window
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+
+# name -> (family, HF config overrides, ModelConfig field whose removal must break parity)
+CASES = {
+    "llama-gqa": ("llama", {}, None),
+    "llama-mha": ("llama", {"num_key_value_heads": 4}, None),
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}, None),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}, None),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}, "rope_scaling"),
+    "llama-linear-rope": ("llama", {"rope_parameters": {
+        "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}, "rope_scaling"),
+    "llama-yarn": ("llama", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0}}, "rope_scaling"),
+    "llama-yarn-mscale": ("llama", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0, "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0,
+        "mscale_all_dim": 0.5}}, "rope_scaling"),
+    # Dynamic NTK equals the default within max_position_embeddings (all specjax serves).
+    "llama-dynamic": ("llama", {"rope_parameters": {
+        "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}, None),
+    "mistral-sliding": ("mistral", {"sliding_window": 8}, "sliding_window"),
+    "qwen2-bias": ("qwen2", {}, None),
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 8,
+                                "max_window_layers": 0}, "sliding_window"),
+    "qwen2-mqa-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}, None),
+    "qwen3-qknorm": ("qwen3", {"head_dim": 16}, None),  # head_dim 16 != 32 / 4
+    "qwen3-mha-tied": ("qwen3", {"head_dim": 16, "num_key_value_heads": 4,
+                                 "tie_word_embeddings": True}, None),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "hidden_layers"))
+def _run(config, params, tokens, hidden_layers=()):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, hidden, _ = specjax.step(config, params, None, tokens, positions,
+                                     hidden_layers=hidden_layers)
+    return logits, hidden
+
+
+@functools.lru_cache(maxsize=None)
+def _case(name):
+    """(HF model, HF outputs, ModelConfig, params from the state dict, tokens) for a case."""
+    family, overrides, _ = CASES[name]
+    hf = tiny_hf(family, seed=0, **overrides)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ))
+    ref = hf_logits(hf, tokens, output_hidden_states=True)
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    params = hf_to_params(config, state_dict_np(hf))
+    return hf, ref, config, params, tokens
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_state_dict_parity_with_transformers(name):
+    hf, ref, config, params, tokens = _case(name)
+    assert config.model_type == CASES[name][0]
+    layers = (0, config.num_layers - 1)
+    logits, hidden = _run(config, params, jnp.asarray(tokens), hidden_layers=layers)
+    assert max_diff(logits, ref.logits) <= ATOL
+    # Hidden states: ours layer i == HF hidden_states[i + 1] (non-final); final post-norm
+    # == HF's last hidden state, which HF also stores post-norm.
+    assert max_diff(hidden.layers[0], ref.hidden_states[1]) <= ATOL
+    assert max_diff(hidden.final, ref.hidden_states[-1]) <= ATOL
+    with torch.no_grad():
+        normed = hf.model.norm(torch.from_numpy(np.array(hidden.layers[1])))
+    assert max_diff(normed, ref.hidden_states[-1]) <= ATOL
+
+    broken_field = CASES[name][2]
+    if broken_field is not None:  # the feature under test really changes these logits
+        plain = config.replace(**{broken_field: None})
+        assert max_diff(_run(plain, params, jnp.asarray(tokens))[0], ref.logits) > 1e3 * ATOL
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-tied", "llama3-rope", "mistral-sliding",
+                                  "qwen2-bias", "qwen3-qknorm"])
+def test_save_pretrained_then_load_parity(name, tmp_path):
+    hf, ref, config, params, tokens = _case(name)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = specjax.load(tmp_path)
+    assert model.config == config
+    assert max_diff(specjax.forward(model, tokens), ref.logits) <= ATOL
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hidden_layers_any_order_and_repeated():
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=3,
+                         num_heads=4, num_kv_heads=2)
+    params = random_params(config, 0)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 5)))
+    _, ref = _run(config, params, tokens, hidden_layers=(0, 1, 2))
+    _, got = _run(config, params, tokens, hidden_layers=(2, 1, 1, 0))
+    for i, layer in enumerate((2, 1, 1, 0)):
+        np.testing.assert_array_equal(np.asarray(got.layers[i]), np.asarray(ref.layers[layer]))
+    with pytest.raises(ValueError, match="hidden_layers entry 3"):
+        _run(config, params, tokens, hidden_layers=(3,))
+
+
+@pytest.mark.parametrize("make, published", [(llama3_8b, 8_030_261_248),
+                                             (llama3_70b, 70_553_706_496)])
+def test_param_shapes_of_published_configs(make, published):
+    config = make()
+    shapes = specjax.param_shapes(config)
+    leaves = jax.tree.leaves(shapes)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
+    assert sum(int(np.prod(x.shape)) for x in leaves) == published
+    assert config.param_count() == published
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1])
+def test_forward_rejects_out_of_vocab_tokens(bad):
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=4, num_kv_heads=2)
+    model = specjax.Model(config, random_params(config, 0))
+    with pytest.raises(ValueError, match=rf"token id {bad}\b.*\[0, {VOCAB}\)"):
+        specjax.forward(model, [[1, 2, bad, 3]])

@@ -1,0 +1,119 @@
+"""Draft distillation: divergences, the target sampler, and a distilled draft that agrees
+with its target more often than an untrained one; the pretrain job's export."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from train import jobs, losses
+from train import tokenizer as tok_lib
+from train.forward import causal_logits
+from train.methods import Distill
+from train_setup import DATA, DRAFT, MODEL, tiny_data, train_config
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny target, pretrained by the pretrain job (same programs as the trainer tests)."""
+    return jobs.pretrain(tmp_path_factory.mktemp("target"), MODEL,
+                         train_config(steps=100, checkpoint_every=0), DATA)
+
+
+@pytest.fixture(scope="module")
+def distilled(target, tmp_path_factory):
+    return jobs.distill(tmp_path_factory.mktemp("draft"), target.export_dir, DRAFT,
+                        train_config(steps=60, checkpoint_every=0, eval_at_start=True), DATA)
+
+
+def eval_lines(workdir):
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["split"] == "eval"]
+
+
+@jax.jit
+def _divergence_cases():
+    p = jnp.log(jnp.array([[[0.5, 0.5, 1e-30]]]))  # target
+    q = jnp.log(jnp.array([[[0.9, 0.1, 1e-30]]]))  # draft
+    one = jnp.ones((1, 1))
+    out = {"by_hand": (losses.total_variation(p, q, one), losses.forward_kl(p, q, one),
+                       losses.reverse_kl(p, q, one), losses.top1_agreement(p, q, one))}
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    other = logits.at[1].add(3.0 * jax.random.normal(jax.random.key(1), (5, 7)))
+    ones, first_row = jnp.ones((2, 5)), jnp.array([[1.0] * 5, [0.0] * 5])
+    for name, fn in losses.DIVERGENCES.items():
+        out[name] = (fn(logits, logits, ones), fn(other, logits, ones),
+                     fn(other, logits, first_row))
+    return out
+
+
+def test_divergences_by_hand():
+    out = _divergence_cases()
+    tvd, fkl, rkl, agree = out["by_hand"]
+    assert tvd == pytest.approx(0.4, abs=1e-6)
+    assert fkl == pytest.approx(0.5 * np.log(0.5 / 0.9) + 0.5 * np.log(0.5 / 0.1), abs=1e-5)
+    assert rkl == pytest.approx(0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5), abs=1e-5)
+    assert agree == 1.0
+    for name in losses.DIVERGENCES:
+        same, differ, masked = out[name]
+        assert same == pytest.approx(0.0, abs=1e-6), name
+        assert differ > 0.01, name
+        assert masked == pytest.approx(0.0, abs=1e-6), name  # only row 0 counts; it is equal
+    with pytest.raises(ValueError, match="divergence='kl'"):
+        Distill(DRAFT, MODEL, divergence="kl")
+    with pytest.raises(ValueError, match="vocab_size"):
+        Distill(DRAFT.replace(vocab_size=64), MODEL)
+
+
+def test_pretrain_job_exports_the_target(target):
+    assert target.train.finished and target.export_dir == target.workdir / "export"
+    loaded = specjax.load(target.export_dir)
+    assert loaded.config == MODEL
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(target.train.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert tok_lib.fingerprint(loaded.tokenizer) == tok_lib.fingerprint(
+        tok_lib.load_tokenizer(target.workdir / "tokenizer.json"))
+
+
+def test_distilled_draft_agrees_with_target_more_than_untrained(target, distilled):
+    first, last = eval_lines(distilled.workdir)[0], eval_lines(distilled.workdir)[-1]
+    assert first["step"] == 0 and last["step"] == 60
+    assert last["agreement"] > first["agreement"] + 0.3, (first, last)  # acceptance proxy
+    assert last["tvd"] < first["tvd"] - 0.2
+    assert last == pytest.approx({**distilled.train.eval, "step": 60, "split": "eval"})
+    draft = specjax.load(distilled.export_dir)
+    assert draft.config == DRAFT
+    assert tok_lib.fingerprint(draft.tokenizer) == tok_lib.fingerprint(
+        specjax.load(target.export_dir).tokenizer)
+
+
+def test_sampled_source_is_the_targets_greedy_continuation(target):
+    """source="target" at temperature 0: the batch's tokens after the prompt are the
+    target's greedy continuation, and only those positions are trained on."""
+    model = specjax.load(target.export_dir)
+    method = Distill(DRAFT, MODEL, source="target", prompt_len=8, sample_temperature=0.0)
+    batch = {"tokens": jnp.asarray(tiny_data().eval[:2, :14]), "mask": jnp.ones((2, 14))}
+    draft_params = jax.tree.map(jnp.zeros_like, specjax.param_shapes(DRAFT))
+
+    @jax.jit
+    def run(rng):
+        tokens, mask = method._tokens(model.params, batch, rng)
+        loss = method.loss_fn(draft_params, model.params, batch, rng)[0]
+        return tokens, mask, loss, causal_logits(MODEL, model.params, tokens)
+
+    tokens, mask, loss, logits = run(jax.random.key(3))
+    assert (tokens[:, :8] == batch["tokens"][:, :8]).all()
+    # Causal: re-reading the finished sequence, each new token is the argmax before it.
+    np.testing.assert_array_equal(jnp.argmax(logits[:, 7:13], -1), tokens[:, 8:])
+    assert mask[0].tolist() == [0.0] * 7 + [1.0] * 7
+    assert np.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_distill_on_target_samples(target, tmp_path):
+    result = jobs.distill(tmp_path, target.export_dir, DRAFT, train_config(steps=8), DATA,
+                          source="target", prompt_len=8, divergence="forward_kl")
+    assert result.train.finished and np.isfinite(result.train.eval["forward_kl"])

@@ -1,0 +1,125 @@
+"""Packed token sequences and a step-addressed batch order.
+
+Documents become `<|bos|> ids <|eos|>` and are concatenated and cut into rows of
+`seq_len` tokens (the remainder is dropped). Training batches are addressed by step:
+example `i = step * batch_size + j` is row `perm_e[i % n]` of epoch `e = i // n`, where
+`perm_e` is a permutation keyed by `(seed, e)`. A run resumed at step s therefore sees
+exactly the batches an uninterrupted run sees. Held-out batches are the eval rows in
+order; the last one is padded (mask 0) so every batch has one static shape.
+
+Batch layout, for every method: `{"tokens": int32 [B, T], "mask": float32 [B, T]}`,
+mask 1 where the token is real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from train import tokenizer as tok_lib
+from train.corpus import Corpus, CorpusConfig, load_corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Corpus plus packing: what a run trains and evaluates on."""
+
+    corpus: CorpusConfig = CorpusConfig()
+    seq_len: int = 256
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len} must be at least 2")
+
+
+def pack(docs: Sequence[np.ndarray], seq_len: int, bos: int | None, eos: int | None
+         ) -> np.ndarray:
+    """int32 [N, seq_len]: documents framed by bos/eos, concatenated, cut into rows."""
+    pieces = []
+    for ids in docs:
+        if bos is not None:
+            pieces.append(np.asarray([bos], np.int32))
+        pieces.append(np.asarray(ids, np.int32))
+        if eos is not None:
+            pieces.append(np.asarray([eos], np.int32))
+    stream = np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
+    n = len(stream) // seq_len
+    return stream[:n * seq_len].reshape(n, seq_len)
+
+
+@functools.lru_cache(maxsize=8)
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of the n rows in `epoch`; a pure function of (n, seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def batch_rows(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
+    """Row indices of training batch `step` (epochs wrap mid-batch without a gap)."""
+    example = step * batch_size + np.arange(batch_size)
+    epochs, offsets = np.divmod(example, n)
+    return np.asarray([epoch_permutation(n, seed, int(e))[o] for e, o in zip(epochs, offsets)])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenData:
+    """Train and held-out rows, and the batch order. The trainer's data interface."""
+
+    train: np.ndarray  # [N, T] int32
+    eval: np.ndarray  # [M, T] int32
+    pad_id: int
+    seed: int
+    name: str = ""
+    tokenizer_fingerprint: str = ""
+
+    def __post_init__(self):
+        for split, rows in (("train", self.train), ("eval", self.eval)):
+            if len(rows) == 0:
+                raise ValueError(f"{self.name or 'data'}: the {split} split packs into no "
+                                 f"sequences of {self.seq_len} tokens; use a larger corpus "
+                                 f"or a smaller seq_len")
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.shape[1]
+
+    def train_batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
+        tokens = self.train[batch_rows(step, batch_size, len(self.train), self.seed)]
+        return {"tokens": tokens, "mask": np.ones(tokens.shape, np.float32)}
+
+    def eval_batches(self, batch_size: int, max_batches: int | None = None
+                     ) -> list[dict[str, np.ndarray]]:
+        """Held-out rows in order, `batch_size` at a time (at most `max_batches`)."""
+        out = []
+        for start in range(0, len(self.eval), batch_size):
+            if max_batches is not None and len(out) >= max_batches:
+                break
+            rows = self.eval[start:start + batch_size]
+            mask = np.zeros((batch_size, self.seq_len), np.float32)
+            mask[:len(rows)] = 1.0
+            tokens = np.full((batch_size, self.seq_len), self.pad_id, np.int32)
+            tokens[:len(rows)] = rows
+            out.append({"tokens": tokens, "mask": mask})
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """What a resumed run must match: the rows (by hash), the order seed, the tokenizer."""
+        digest = hashlib.sha256(self.train.tobytes()).hexdigest()[:16]
+        return {"name": self.name, "seq_len": self.seq_len, "train_rows": len(self.train),
+                "eval_rows": len(self.eval), "train_sha256": digest, "seed": self.seed,
+                "tokenizer": self.tokenizer_fingerprint}
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer, seq_len: int, seed: int) -> TokenData:
+    """Encodes and packs both splits of `corpus` with `tokenizer`."""
+    ids = tok_lib.special_ids(tokenizer)
+    train = pack(tok_lib.encode_documents(tokenizer, corpus.train), seq_len, ids.bos, ids.eos)
+    held = pack(tok_lib.encode_documents(tokenizer, corpus.eval), seq_len, ids.bos, ids.eos)
+    return TokenData(train, held, ids.pad, seed, corpus.name, tok_lib.fingerprint(tokenizer))
+
+
+def build_data(config: DataConfig, tokenizer, seed: int) -> TokenData:
+    return tokenize_corpus(load_corpus(config.corpus), tokenizer, config.seq_len, seed)

@@ -1,0 +1,138 @@
+"""Whole training jobs: data + method + trainer + export, as plain functions.
+
+gin configures these (see configs/ and `train.run`), but they take ordinary Python
+values, so scripts and tests call them directly. Each job writes into one workdir and
+resumes there when re-run; a finished job exports a Hugging Face directory to
+`<workdir>/export` (config.json, model.safetensors, tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from specjax.checkpoint import load, save_hf
+from specjax.config import ModelConfig
+from specjax.model import Model
+from train import tokenizer as tok_lib
+from train.corpus import load_corpus
+from train.data import DataConfig, tokenize_corpus
+from train.methods import Distill, Pretrain
+from train.trainer import DATA_AXIS, TrainConfig, TrainResult, train
+
+log = logging.getLogger("train")
+TOKENIZER_FILE = "tokenizer.json"
+EXPORT_DIR = "export"
+
+
+@dataclasses.dataclass
+class JobResult:
+    workdir: Path
+    export_dir: Path | None  # None until the run has finished
+    train: TrainResult
+
+
+def data_parallel_mesh(devices=None) -> Mesh:
+    """A 1-D mesh with a `data` axis over `devices` (default: all of them)."""
+    return Mesh(np.asarray(devices if devices is not None else jax.devices()), (DATA_AXIS,))
+
+
+def _run_tokenizer(workdir: Path, texts, vocab_size: int, tokenizer_path, min_frequency: int):
+    """The run's tokenizer: its own saved one on resume, else the given one, else a new BPE."""
+    own = workdir / TOKENIZER_FILE
+    if own.exists():
+        return tok_lib.load_tokenizer(own)
+    if tokenizer_path is not None:
+        tok = tok_lib.load_tokenizer(tokenizer_path)
+    else:
+        tok = tok_lib.train_bpe(texts, vocab_size, min_frequency)
+    tok.save(str(own))
+    return tok
+
+
+def _export(result: TrainResult, config: ModelConfig, tokenizer) -> Path | None:
+    if not result.finished:
+        return None
+    out = result.workdir / EXPORT_DIR
+    save_hf(Model(config, result.params, tokenizer), out)
+    log.info("exported %s", out)
+    return out
+
+
+def _settings(job: str, data_config: DataConfig, **extra: Any) -> dict[str, Any]:
+    return {"job": job, "data_config": dataclasses.asdict(data_config), **extra}
+
+
+def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
+             data_config: DataConfig = DataConfig(), *, tokenizer_path: str | None = None,
+             tokenizer_min_frequency: int = 2, data_parallel: bool = False,
+             stop_at: int | None = None) -> JobResult:
+    """Pretrains a target from scratch with next-token CE.
+
+    The tokenizer is `tokenizer_path` or a ByteLevel BPE of `model_config.vocab_size`
+    tokens trained on the corpus's train split; either way it is saved to
+    `<workdir>/tokenizer.json` and reused on resume.
+    """
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(data_config.corpus)
+    tok = _run_tokenizer(workdir, corpus.train, model_config.vocab_size, tokenizer_path,
+                         tokenizer_min_frequency)
+    if tok.get_vocab_size() > model_config.vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but model_config."
+                         f"vocab_size={model_config.vocab_size}")
+    ids = tok_lib.special_ids(tok)
+    model_config = model_config.replace(bos_token_id=ids.bos, eos_token_id=ids.eos)
+    data = tokenize_corpus(corpus, tok, data_config.seq_len, train_config.seed)
+    result = train(Pretrain(model_config), data, train_config, workdir,
+                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   settings=_settings("pretrain", data_config, tokenizer_path=tokenizer_path))
+    return JobResult(workdir, _export(result, model_config, tok), result)
+
+
+def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConfig,
+            train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
+            divergence: str = "tvd", temperature: float = 1.0, source: str = "corpus",
+            prompt_len: int = 16, sample_temperature: float = 1.0,
+            draft_init_dir: str | Path | None = None, data_parallel: bool = False,
+            stop_at: int | None = None) -> JobResult:
+    """Distills the target at `target_dir` (HF layout with tokenizer.json) into a draft.
+
+    The draft takes the target's vocabulary size and special ids (whatever
+    `draft_config` says) and is exported with the target's tokenizer.
+    `draft_init_dir`: start from this HF checkpoint's params instead of random ones.
+    """
+    target = load(target_dir, dtype="float32")
+    if target.tokenizer is None:
+        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; distillation needs "
+                                f"the target's tokenizer")
+    if draft_config.vocab_size != target.config.vocab_size:
+        log.info("draft vocab_size %d -> the target's %d", draft_config.vocab_size,
+                 target.config.vocab_size)
+    draft_config = draft_config.replace(vocab_size=target.config.vocab_size,
+                                        bos_token_id=target.config.bos_token_id,
+                                        eos_token_id=target.config.eos_token_id)
+    init = None
+    if draft_init_dir is not None:
+        start = load(draft_init_dir, dtype="float32")
+        if start.config.replace(bos_token_id=None, eos_token_id=None) != draft_config.replace(
+                bos_token_id=None, eos_token_id=None):
+            raise ValueError(f"{draft_init_dir}: its config does not match draft_config")
+        init = start.params
+    data = tokenize_corpus(load_corpus(data_config.corpus), target.tokenizer,
+                           data_config.seq_len, train_config.seed)
+    method = Distill(draft_config, target.config, divergence=divergence,
+                     temperature=temperature, source=source, prompt_len=prompt_len,
+                     sample_temperature=sample_temperature)
+    result = train(method, data, train_config, workdir, frozen=target.params, init_params=init,
+                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   settings=_settings("distill", data_config, target_dir=str(target_dir),
+                                      draft_init_dir=draft_init_dir and str(draft_init_dir)))
+    return JobResult(Path(workdir).absolute(), _export(result, draft_config, target.tokenizer),
+                     result)

@@ -1,0 +1,6 @@
+"""Training methods: each module is one `train.trainer.Method` (static settings + loss)."""
+
+from train.methods.distill import Distill
+from train.methods.pretrain import Pretrain
+
+__all__ = ["Distill", "Pretrain"]

@@ -1,0 +1,98 @@
+"""Draft distillation: a small Llama trained online on a frozen target's distributions.
+
+The draft sees the same tokens as the target and matches its next-token distribution
+at every position under one of `train.losses.DIVERGENCES` (DistillSpec finds TVD,
+whose complement is the speculative-sampling acceptance rate, tracks acceptance best).
+Tokens are corpus text (teacher forcing, the default) or, with source="target", a
+corpus prompt of `prompt_len` tokens continued by the target's own samples, drawn
+inside the step from the step's rng (so resuming stays exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+from specjax.model import init_params
+from train import losses
+from train.forward import causal_logits
+from train.methods.pretrain import next_token_metrics
+from train.sampler import sample_continuation
+
+SOURCES = ("corpus", "target")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distill:
+    """Trainable: the draft's params. Frozen (the trainer's `frozen`): the target's."""
+
+    draft: ModelConfig
+    target: ModelConfig
+    divergence: str = "tvd"  # "forward_kl" | "reverse_kl" | "tvd"
+    temperature: float = 1.0  # softens both distributions in the loss
+    source: str = "corpus"  # "corpus": teacher forcing on data; "target": target samples
+    prompt_len: int = 16  # source="target": corpus tokens kept as the prompt
+    sample_temperature: float = 1.0  # source="target": the target's sampling temperature
+    name: ClassVar[str] = "distill"
+
+    def __post_init__(self):
+        if self.draft.vocab_size != self.target.vocab_size:
+            raise ValueError(f"draft vocab_size={self.draft.vocab_size} must equal the "
+                             f"target's vocab_size={self.target.vocab_size}")
+        losses.divergence(self.divergence)  # validates the name
+        if self.source not in SOURCES:
+            raise ValueError(f"source={self.source!r} must be one of {SOURCES}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be positive")
+        if self.prompt_len < 1:
+            raise ValueError(f"prompt_len={self.prompt_len} must be at least 1")
+
+    def init(self, rng: jax.Array) -> Any:
+        return init_params(self.draft, rng)
+
+    def _tokens(self, target_params, batch, rng):
+        tokens, mask = batch["tokens"], batch["mask"]
+        if self.source == "corpus":
+            return tokens, mask
+        t = tokens.shape[1]
+        if self.prompt_len >= t:
+            raise ValueError(f"prompt_len={self.prompt_len} must be below seq_len={t}")
+        tokens = sample_continuation(self.target, target_params, tokens[:, :self.prompt_len],
+                                     t - self.prompt_len, rng, self.sample_temperature)
+        # Match distributions where the next token is the target's own sample.
+        return tokens, mask * (jnp.arange(t) >= self.prompt_len - 1)[None, :]
+
+    def _logits(self, draft_params, target_params, tokens):
+        target_logits = jax.lax.stop_gradient(causal_logits(self.target, target_params, tokens))
+        return target_logits, causal_logits(self.draft, draft_params, tokens)
+
+    def loss_fn(self, draft_params, target_params, batch, rng):
+        tokens, mask = self._tokens(target_params, batch, rng)
+        p, q = self._logits(draft_params, target_params, tokens)
+        loss = losses.divergence(self.divergence)(p, q, mask, self.temperature)
+        return loss, {"agreement": losses.top1_agreement(p, q, mask)}
+
+    def eval_metrics(self, draft_params, target_params, batch):
+        """Teacher-forced on held-out text: every divergence, the draft's CE, and
+        `agreement` (draft argmax == target argmax), the greedy acceptance proxy."""
+        tokens, mask = batch["tokens"], batch["mask"]
+        p, q = self._logits(draft_params, target_params, tokens)
+        out = {name: fn(p, q, mask, self.temperature)
+               for name, fn in losses.DIVERGENCES.items()}
+        out["loss"] = out[self.divergence]
+        out["agreement"] = losses.top1_agreement(p, q, mask)
+        out["draft_ce"] = next_token_metrics(q, tokens, mask)["loss"]
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(draft=self.draft.to_hf_dict(), target=self.target.to_hf_dict())
+        return {"name": self.name, **fields}
+
+    def with_compute_dtype(self, dtype: str) -> "Distill":
+        return dataclasses.replace(self, draft=self.draft.replace(dtype=dtype),
+                                   target=self.target.replace(dtype=dtype))

@@ -1,0 +1,105 @@
+"""The gin front end of `train/`: run one configured job.
+
+    python -m train.run configs/experiments/pretrain_mini_stdlib.gin --workdir runs/mini \\
+        --gin "trainer.TrainConfig.steps = 200"
+
+Library modules never import gin; the .gin files name them through
+`from __gin__ import dynamic_registration`. A run file says which job runs with
+`run.launch.job = @jobs.pretrain` (or `@jobs.distill`). Unknown or misspelled
+bindings are errors (`skip_unknown=False`), and `%gin.REQUIRED` values must be bound.
+The full config is written to `<workdir>/config.gin` (a previous, different one is
+kept as `config.gin.<n>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import gin
+
+CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
+GIN_FILE = "config.gin"
+_search_paths: set[str] = set()
+
+
+def launch(workdir: str, job: Callable[..., Any]) -> Any:
+    """The gin entry point: calls the configured `job` on `workdir`."""
+    return job(workdir=workdir)
+
+
+class _QuietIncludeLookups(logging.Filter):
+    """gin logs an ERROR for every search-path prefix an include is not found under."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Path not found:")
+
+
+@contextlib.contextmanager
+def _quiet_gin_lookups():
+    flt = _QuietIncludeLookups()
+    root = logging.getLogger()
+    root.addFilter(flt)
+    try:
+        yield
+    finally:
+        root.removeFilter(flt)
+
+
+def parse(gin_files: Sequence[str | Path], bindings: Sequence[str] = (), *,
+          finalize: bool = True, search_paths: Sequence[str | Path] = ()) -> None:
+    """Clears gin and parses `gin_files` then `bindings`. Includes (`include
+    'models/tiny.gin'`) resolve against `search_paths`, then `CONFIGS_ROOT`."""
+    gin.clear_config()
+    for path in (*search_paths, CONFIGS_ROOT):
+        if str(path) not in _search_paths:
+            gin.add_config_file_search_path(str(path))
+            _search_paths.add(str(path))
+    for f in gin_files:
+        if not Path(f).exists():
+            raise FileNotFoundError(f"gin file {str(f)!r} does not exist")
+    with _quiet_gin_lookups():
+        gin.parse_config_files_and_bindings([str(f) for f in gin_files], list(bindings),
+                                            finalize_config=finalize, skip_unknown=False)
+
+
+def _save_gin(workdir: Path, text: str) -> None:
+    path = workdir / GIN_FILE
+    if path.exists() and path.read_text() != text:
+        n = 1
+        while (workdir / f"{GIN_FILE}.{n}").exists():
+            n += 1
+        path.rename(workdir / f"{GIN_FILE}.{n}")
+        logging.getLogger("train").warning("%s changed; the previous one is %s.%d", path,
+                                           GIN_FILE, n)
+    path.write_text(text)
+
+
+def run_config(gin_file: str | Path, bindings: Sequence[str] = (), *,
+               workdir: str | Path) -> Any:
+    """Parses `gin_file` + `bindings` and runs the job it configures in `workdir`."""
+    parse([gin_file], bindings)
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    _save_gin(workdir, gin.config_str())
+    return gin.get_configurable(launch)(workdir=str(workdir))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("gin_file")
+    parser.add_argument("--workdir", required=True, help="run directory (resumed if it exists)")
+    parser.add_argument("--gin", action="append", default=[], metavar="BINDING",
+                        help="extra gin binding, e.g. 'trainer.TrainConfig.steps = 10'")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    result = run_config(args.gin_file, args.gin, workdir=args.workdir)
+    print(f"workdir: {result.workdir}\nexport: {result.export_dir}\neval: {result.train.eval}")
+
+
+if __name__ == "__main__":
+    main()
