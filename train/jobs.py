@@ -19,11 +19,12 @@ from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
 from specjax.config import ModelConfig
+from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads
 from specjax.model import Model
 from train import tokenizer as tok_lib
 from train.corpus import load_corpus
 from train.data import DataConfig, tokenize_corpus
-from train.methods import Distill, Pretrain
+from train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
 from train.trainer import DATA_AXIS, TrainConfig, TrainResult, train
 
 log = logging.getLogger("train")
@@ -136,3 +137,54 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                                       draft_init_dir=draft_init_dir and str(draft_init_dir)))
     return JobResult(Path(workdir).absolute(), _export(result, draft_config, target.tokenizer),
                      result)
+
+
+HEADS_DIR = "heads"
+
+
+def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig | EagleConfig,
+          train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
+          data_parallel: bool = False, stop_at: int | None = None, **method_kwargs: Any
+          ) -> JobResult:
+    """Trains Medusa heads (`MedusaConfig`) or an EAGLE head (`EagleConfig`) on the frozen
+    target at `target_dir` and, when finished, writes them with `specjax.heads.save_heads`
+    to `<workdir>/heads` (what `Medusa(heads=...)` / `Eagle(heads=...)` load); a joint
+    Medusa-2 run also exports its trained target to `<workdir>/export`.
+
+    EAGLE-3 with a reduced `draft_vocab_size`: d2t keeps the ids most frequent in the
+    training split. `method_kwargs` go to `TrainMedusa` / `TrainEagle`.
+    """
+    target = load(target_dir, dtype="float32")
+    if target.tokenizer is None:
+        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; training heads needs "
+                                f"the target's tokenizer")
+    data = tokenize_corpus(load_corpus(data_config.corpus), target.tokenizer,
+                           data_config.seq_len, train_config.seed)
+    d2t, init = None, None
+    if isinstance(head_config, MedusaConfig):
+        kind, method = "medusa", TrainMedusa(target.config, head_config, **method_kwargs)
+        init = method.initial_params(target.params)
+        frozen = None if method.joint else target.params
+    elif isinstance(head_config, EagleConfig):
+        kind, method = "eagle", TrainEagle(target.config, head_config, **method_kwargs)
+        vd = method.head.draft_vocab_size
+        if vd is not None and vd < target.config.vocab_size:
+            counts = np.bincount(data.train.reshape(-1), minlength=target.config.vocab_size)
+            d2t = build_vocab_map(counts, vd)
+        frozen = {"target": target.params, "d2t": d2t}
+    else:
+        raise ValueError(f"head_config={head_config!r} must be a MedusaConfig or EagleConfig")
+    result = train(method, data, train_config, workdir, frozen=frozen, init_params=init,
+                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   settings=_settings(f"heads/{kind}", data_config, target_dir=str(target_dir)))
+    out = None
+    if result.finished:
+        params = method.head_params(result.params) if kind == "medusa" else result.params
+        head = method.heads if kind == "medusa" else method.head
+        out = save_heads(result.workdir / HEADS_DIR, kind, head, params, target.config,
+                         vocab_map=d2t)
+        log.info("wrote heads %s", out)
+        if kind == "medusa" and method.joint:  # Medusa-2 changed the target too
+            save_hf(Model(target.config, result.params["target"], target.tokenizer),
+                    result.workdir / EXPORT_DIR)
+    return JobResult(Path(workdir).absolute(), out, result)

@@ -48,6 +48,23 @@ class StepContext:
     backend: str = struct.field(pytree_node=False, default="reference")
 
 
+def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
+                 mask: jax.Array | None, cache: PagedKVCache | None,
+                 backend: str | None = None) -> StepContext:
+    """The `StepContext` of a call writing T = positions.shape[1] new tokens per row at
+    slots `cache.lengths + t` (t < q_lens); without a cache, a plain masked forward."""
+    cos, sin = rope_tables(config, positions)
+    backend = attn_lib.resolve_backend(backend)
+    if cache is None:
+        return StepContext(cos, sin, q_lens, mask, None, None, None, None, backend)
+    t = positions.shape[1]
+    slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    valid = jnp.arange(t)[None, :] < q_lens[:, None]
+    page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size, cache.num_pages)
+    return StepContext(cos, sin, q_lens, mask, cache.page_table, cache.lengths + q_lens, page,
+                       offset, backend)
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
@@ -182,20 +199,9 @@ class Transformer(nn.Module):
         c = self.config
         b, t = tokens.shape
         q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
-        cos, sin = rope_tables(c, positions)
         x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(jnp.dtype(c.dtype))
-        if cache is None:
-            ctx = StepContext(cos, sin, q_lens, mask, None, None, None, None,
-                              attn_lib.resolve_backend(attention_backend))
-            k_pages = v_pages = None
-        else:
-            slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
-            valid = jnp.arange(t)[None, :] < q_lens[:, None]
-            page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size,
-                                      cache.num_pages)
-            ctx = StepContext(cos, sin, q_lens, mask, cache.page_table, cache.lengths + q_lens,
-                              page, offset, attn_lib.resolve_backend(attention_backend))
-            k_pages, v_pages = cache.k_pages, cache.v_pages
+        ctx = step_context(c, positions, q_lens, mask, cache, attention_backend)
+        k_pages, v_pages = (None, None) if cache is None else (cache.k_pages, cache.v_pages)
         hidden_layers = tuple(hidden_layers)
         for i in hidden_layers:
             if not 0 <= i < c.num_layers:

@@ -3,7 +3,9 @@
 from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
                                       Speculator)
 from specjax.speculators.draft_model import DraftModel
+from specjax.speculators.eagle import Eagle
+from specjax.speculators.medusa import Medusa
 from specjax.speculators.ngram import NGram
 
-__all__ = ["CommitContext", "DraftModel", "NGram", "PrefillChunk", "ProposeContext",
-           "Speculator"]
+__all__ = ["CommitContext", "DraftModel", "Eagle", "Medusa", "NGram", "PrefillChunk",
+           "ProposeContext", "Speculator"]

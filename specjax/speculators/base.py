@@ -104,3 +104,10 @@ class Speculator:
 
     def commit(self, state: Any, ctx: CommitContext, target_params: Any) -> Any:
         return state
+
+
+def set_fields(obj: Speculator, **fields) -> None:
+    """Sets the fields of a frozen speculator from a custom `__init__`. Such an `__init__`
+    must also accept every field by name: jax rebuilds pytrees by calling it that way."""
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)

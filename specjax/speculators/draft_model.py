@@ -6,6 +6,13 @@ inputs; the next `propose` feeds the queue plus the new root in one forward (the
 draft call), then k - 1 single-token calls. At temperature > 0 drafts are sampled from
 the draft's processed distribution and handed to the verifier with it (Leviathan
 rejection sampling); at temperature 0 they are the draft's argmax.
+
+Tree mode (`tree_top_k > 0`): instead of a chain, an EAGLE-2-style dynamic tree of
+`total_tokens` nodes and depth k (`dynamic_tree`): the tree_top_k most likely children of
+each frontier node, the best tree_top_k frontier nodes kept per depth, the best nodes
+overall by cumulative draft log-probability. Nodes are deterministic picks (point masses,
+no draft_probs), lossless under greedy and rejection-sampling verification alike. Still
+k draft calls per step (the queue call, then one per further depth).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ from flax import struct
 from specjax import sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import Model, step
-from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
+from specjax.model import Model, module_for, step
+from specjax.models.transformer import Transformer
+from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
+                                      Speculator, set_fields)
+from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
 from specjax.tree import DraftTree, chain
 
 
@@ -38,28 +48,43 @@ class DraftModel(Speculator):
     config: ModelConfig = struct.field(pytree_node=False)
     k: int = struct.field(pytree_node=False, default=4)
     page_size: int = struct.field(pytree_node=False, default=16)
+    tree_top_k: int = struct.field(pytree_node=False, default=0)
+    total_tokens: int = struct.field(pytree_node=False, default=0)
 
     def __init__(self, model: Model | None = None, k: int = 4, *, target: Model | None = None,
-                 params=None, config=None, page_size: int = 16):
-        """`DraftModel(model=draft, k=4)`; pass `target=` to check vocabularies up front."""
+                 params=None, config=None, page_size: int = 16, tree_top_k: int = 0,
+                 total_tokens: int | None = None):
+        """`DraftModel(model=draft, k=4)`; pass `target=` to check vocabularies up front.
+
+        Tree mode: `tree_top_k=2` (branching), `total_tokens` nodes (default
+        k * tree_top_k), depth k; `tree_top_k=0` is the chain of k drafts.
+        """
         if model is not None:
             params, config = model.params, model.config
         if config is None:
             raise ValueError("DraftModel needs model=<specjax Model>")
         if k < 1:
             raise ValueError(f"DraftModel k={k} must be >= 1")
+        if tree_top_k < 0:
+            raise ValueError(f"DraftModel tree_top_k={tree_top_k} must be >= 0 (0 = chain)")
+        if tree_top_k:
+            total_tokens = k * tree_top_k if total_tokens is None else total_tokens
+            n_cand = tree_top_k + (k - 1) * tree_top_k ** 2
+            if not k <= total_tokens <= n_cand or tree_top_k > config.vocab_size:
+                raise ValueError(
+                    f"DraftModel tree mode needs k <= total_tokens <= tree_top_k + (k - 1) * "
+                    f"tree_top_k**2 = {n_cand} and tree_top_k <= vocab_size; got {k=}, "
+                    f"{tree_top_k=}, {total_tokens=}")
         if target is not None:
             _check_tokenizers(model, target)
-        object.__setattr__(self, "params", params)
-        object.__setattr__(self, "config", config)
-        object.__setattr__(self, "k", k)
-        object.__setattr__(self, "page_size", page_size)
+        set_fields(self, params=params, config=config, k=k, page_size=page_size,
+                   tree_top_k=tree_top_k, total_tokens=total_tokens or 0)
         if target is not None:
             self.check_target(target.config)
 
     @property
     def num_nodes(self) -> int:
-        return self.k
+        return self.total_tokens if self.tree_top_k else self.k
 
     @property
     def max_depth(self) -> int:
@@ -79,7 +104,8 @@ class DraftModel(Speculator):
         return self.k
 
     def init(self, target_config: ModelConfig, batch: int, capacity: int) -> DraftState:
-        m = -(-capacity // self.page_size)
+        extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
+        m = -(-(capacity + extra) // self.page_size)
         table = np.arange(batch * m, dtype=np.int32).reshape(batch, m)
         cache = PagedKVCache.create(self.config, table, num_pages=batch * m,
                                     page_size=self.page_size)
@@ -106,6 +132,8 @@ class DraftModel(Speculator):
                                 q_lens=(c + 1) * act)
         keys = jax.random.split(ctx.key, self.k)
         first = logits[rows, c]  # [B, V] draft logits after the root
+        if self.tree_top_k:
+            return self._tree(state, ctx, cache, first, act)
         tok = sampling_lib.sample(keys[0], first, ctx.sampling)
         prob = sampling_lib.probs(first, ctx.sampling)
 
@@ -125,6 +153,27 @@ class DraftModel(Speculator):
 
         cache, drafts, dprobs = jax.lax.fori_loop(1, steps, one, (cache, drafts, dprobs))
         return chain(drafts, draft_probs=dprobs), state.replace(cache=cache)
+
+    def _tree(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
+              first: jax.Array, act: jax.Array) -> tuple[DraftTree, DraftState]:
+        """Tree mode: the dynamic tree over the draft's cache (root already written)."""
+        base = cache.lengths
+
+        def expand(cache, nodes: Nodes):
+            pos = (ctx.lengths - 1)[:, None] + nodes.depth  # the root is at lengths - 1
+            _, hidden, cache = step(self.config, self.params, cache.replace(lengths=base),
+                                    nodes.tokens, pos, mask=nodes.mask,
+                                    q_lens=nodes.count * act, return_logits=False)
+            h = jnp.take(hidden.final, nodes.query, axis=1)
+            logits = module_for(self.config).apply({"params": self.params}, h,
+                                                   method=Transformer.logits)
+            return jax.nn.log_softmax(logits, axis=-1), cache
+
+        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
+        tree, cache = dynamic_tree(jax.nn.log_softmax(first, axis=-1), expand, cache,
+                                   top_k=self.tree_top_k, depth=self.k,
+                                   total_tokens=self.total_tokens, levels=levels)
+        return tree, state.replace(cache=cache.replace(lengths=base))
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
         act = ctx.num_pairs > 0

@@ -1,0 +1,237 @@
+"""EAGLE draft heads (Li et al. 2024, 2025): one decoder layer that predicts the target's
+next feature from (feature, next token) pairs.
+
+The head consumes the loop's pairs (h_i, x_{i+1}) at position i and outputs a predicted
+feature f_{i+1}, whose logits propose x_{i+2}; fed its own output with the drafted token
+it drafts further. What we follow from the EAGLE repo (`eagle/model/cnets*.py`):
+
+* EAGLE-1/2 (`version=1`): x = fc(concat(embed(x_{i+1}), h_i)) with fc 2D -> D (bias),
+  then one Llama decoder layer WITHOUT its input_layernorm (EAGLE drops it in layer 0),
+  with post_attention_layernorm and MLP. h_i is the target's final-normed hidden, and
+  the draft logits are the TARGET's lm_head applied directly to the head's output (no
+  norm: the head learns to predict the already-normed feature). The embedding and
+  lm_head are the target's, frozen, reused and never copied.
+* EAGLE-3 (`version=3`): the target feature is fc(concat(low, mid, high)) 3D -> D (no
+  bias) over three decoder-layer outputs; the layer normalises embedding and feature
+  separately (input_layernorm, hidden_norm), attends over their concatenation 2D (so
+  q/k/v project 2D -> heads), adds the attention output to the feature, then the usual
+  post-norm MLP. Logits are the head's own norm + lm_head over a reduced draft vocabulary
+  of `draft_vocab_size` ids; `d2t` [Vd] maps a draft index to its target id (absolute
+  ids; the EAGLE repo stores offsets `d2t[i] = id - i`).
+
+The layer reuses specjax's `Attention`, `MLP` and `RMSNorm`, so it runs over a paged KV
+cache (one layer) with tree masks exactly like the target. Params are a plain pytree:
+  fc, self_attn, mlp, post_attention_layernorm  (+ input_layernorm, hidden_norm, norm,
+  lm_head for version 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.cache import PagedKVCache
+from specjax.config import ModelConfig
+from specjax.model import module_for
+from specjax.models.transformer import MLP, Attention, Hidden, RMSNorm, Transformer, step_context
+
+VERSIONS = (1, 3)
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high features as specjax decoder-layer outputs (0-based).
+
+    The EAGLE-3 code records the INPUT of decoder layers 2, L//2 and L-3, i.e. the
+    outputs of layers 1, L//2 - 1 and L - 4; clamped into [0, L) for tiny models.
+    """
+    return tuple(min(max(i, 0), num_layers - 1)
+                 for i in (1, num_layers // 2 - 1, num_layers - 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    version: int = 1  # 1: EAGLE-1/2 head; 3: EAGLE-3 head
+    # version 3: the target decoder layers fused (low, mid, high); () -> eagle3_layers(L)
+    hidden_layers: tuple[int, ...] = ()
+    # version 3: the reduced draft vocabulary Vd; None -> the target's vocabulary
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.version not in VERSIONS:
+            raise ValueError(f"EagleConfig version={self.version} must be one of {VERSIONS}")
+        object.__setattr__(self, "hidden_layers", tuple(int(i) for i in self.hidden_layers))
+        if self.version == 1 and (self.hidden_layers or self.draft_vocab_size is not None):
+            raise ValueError("hidden_layers and draft_vocab_size are EAGLE-3 settings; "
+                             "use version=3")
+        if self.version == 3 and self.hidden_layers and len(self.hidden_layers) != 3:
+            raise ValueError(f"EAGLE-3 fuses 3 target layers; got {self.hidden_layers=}")
+
+    def resolved(self, target_config: ModelConfig) -> "EagleConfig":
+        """Fills the target-dependent defaults (layers, draft vocabulary)."""
+        if self.version == 1:
+            return self
+        layers = self.hidden_layers or eagle3_layers(target_config.num_layers)
+        vd = self.draft_vocab_size or target_config.vocab_size
+        return dataclasses.replace(self, hidden_layers=layers, draft_vocab_size=vd)
+
+    def check(self, target_config: ModelConfig) -> None:
+        for i in self.hidden_layers:
+            if not 0 <= i < target_config.num_layers:
+                raise ValueError(f"EAGLE-3 hidden_layers entry {i} is outside the target's "
+                                 f"[0, {target_config.num_layers}) decoder layers")
+        vd = self.draft_vocab_size
+        if vd is not None and not 1 <= vd <= target_config.vocab_size:
+            raise ValueError(f"draft_vocab_size={vd} must be in [1, target vocab_size="
+                             f"{target_config.vocab_size}]")
+
+
+def layer_config(target_config: ModelConfig) -> ModelConfig:
+    """The head's decoder layer (and its KV cache): the target's shapes, one layer."""
+    return target_config.replace(num_layers=1)
+
+
+def _dense(features: int, name: str, dtype, use_bias: bool):
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
+                    kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+class EagleHead(nn.Module):
+    """(embedding [B,T,D], feature [B,T,D]) -> predicted feature [B,T,D], over a 1-layer cache."""
+
+    config: EagleConfig
+    layer: ModelConfig  # `layer_config(target)`
+
+    def setup(self):
+        c, lc = self.config, self.layer
+        dt = jnp.dtype(lc.dtype)
+        d = lc.hidden_size
+        self.fc = _dense(d, "fc", dt, use_bias=c.version == 1)
+        self.self_attn = Attention(lc)
+        self.mlp = MLP(lc)
+        self.post_attention_layernorm = RMSNorm(lc.rms_norm_eps, dt)
+        if c.version == 3:
+            self.input_layernorm = RMSNorm(lc.rms_norm_eps, dt)
+            self.hidden_norm = RMSNorm(lc.rms_norm_eps, dt)
+            self.norm = RMSNorm(lc.rms_norm_eps, dt)
+            self.lm_head = nn.Dense(c.draft_vocab_size, use_bias=False, dtype=dt,
+                                    param_dtype=jnp.float32,
+                                    kernel_init=nn.initializers.normal(0.02))
+
+    def fuse(self, feats):
+        """Target features -> head features: v1 the final hidden itself; v3 fc over the
+        concatenated low/mid/high layer outputs [..., 3D] -> [..., D]."""
+        return self.fc(feats) if self.config.version == 3 else feats
+
+    def __call__(self, emb, feature, ctx, k_pages=None, v_pages=None):
+        """Returns (predicted feature [B,T,D], k_pages, v_pages) with the T inputs written."""
+        if self.config.version == 1:
+            x = self.fc(jnp.concatenate([emb, feature.astype(emb.dtype)], axis=-1))
+            attn_in = x  # EAGLE-1 drops the layer's input_layernorm
+        else:
+            x = feature.astype(emb.dtype)
+            attn_in = jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(x)], axis=-1)
+        h, k_pages, v_pages = self.self_attn(attn_in, ctx, k_pages, v_pages, jnp.int32(0))
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_pages, v_pages
+
+    def draft_logits(self, out):
+        """v3 only: own final norm + lm_head over the draft vocabulary, float32."""
+        return self.lm_head(self.norm(out)).astype(jnp.float32)
+
+    def _init_all(self, emb, feats, ctx):
+        out, _, _ = self(emb, self.fuse(feats), ctx)
+        return self.draft_logits(out) if self.config.version == 3 else out
+
+
+def feature_width(config: EagleConfig, target_config: ModelConfig) -> int:
+    """Width of the target features the head takes: D (v1) or 3D (v3)."""
+    return target_config.hidden_size * (3 if config.version == 3 else 1)
+
+
+def init_eagle_params(config: EagleConfig, target_config: ModelConfig,
+                      key: jax.Array | int = 0) -> Any:
+    """Random head params (normal(0.02) kernels, unit norms); `config` must be resolved."""
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    return _init_eagle(config, target_config, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_eagle(config: EagleConfig, target_config: ModelConfig, key: jax.Array):
+    lc = layer_config(target_config)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    ctx = step_context(lc, pos, jnp.ones((1,), jnp.int32), None, None, "reference")
+    emb = jnp.zeros((1, 1, target_config.hidden_size), jnp.dtype(lc.dtype))
+    feats = jnp.zeros((1, 1, feature_width(config, target_config)), jnp.dtype(lc.dtype))
+    return EagleHead(config, lc).init(key, emb, feats, ctx, method=EagleHead._init_all)["params"]
+
+
+def target_features(config: EagleConfig, hidden: Hidden, layer_index: tuple[int, ...] = ()):
+    """The target features a head takes from a step's `Hidden`: `final` (v1), or the three
+    layers at `layer_index` into `hidden.layers` concatenated (v3) -> [B, T, D or 3D]."""
+    if config.version == 1:
+        return hidden.final
+    return jnp.concatenate([hidden.layers[i] for i in layer_index], axis=-1)
+
+
+def fuse_features(config: EagleConfig, target_config: ModelConfig, params, feats):
+    return EagleHead(config, layer_config(target_config)).apply(
+        {"params": params}, feats, method=EagleHead.fuse)
+
+
+def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_params,
+               cache: PagedKVCache | None, tokens: jax.Array, features: jax.Array,
+               positions: jax.Array, *, mask: jax.Array | None = None,
+               q_lens: jax.Array | None = None, backend: str | None = None):
+    """The head's pure step: tokens [B,T] (embedded with the target's frozen embedding),
+    head features [B,T,D] (already fused) and positions [B,T] -> (features out [B,T,D],
+    cache with the T pairs written). `cache=None` is a plain masked forward (training)."""
+    b, t = tokens.shape
+    q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
+    emb = module_for(target_config).apply({"params": target_params}, tokens,
+                                          method=Transformer.embed)
+    lc = layer_config(target_config)
+    ctx = step_context(lc, positions, q_lens, mask, cache, backend)
+    kp, vp = (None, None) if cache is None else (cache.k_pages, cache.v_pages)
+    out, kp, vp = EagleHead(config, lc).apply({"params": params}, emb, features, ctx, kp, vp)
+    if cache is not None:
+        cache = cache.replace(k_pages=kp, v_pages=vp, lengths=cache.lengths + q_lens)
+    return out, cache
+
+
+def eagle_logits(config: EagleConfig, target_config: ModelConfig, params, target_params,
+                 out: jax.Array) -> jax.Array:
+    """Head output [..., D] -> float32 logits: [..., V] through the target's lm_head (v1)
+    or [..., Vd] over the draft vocabulary (v3)."""
+    if config.version == 1:
+        return module_for(target_config).apply({"params": target_params}, out,
+                                               method=Transformer.logits)
+    return EagleHead(config, layer_config(target_config)).apply(
+        {"params": params}, out, method=EagleHead.draft_logits)
+
+
+def build_vocab_map(token_counts, draft_vocab_size: int) -> np.ndarray:
+    """d2t [Vd] int32: the `draft_vocab_size` most frequent target ids (ties: lower id
+    first), in increasing id order, as EAGLE-3 builds its reduced vocabulary."""
+    counts = np.asarray(token_counts).reshape(-1)
+    v = counts.shape[0]
+    if not 1 <= draft_vocab_size <= v:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, {v}] (the "
+                         "length of token_counts, i.e. the target vocabulary)")
+    order = np.lexsort((np.arange(v), -counts))  # by count desc, then id asc
+    return np.sort(order[:draft_vocab_size]).astype(np.int32)
+
+
+def target_to_draft(d2t, vocab_size: int) -> np.ndarray:
+    """t2d [V] int32: the draft index of each target id, -1 where it has none."""
+    d2t = np.asarray(d2t)
+    t2d = np.full((vocab_size,), -1, np.int32)
+    t2d[d2t] = np.arange(d2t.shape[0], dtype=np.int32)
+    return t2d

@@ -1,0 +1,271 @@
+"""`Eagle`: an EAGLE head drafting a tree from the target's features (EAGLE-1/2/3).
+
+State (like `DraftModel`): the head's own one-layer paged KV cache, slot i holding pair
+i = (feature of input i, token i+1) at position i, plus a queue of pairs the head has
+not consumed. `commit` rolls the head cache back to the old root and queues the kept
+pairs with the TARGET's features (re-feeding them replaces the head's own guesses);
+`propose` feeds the queue in one call — its last pair is (h_{r-1}, root), whose output
+drafts the root's children — then expands the tree depth by depth, each node fed with
+the head's own output at its parent (see `dynamic_tree` for how tree attention runs in
+the head cache).
+
+* EAGLE-2 (default, `tree=None`): dynamic tree, `top_k` children per frontier node,
+  `top_k` frontier nodes kept per depth, the best `total_tokens` nodes by cumulative
+  draft log-probability, `depth` levels (EAGLE-2's defaults: 10, 60, 6).
+* EAGLE-1: `tree=paths`, a static tree of Medusa-style paths (node (..., c) is the c-th
+  most likely child of its parent under the head).
+* EAGLE-3: `version=3` heads; the loop hands the target's low/mid/high decoder-layer
+  outputs over (`hidden_layers`), children are ranked over the reduced draft vocabulary
+  and mapped to target ids through `d2t`.
+
+Nodes are deterministic top-k picks (point masses), so greedy and rejection-sampling
+verification are lossless whatever the head's quality.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.cache import PagedKVCache
+from specjax.config import ModelConfig
+from specjax.heads import io as heads_io
+from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
+                                 init_eagle_params, layer_config, target_features)
+from specjax.model import Model
+from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
+                                      Speculator, set_fields)
+from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
+from specjax.tree import DraftTree, static_tree
+
+
+@struct.dataclass
+class EagleState:
+    cache: PagedKVCache  # the head's own, one layer
+    pending: jax.Array  # [B, Q] tokens x_{i+1} of queued pairs
+    pending_feats: jax.Array  # [B, Q, D] fused target features h_i of queued pairs
+    pending_count: jax.Array  # [B]
+
+
+@struct.dataclass
+class Eagle(Speculator):
+    params: Any
+    d2t: jax.Array | None  # [Vd] int32 draft index -> target id (EAGLE-3), else None
+    config: EagleConfig = struct.field(pytree_node=False)
+    target_config: ModelConfig = struct.field(pytree_node=False)
+    tree: tuple | None = struct.field(pytree_node=False, default=None)
+    top_k: int = struct.field(pytree_node=False, default=10)
+    depth: int = struct.field(pytree_node=False, default=6)
+    total_tokens: int = struct.field(pytree_node=False, default=60)
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    def __init__(self, heads=None, config: EagleConfig | None = None, *,
+                 target: Model | ModelConfig | None = None, tree: Sequence | None = None,
+                 top_k: int = 10, depth: int = 6, total_tokens: int = 60,
+                 vocab_map=None, page_size: int = 16, params=None, d2t=None,
+                 target_config: ModelConfig | None = None):
+        """`Eagle(heads=params_or_path, config=EagleConfig(version=1|3), target=model, ...)`.
+
+        heads: a params pytree (needs `config`) or a directory written by `save_heads`.
+        tree: static paths (EAGLE-1); None = EAGLE-2's dynamic tree of `total_tokens`
+          nodes, `depth` levels, `top_k` branching.
+        vocab_map: EAGLE-3's d2t [Vd] (default: the first Vd target ids, or the map
+          saved with the heads).
+        (`params=`, `d2t=`, `target_config=` are the pytree fields, for jax's unflatten.)
+        """
+        fields = dict(config=config, tree=tree, top_k=top_k, depth=depth,
+                      total_tokens=total_tokens, page_size=page_size)
+        if params is not None and target_config is not None:  # pytree unflatten
+            set_fields(self, params=params, d2t=d2t, target_config=target_config, **fields)
+            return
+        heads, config, tcfg, saved_map = heads_io.resolve_heads("eagle", heads, config, target)
+        vocab_map = saved_map if vocab_map is None else vocab_map
+        config.check(tcfg)
+        config = config.resolved(tcfg)
+        if config.version == 3:
+            if vocab_map is None:
+                vocab_map = np.arange(config.draft_vocab_size, dtype=np.int32)
+            vocab_map = jnp.asarray(vocab_map, jnp.int32)
+        elif vocab_map is not None:
+            raise ValueError("vocab_map (d2t) is an EAGLE-3 setting; these are version-1 heads")
+        fields.update(config=config, tree=None if tree is None else
+                      tuple(tuple(int(c) for c in p) for p in tree))
+        _check_tree(fields["tree"], top_k, depth, total_tokens)
+        set_fields(self, params=heads, d2t=vocab_map, target_config=tcfg, **fields)
+        self.check_target(tcfg)
+
+    @classmethod
+    def random(cls, target: Model, version: int = 1, seed: int = 0, *,
+               hidden_layers: tuple[int, ...] = (), draft_vocab_size: int | None = None,
+               vocab_map=None, **kwargs) -> "Eagle":
+        """Untrained (random) heads for `target`; losslessness does not depend on them."""
+        if version == 3:
+            config = EagleConfig(3, tuple(hidden_layers), draft_vocab_size)
+        else:
+            config = EagleConfig(version)
+        config.check(target.config)
+        config = config.resolved(target.config)
+        tree = kwargs.get("tree")
+        _check_tree(tree, kwargs.get("top_k", 10), kwargs.get("depth", 6),
+                    kwargs.get("total_tokens", 60), config.draft_vocab_size or
+                    target.config.vocab_size)  # before the (slower) init
+        params = init_eagle_params(config, target.config, seed)
+        return cls(params, config, target=target, vocab_map=vocab_map, **kwargs)
+
+    def save(self, path):
+        """Writes the head (its d2t for EAGLE-3, the target's fingerprint) to `path`."""
+        vm = None if self.d2t is None else np.asarray(self.d2t)
+        return heads_io.save_heads(path, "eagle", self.config, self.params, self.target_config,
+                                   vocab_map=vm)
+
+    # -- shape of the tree and costs -----------------------------------------------------
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target layers the loop must hand over: EAGLE-3's three, each once, sorted."""
+        return tuple(sorted(set(self.config.hidden_layers)))
+
+    @property
+    def _layer_index(self) -> tuple[int, ...]:
+        return tuple(self.hidden_layers.index(i) for i in self.config.hidden_layers)
+
+    @property
+    def _static(self):
+        return static_tree(self.tree)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.total_tokens if self.tree is None else len(self.tree)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth if self.tree is None else max(len(p) for p in self.tree)
+
+    @property
+    def _extra_slots(self) -> int:
+        """Head cache slots the expansion writes past the committed pairs."""
+        if self.tree is None:
+            return (self.depth - 1) * self.top_k
+        _, depth, _ = self._static
+        return int(np.sum(depth < depth.max()))
+
+    def check_target(self, target_config: ModelConfig) -> None:
+        heads_io.check_fingerprint(heads_io.target_fingerprint(self.target_config),
+                                   target_config, "this EAGLE head")
+        self.config.check(target_config)
+        vocab = target_config.vocab_size if self.config.version == 1 else len(self.d2t)
+        _check_tree(self.tree, self.top_k, self.depth, self.total_tokens, vocab)
+        if self.d2t is not None and self.d2t.shape != (self.config.draft_vocab_size,):
+            raise ValueError(f"d2t has shape {self.d2t.shape}; expected "
+                             f"({self.config.draft_vocab_size},)")
+
+    def cost_ratio(self, target_config: ModelConfig) -> float:
+        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        if self.config.version == 1:  # the target's lm_head runs on every head output
+            size += target_config.vocab_size * target_config.hidden_size
+        return size / target_config.param_count()
+
+    def draft_calls_per_step(self) -> int:
+        return self.max_depth  # the queue call, then one per further depth
+
+    # -- protocol ----------------------------------------------------------------------
+    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> EagleState:
+        m = -(-(capacity + self._extra_slots) // self.page_size)
+        table = np.arange(batch * m, dtype=np.int32).reshape(batch, m)
+        cache = PagedKVCache.create(layer_config(target_config), table, num_pages=batch * m,
+                                    page_size=self.page_size)
+        q = self.max_depth + 1
+        d = target_config.hidden_size
+        dt = jnp.dtype(target_config.dtype)
+        return EagleState(cache, jnp.zeros((batch, q), jnp.int32), jnp.zeros((batch, q, d), dt),
+                          jnp.zeros((batch,), jnp.int32))
+
+    def _features(self, hidden, target_params):
+        feats = target_features(self.config, hidden, self._layer_index)
+        if self.config.version == 1:
+            return feats
+        return fuse_features(self.config, self.target_config, self.params, feats)
+
+    def _step(self, target_params, cache, tokens, feats, positions, **kw):
+        return eagle_step(self.config, self.target_config, self.params, target_params, cache,
+                          tokens, feats, positions, **kw)
+
+    def _logp(self, target_params, out):
+        logits = eagle_logits(self.config, self.target_config, self.params, target_params, out)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def prefill(self, state: EagleState, chunk: PrefillChunk, target_params) -> EagleState:
+        feats = self._features(chunk.hidden, target_params)
+        _, cache = self._step(target_params, state.cache, chunk.next_tokens, feats,
+                              chunk.positions, q_lens=chunk.num_pairs)
+        return state.replace(cache=cache)
+
+    def propose(self, state: EagleState, ctx: ProposeContext,
+                target_params) -> tuple[DraftTree, EagleState]:
+        b, q = state.pending.shape
+        rows = jnp.arange(b)
+        c = state.pending_count
+        act = ctx.active.astype(jnp.int32)
+        root_pos = ctx.lengths - 1  # the last queued pair is (h_{r-1}, root) at r - 1
+        pos = (root_pos - c)[:, None] + jnp.arange(q)[None, :]
+        out, cache = self._step(target_params, state.cache, state.pending, state.pending_feats,
+                                pos, q_lens=c * act)
+        root_out = out[rows, jnp.maximum(c - 1, 0)]  # [B, D]: drafts the root's children
+        first = self._logp(target_params, root_out)  # [B, V']
+        base = cache.lengths
+
+        def expand(carry, nodes: Nodes):
+            cache, prev = carry  # prev [B, 1 + T, D]: root output, then the last call's
+            feats = jnp.take_along_axis(prev, (nodes.parents + 1)[:, :, None], axis=1)
+            o, cache = self._step(target_params, cache.replace(lengths=base), nodes.tokens,
+                                  feats, root_pos[:, None] + nodes.depth - 1,
+                                  mask=nodes.mask, q_lens=nodes.count * act)
+            logp = self._logp(target_params, jnp.take(o, nodes.query, axis=1))
+            return logp, (cache, jnp.concatenate([root_out[:, None], o], axis=1))
+
+        prev = jnp.zeros((b, 1 + self._extra_slots, root_out.shape[-1]), root_out.dtype)
+        carry = (cache, prev.at[:, 0].set(root_out))
+        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
+        if self.tree is None:
+            tree, (cache, _) = dynamic_tree(first, expand, carry, top_k=self.top_k,
+                                            depth=self.depth, total_tokens=self.total_tokens,
+                                            vocab_map=self.d2t, levels=levels)
+        else:
+            parents, depth, choice = self._static
+            tree, (cache, _) = static_tree_expand(first, expand, carry, parents, depth, choice,
+                                                  vocab_map=self.d2t, levels=levels)
+        return tree, state.replace(cache=cache.replace(lengths=base))
+
+    def commit(self, state: EagleState, ctx: CommitContext, target_params) -> EagleState:
+        act = ctx.num_pairs > 0
+        q = state.pending.shape[1]
+        pad = q - ctx.tokens.shape[1]
+        feats = self._features(ctx.hidden, target_params).astype(state.pending_feats.dtype)
+        feats = jnp.pad(feats, ((0, 0), (0, pad), (0, 0)))
+        nxt = jnp.pad(ctx.next_tokens, ((0, 0), (0, pad)))
+        lengths = jnp.where(act, ctx.positions[:, 0], state.cache.lengths)
+        return state.replace(
+            cache=state.cache.replace(lengths=lengths),
+            pending=jnp.where(act[:, None], nxt, state.pending),
+            pending_feats=jnp.where(act[:, None, None], feats, state.pending_feats),
+            pending_count=jnp.where(act, ctx.num_pairs, state.pending_count))
+
+
+def _check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):
+    """Static checks of the tree settings (and that the branching fits the vocabulary)."""
+    if tree is None:
+        n_cand = top_k + (depth - 1) * top_k * top_k
+        if not (top_k >= 1 and 1 <= depth <= total_tokens <= n_cand):
+            raise ValueError(f"Eagle dynamic tree needs top_k >= 1 and 1 <= depth <= "
+                             f"total_tokens <= top_k + (depth-1)*top_k**2 = {n_cand}; "
+                             f"got {top_k=}, {depth=}, {total_tokens=}")
+        widest = top_k
+    else:
+        static_tree(tree)  # validates the paths
+        widest = max(p[-1] for p in tree) + 1
+    if vocab is not None and widest > vocab:
+        raise ValueError(f"the tree asks for the top-{widest} children of a node but the "
+                         f"draft vocabulary has {vocab} tokens")

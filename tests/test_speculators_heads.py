@@ -1,0 +1,268 @@
+"""Medusa, EAGLE (1/2/3) and DraftModel tree mode inside generation: lossless greedy,
+the target's distribution when sampling, the pairs protocol, save/load, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.config import tiny_llama
+from specjax.heads import eagle_logits, eagle_step
+from specjax.heads.eagle import fuse_features, target_features
+from specjax.models.transformer import Hidden
+from specjax.sampling import Sampling, probs
+from specjax.speculators import DraftModel, Eagle, Medusa
+from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext
+from tests.conftest import PROMPTS
+from tests.stat_utils import assert_same_distribution
+
+SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny_target):
+    return specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True).tokens
+
+
+def _make(name, target):
+    return {
+        "medusa": lambda: Medusa.random(target, num_heads=3, tree=SMALL_TREE),
+        "eagle1": lambda: Eagle.random(target, version=1, tree=SMALL_TREE),
+        "eagle2": lambda: Eagle.random(target, top_k=3, depth=3, total_tokens=8),
+        "eagle3": lambda: Eagle.random(target, version=3, draft_vocab_size=48, top_k=2, depth=3,
+                                       total_tokens=6),
+        "draft_tree": lambda: DraftModel(model=_noisy_copy(target), k=3, tree_top_k=2,
+                                         total_tokens=6),
+    }[name]()
+
+
+def _noisy_copy(model, scale=0.05, seed=7):
+    """A draft that mostly agrees with `model`: some drafts accepted, some not."""
+    leaves, tree = jax.tree.flatten(model.params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    return specjax.Model(model.config, jax.tree.unflatten(tree, noisy))
+
+
+SPECS = ["medusa", "eagle1", "eagle2", "eagle3", "draft_tree"]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
+    spec = _make(name, tiny_target)
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                           speculator=spec, adaptive=False)
+    assert out.tokens == greedy_ref
+    st = out.stats
+    assert st.draft_calls == st.target_calls * spec.draft_calls_per_step()
+    if name in ("medusa", "draft_tree"):
+        assert st.accepted > 0  # accepted runs went through commit
+
+
+@pytest.mark.parametrize("name", [
+    "medusa", *[pytest.param(n, marks=pytest.mark.slow)
+                for n in ("eagle1", "eagle2", "eagle3", "draft_tree")]])
+def test_greedy_is_lossless_for_one_prompt(tiny_target, greedy_ref, name):
+    out = specjax.generate(tiny_target, PROMPTS[1:2], max_new_tokens=16, ignore_eos=True,
+                           speculator=_make(name, tiny_target), adaptive=False)
+    assert out.tokens == greedy_ref[1:2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_is_lossless_with_adaptive_depth(tiny_target, greedy_ref, name):
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                           speculator=_make(name, tiny_target), adaptive=True)
+    assert out.tokens == greedy_ref
+
+
+def _same_run(a, b):
+    assert a.tokens == b.tokens
+    for f in ("new_tokens", "target_calls", "draft_calls", "drafted", "accepted",
+              "accepted_hist"):
+        assert getattr(a.stats, f) == getattr(b.stats, f), f
+
+
+def test_a_one_branch_tree_is_the_chain(tiny_target, greedy_ref):
+    draft = _noisy_copy(tiny_target, scale=0.3)
+    run = lambda spec: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16,
+                                        ignore_eos=True, speculator=spec, adaptive=False)
+    chain = run(DraftModel(model=draft, k=4))
+    tree = run(DraftModel(model=draft, k=4, tree_top_k=1))
+    _same_run(chain, tree)
+    assert chain.tokens == greedy_ref
+    assert 0 < chain.stats.accepted < chain.stats.drafted  # both accepts and rejections
+
+
+@pytest.mark.slow
+def test_eagle_one_branch_static_tree_is_the_top1_dynamic_tree(tiny_target):
+    head = Eagle.random(tiny_target, top_k=1, depth=3, total_tokens=3)
+    static = Eagle(head.params, head.config, target=tiny_target, tree=[[0], [0, 0], [0, 0, 0]])
+    run = lambda spec: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16,
+                                        ignore_eos=True, speculator=spec, adaptive=False)
+    _same_run(run(head), run(static))
+
+
+# ---- the pairs protocol, white-box: proposals equal a from-scratch head run ----------
+def test_eagle_state_after_commits_matches_a_fresh_run_of_the_head(tiny_target):
+    """Prefill, commit, propose, a commit that keeps 3 pairs, propose: the tree must be
+    what the head proposes when run uncached over all pairs with the target's features."""
+    t = tiny_target
+    spec = Eagle.random(t, version=3, draft_vocab_size=64, tree=[[0], [1], [0, 0], [1, 1]],
+                        page_size=4)
+    seq = np.random.default_rng(0).integers(0, 128, 16)
+    n = 15  # pairs (x_i, x_{i+1}) for i < 15
+    _, hidden = specjax.model._forward(t.config, t.params, jnp.asarray(seq)[None],
+                                       spec.hidden_layers)
+    tok = jnp.asarray(seq)[None]
+    pos = jnp.arange(16)[None]
+    one = jnp.ones((1,), jnp.int32)
+    hid = lambda a, b: Hidden(hidden.final[:, a:b], tuple(x[:, a:b] for x in hidden.layers))
+    sampling = Sampling.create()
+
+    st = spec.init(t.config, 1, 32)
+    p = 6  # prompt of 6: 5 pairs in prefill, pair 5 in the prefill commit
+    st = jax.jit(spec.prefill)(st, PrefillChunk(tok[:, :8], tok[:, 1:9], pos[:, :8], 5 * one,
+                                                hid(0, 8)), t.params)
+    jcommit, jpropose = jax.jit(spec.commit), jax.jit(spec.propose)
+    commit = lambda st, a, b, lengths: jcommit(st, CommitContext(
+        tok[:, a:b], tok[:, a + 1:b + 1], pos[:, a:b], (b - a) * one, hid(a, b),
+        (b - a - 1) * one, lengths * one), t.params)
+    propose = lambda st, lengths: jpropose(st, ProposeContext(
+        tok, lengths * one, jnp.ones((1,), bool), sampling, jax.random.key(0),
+        jnp.full((1,), spec.max_depth, jnp.int32)), t.params)
+    st = commit(st, p - 1, p, p + 1)  # root = x_6
+    _, st = propose(st, p + 1)  # drafts written into the head cache, to be rolled back
+    st = commit(st, p, p + 3, p + 4)  # kept inputs 6, 7, 8; root = x_9
+    tree, st = propose(st, p + 4)
+
+    # reference: the head over pairs 0..8 uncached, then each node on its path
+    feats = fuse_features(spec.config, t.config, spec.params,
+                          target_features(spec.config, hidden, spec._layer_index))[0, :n]
+    step = jax.jit(lambda toks, fs: eagle_step(spec.config, t.config, spec.params, t.params,
+                                                None, toks[None], fs[None],
+                                                jnp.arange(12)[None])[0][0])
+
+    def run(toks, fs):  # one padded shape of 12: causal, so padding is inert
+        n = len(toks)
+        out = step(jnp.zeros(12, jnp.int32).at[:n].set(jnp.asarray(toks)),
+                   jnp.zeros((12, fs.shape[1])).at[:n].set(fs))
+        return out[n - 1]
+
+    top = lambda out: np.argsort(-np.asarray(eagle_logits(spec.config, t.config, spec.params,
+                                                          t.params, out)), kind="stable")
+    r = p + 4 - 1  # root position 9; pairs 0..8
+    base_t, base_f = seq[1:r + 1], feats[:r]
+    root_out = run(base_t, base_f)
+    d2t = np.asarray(spec.d2t)
+    kids = d2t[top(root_out)[:2]]
+    want = list(kids)
+    for c in range(2):  # [0, 0] and [1, 1]: child c's c-th child
+        out = run(np.append(base_t, kids[c]), jnp.concatenate([base_f, root_out[None]]))
+        want.append(d2t[top(out)[c]])
+    np.testing.assert_array_equal(tree.tokens[0], want)
+
+
+# ---- sampling: the output distribution is the target's -------------------------------
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def peaked_target():
+    m = specjax.init_model(tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_heads=2, num_kv_heads=1), seed=10)
+    m.params["lm_head"]["kernel"] = m.params["lm_head"]["kernel"] * 30.0
+    return m
+
+
+def _exact_joint3(model, prompt, sampling):
+    """p(x1, x2, x3) [V, V, V] of the target's first three sampled tokens, from one
+    forward over all V**2 continuations x1 x2."""
+    v = model.config.vocab_size
+    pairs = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
+    seqs = np.concatenate([np.tile(prompt, (v * v, 1)), pairs], axis=1)
+    lp = np.asarray(probs(specjax.forward(model, seqs)[:, -3:], sampling), np.float64)
+    p1 = lp[0, 0]  # [V]
+    p2 = lp[::v, 1]  # [V, V]: rows x1
+    p3 = lp[:, 2].reshape(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("name", ["eagle2", "medusa"])
+def test_sampled_output_has_the_target_distribution(peaked_target, name):
+    t = peaked_target
+    spec = (Eagle.random(t, top_k=3, depth=2, total_tokens=6) if name == "eagle2"
+            else Medusa.random(t, num_heads=2, tree=[[0], [1], [2], [0, 0], [1, 0]]))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        out = specjax.generate(t, [prompt] * 3000, max_new_tokens=3, ignore_eos=True,
+                               temperature=temperature, top_p=top_p, seed=1, speculator=spec,
+                               adaptive=False)
+        assert out.stats.accepted > 0  # speculation really happened
+        joint = _exact_joint3(t, prompt, Sampling.create(temperature, 0, top_p))
+        first_two = joint.sum(axis=2)  # p(x1, x2)
+        speculated = joint.sum(axis=0)  # p(x2, x3): drafted and verified in one step
+        for m, cut in ((first_two, slice(0, 2)), (speculated, slice(1, 3))):
+            exact = {x: float(m[x]) for x in np.ndindex(m.shape) if m[x] > 0}
+            assert_same_distribution([tuple(s[cut]) for s in out.tokens], exact)
+
+
+@pytest.mark.slow
+def test_typical_acceptance_is_an_option_for_medusa(tiny_target, greedy_ref):
+    spec = Medusa.random(tiny_target, num_heads=3, tree=SMALL_TREE, verification="typical")
+    greedy = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                              speculator=spec, adaptive=False)
+    assert greedy.tokens == greedy_ref  # typical is only for sampled decoding
+    sampled = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                               temperature=1.0, speculator=spec, adaptive=False)
+    assert all(len(r) == 16 for r in sampled.tokens)
+
+
+# ---- save / load, errors -------------------------------------------------------------
+@pytest.mark.parametrize("name", ["medusa", "eagle3"])
+def test_saved_heads_load_into_a_speculator_that_generates_the_same(
+        tmp_path, tiny_target, greedy_ref, name):
+    spec = _make(name, tiny_target)
+    spec.save(tmp_path)
+    if name == "medusa":
+        loaded = Medusa(heads=tmp_path, target=tiny_target, tree=SMALL_TREE)
+    else:
+        loaded = Eagle(heads=tmp_path, target=tiny_target, top_k=2, depth=3, total_tokens=6)
+        np.testing.assert_array_equal(loaded.d2t, spec.d2t)
+    assert loaded.config == spec.config
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, spec.params)
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                           speculator=loaded, adaptive=False)  # compiled with the original
+    assert out.tokens == greedy_ref
+
+
+def test_heads_for_another_target_are_refused(tmp_path, tiny_target):
+    # another target: different vocabulary (params cut from tiny_target's; no init)
+    cut = lambda x: x[:100] if x.shape[0] == 128 else x[:, :100] if x.shape[-1] == 128 else x
+    other = specjax.Model(tiny_target.config.replace(vocab_size=100),
+                          jax.tree.map(cut, tiny_target.params))
+    Medusa.random(other, num_heads=2, tree=[[0], [0, 0]]).save(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"vocab_size=100 \(target has 128\)"):
+        Medusa(heads=tmp_path / "m", target=tiny_target)
+    spec = Eagle.random(other, top_k=2, depth=2, total_tokens=3)
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec)
+    with pytest.raises(ValueError, match="'medusa' heads, not 'eagle'"):
+        Eagle(heads=tmp_path / "m", target=other)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda t: Medusa.random(t, num_heads=2, tree=[[0], [0, 0], [0, 0, 0]]), "exceeds the 2"),
+    (lambda t: Medusa.random(t, tree=[[0, 1]]), "no parent"),
+    (lambda t: Medusa.random(t, verification="fast"), "verification='fast'"),
+    (lambda t: Eagle.random(t, top_k=2, depth=3, total_tokens=20), "total_tokens"),
+    (lambda t: Eagle.random(t, version=3, draft_vocab_size=4, top_k=5, depth=2,
+                            total_tokens=5), "top-5"),
+    (lambda t: Eagle.random(t, version=1, vocab_map=np.arange(8)), "EAGLE-3"),
+    (lambda t: DraftModel(model=t, k=2, tree_top_k=2, total_tokens=9), "total_tokens"),
+    (lambda t: Medusa(heads={}, target=t), "MedusaConfig"),
+])
+def test_bad_settings_are_named(tiny_target, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(tiny_target)

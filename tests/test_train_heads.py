@@ -1,0 +1,90 @@
+"""Training Medusa and EAGLE heads: the loss falls, and the written heads load into the
+speculators and generate exactly the target's greedy output."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.checkpoint import save_hf
+from specjax.heads import EagleConfig, MedusaConfig, load_heads
+from specjax.model import Model, init_params
+from specjax.speculators import Eagle, Medusa
+from train import jobs
+from train.methods import TrainEagle, TrainMedusa
+from train.methods.eagle import ttt_mask
+from train_setup import DATA, MODEL, tokenizer, train_config
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11] * 12, [40, 41, 42, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A random tiny target with the train tests' tokenizer, its LM head scaled up so its
+    distributions are peaked (something for the heads to learn; no quality needed)."""
+    out = tmp_path_factory.mktemp("target")
+    params = init_params(MODEL, 0)
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 20.0
+    save_hf(Model(MODEL, params, tokenizer()), out)
+    return out
+
+
+def _evals(workdir):
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["split"] == "eval"]
+
+
+def _lossless(target_dir, spec):
+    target = specjax.load(target_dir, dtype="float32")
+    ref = specjax.generate(target, PROMPTS, max_new_tokens=12, ignore_eos=True).tokens
+    out = specjax.generate(target, PROMPTS, max_new_tokens=12, ignore_eos=True,
+                           speculator=spec, adaptive=False)
+    assert out.tokens == ref
+
+
+@pytest.mark.parametrize("head", [
+    MedusaConfig(num_heads=2),
+    EagleConfig(3, draft_vocab_size=200),
+    pytest.param(EagleConfig(1), marks=pytest.mark.slow),
+], ids=["medusa", "eagle3", "eagle1"])
+def test_trained_heads_learn_and_generate_losslessly(tmp_path, target_dir, head):
+    kw = {"ttt_steps": 2} if isinstance(head, EagleConfig) and head.version == 3 else {}
+    job = jobs.heads(tmp_path, target_dir, head, train_config(
+        steps=30, checkpoint_every=0, eval_at_start=True), DATA, **kw)
+    first, last = _evals(tmp_path)[0], _evals(tmp_path)[-1]
+    assert last["loss"] < 0.95 * first["loss"], (first, last)
+    target = specjax.load(target_dir, dtype="float32")
+    ckpt = load_heads(job.export_dir, target.config)
+    if isinstance(head, MedusaConfig):
+        spec = Medusa(heads=job.export_dir, target=target, tree=[[0], [1], [0, 0]])
+    else:
+        spec = Eagle(heads=job.export_dir, target=target, top_k=2, depth=2, total_tokens=4)
+        if head.version == 3:  # d2t: the 200 ids most frequent in the training split
+            assert ckpt.vocab_map.shape == (200,) and np.all(np.diff(ckpt.vocab_map) > 0)
+            np.testing.assert_array_equal(spec.d2t, ckpt.vocab_map)
+    _lossless(target_dir, spec)
+
+
+def test_ttt_mask_is_what_a_draft_node_sees():
+    m = ttt_mask(3, 4)
+    # step 2, index 1: real pairs 0..1, its own chain at index 1 in steps 1 and 2
+    row = m[2 * 4 + 1].reshape(3, 4)
+    np.testing.assert_array_equal(row, [[1, 1, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]])
+    np.testing.assert_array_equal(m[:4, :4], np.tril(np.ones((4, 4), bool)))  # step 0: causal
+    assert not m[:4, 4:].any()
+
+
+def test_medusa2_joint_trains_the_target_too(target_dir):
+    target = specjax.load(target_dir, dtype="float32")
+    method = TrainMedusa(target.config, MedusaConfig(num_heads=2), joint=True)
+    params = method.initial_params(target.params)
+    batch = {"tokens": jnp.asarray(np.arange(64).reshape(2, 32) % 300, jnp.int32),
+             "mask": jnp.ones((2, 32))}
+    grads = jax.jit(jax.grad(lambda p: method.loss_fn(p, None, batch, None)[0]))(params)
+    norm = lambda t: float(sum(jnp.sum(x * x) for x in jax.tree.leaves(t)))
+    assert norm(grads["target"]) > 0 and norm(grads["heads"]) > 0
+    with pytest.raises(ValueError, match="initial_params"):
+        method.init(jax.random.key(0))

@@ -1,0 +1,155 @@
+"""EAGLE heads on a frozen target: EAGLE-1/2 (feature regression + token CE) and EAGLE-3
+(token CE with training-time test).
+
+The head runs causally over the pairs (feature f_i, token x_{i+1}) at positions i, as in
+generation, and its output at pair i is the predicted next feature, whose logits should
+match the target's distribution at position i + 1.
+
+* version 1 (EAGLE-1/2): loss = feature_weight * smooth-L1(out_i, f_{i+1})
+  + token_weight * CE(target p_{i+1}, head q_i), EAGLE's weights 1.0 and 0.1; input
+  features get uniform noise U(-noise/2, noise/2) (EAGLE's noise, without its
+  512/seq_len scaling), so the head tolerates its own imperfect features at drafting.
+* version 3 (EAGLE-3): no feature loss. Training-time test unrolls `ttt_steps` drafting
+  steps: step j feeds, at every index i, the token x_{i+1+j} with the head's own output
+  of step j-1 (step 0: the fused target features), at position i + j, attending to the
+  real pairs up to i and to its own chain at i (steps 1..j) - what a depth-j draft node
+  sees at generation. Loss = sum_j 0.8**j CE_j against the target distribution at
+  i + 1 + j restricted to the draft vocabulary (d2t) and renormalised.
+
+Trainable: the head's params. Frozen: {"target": target params, "d2t": [Vd] int32 or
+None}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
+                                 init_eagle_params, target_features)
+from train import losses
+from train.forward import causal_forward, positions_for
+
+
+def _smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
+    d = jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))
+    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
+
+
+def _soft_ce(p: jax.Array, logits: jax.Array) -> jax.Array:
+    """-sum p log softmax(logits) over the last axis: [..., V] -> [...]."""
+    return -jnp.sum(p * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def ttt_mask(steps: int, t: int) -> np.ndarray:
+    """[(steps)*t, (steps)*t] bool over blocks of t pairs, one block per TTT step: a query
+    of any step sees step 0 causally (the real pairs) and its own index in steps 1..j."""
+    j = np.repeat(np.arange(steps), t)
+    i = np.tile(np.arange(t), steps)
+    jq, iq, jk, ik = j[:, None], i[:, None], j[None, :], i[None, :]
+    return ((jk == 0) & (ik <= iq)) | ((jk >= 1) & (jk <= jq) & (ik == iq))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainEagle:
+    target: ModelConfig
+    head: EagleConfig = EagleConfig()
+    feature_weight: float = 1.0  # version 1: smooth-L1 on the predicted feature
+    token_weight: float = 0.1  # version 1: CE against the target's distribution
+    noise: float = 0.2  # version 1: width of the uniform noise on input features
+    ttt_steps: int = 3  # version 3: unrolled drafting steps (EAGLE-3 uses 7)
+    name: ClassVar[str] = "eagle"
+
+    def __post_init__(self):
+        self.head.check(self.target)
+        object.__setattr__(self, "head", self.head.resolved(self.target))
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.head.hidden_layers)))
+
+    def init(self, rng: jax.Array) -> Any:
+        return init_eagle_params(self.head, self.target, rng)
+
+    def _target(self, frozen, tokens):
+        logits, hidden = causal_forward(self.target, frozen["target"], tokens,
+                                        hidden_layers=self.hidden_layers)
+        index = tuple(self.hidden_layers.index(i) for i in self.head.hidden_layers)
+        feats = target_features(self.head, hidden, index)
+        return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(feats)
+
+    def _step(self, params, frozen, tokens, feats, positions, mask=None):
+        out, _ = eagle_step(self.head, self.target, params, frozen["target"], None, tokens,
+                            feats, positions, mask=mask)
+        return out, eagle_logits(self.head, self.target, params, frozen["target"], out)
+
+    def _losses(self, params, frozen, batch, rng):
+        tokens, mask = batch["tokens"], batch["mask"]
+        logits, feats = self._target(frozen, tokens)
+        p = jax.nn.softmax(logits, axis=-1)  # [B, T, V] target distributions
+        pair_mask = mask[:, :-1] * mask[:, 1:]  # pair i = (f_i, x_{i+1}) -> position i + 1
+        if self.head.version == 1:
+            return self._eagle1(params, frozen, tokens, feats, p, pair_mask, rng)
+        return self._eagle3(params, frozen, tokens, feats, p, mask, rng)
+
+    def _eagle1(self, params, frozen, tokens, feats, p, pair_mask, rng):
+        f_in = feats[:, :-1]
+        if rng is not None and self.noise > 0:
+            f_in = f_in + self.noise * (jax.random.uniform(rng, f_in.shape) - 0.5)
+        toks = tokens[:, 1:]
+        out, q = self._step(params, frozen, toks, f_in, positions_for(toks))
+        feature = losses.masked_mean(_smooth_l1(out, feats[:, 1:]), pair_mask)
+        token = losses.masked_mean(_soft_ce(p[:, 1:], q), pair_mask)
+        agree = losses.top1_agreement(p[:, 1:], q, pair_mask)
+        loss = self.feature_weight * feature + self.token_weight * token
+        return loss, {"feature_l1": feature, "token_ce": token, "agreement": agree}
+
+    def _eagle3(self, params, frozen, tokens, feats, p, mask, rng):
+        del rng
+        b, t = tokens.shape
+        n = t - 1  # pairs per row
+        d2t = frozen["d2t"]
+        p_d = p if d2t is None else jnp.take(p, d2t, axis=-1)  # [B, T, Vd]
+        p_d = p_d / jnp.maximum(jnp.sum(p_d, axis=-1, keepdims=True), 1e-20)
+        pad = lambda x, j: jnp.pad(x[:, 1 + j:], ((0, 0), (0, j)) + ((0, 0),) * (x.ndim - 2))
+        prev = fuse_features(self.head, self.target, params, feats[:, :-1])  # [B, n, D]
+        blocks_t, blocks_f, out, total = [], [], {}, 0.0
+        for j in range(self.ttt_steps):
+            # step j, index i: token x_{i+1+j}, target position i + 1 + j
+            blocks_t.append(pad(tokens, j)[:, :n])
+            blocks_f.append(prev)
+            k = j + 1
+            pos = (jnp.arange(n)[None, :] + jnp.arange(k)[:, None]).reshape(1, k * n)
+            o, q = self._step(params, frozen, jnp.concatenate(blocks_t, axis=1),
+                              jnp.concatenate(blocks_f, axis=1),
+                              jnp.broadcast_to(pos, (b, k * n)),
+                              mask=jnp.broadcast_to(jnp.asarray(ttt_mask(k, n)), (b, k * n, k * n)))
+            prev, q = o[:, j * n:], q[:, j * n:]  # this step's block
+            valid = (jnp.arange(n)[None, :] < n - j) * pad(mask, j)[:, :n] * mask[:, :n]
+            target = pad(p_d, j)[:, :n]
+            out[f"ce_{j}"] = losses.masked_mean(_soft_ce(target, q), valid)
+            out[f"agreement_{j}"] = losses.top1_agreement(target, q, valid)
+            total = total + 0.8 ** j * out[f"ce_{j}"]
+        return total, out
+
+    def loss_fn(self, params, frozen, batch, rng):
+        return self._losses(params, frozen, batch, rng)
+
+    def eval_metrics(self, params, frozen, batch):
+        loss, out = self._losses(params, frozen, batch, None)
+        return dict(out, loss=loss)
+
+    def describe(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(target=self.target.to_hf_dict(), head=dataclasses.asdict(self.head))
+        return {"name": self.name, **fields}
+
+    def with_compute_dtype(self, dtype: str) -> "TrainEagle":
+        return dataclasses.replace(self, target=self.target.replace(dtype=dtype))
