@@ -11,6 +11,7 @@ from train.run import CONFIGS_ROOT, run_config
 
 TINY = [
     "target/trainer.TrainConfig.steps = 3", "draft/trainer.TrainConfig.steps = 3",
+    "heads/trainer.TrainConfig.steps = 3", "heads/trainer.TrainConfig.progress = False",
     "target/trainer.TrainConfig.progress = False", "draft/trainer.TrainConfig.progress = False",
     "target/config.ModelConfig.vocab_size = 384", "target/config.ModelConfig.num_layers = 2",
     "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
@@ -29,7 +30,7 @@ def finished(tmp_path_factory):
 def test_quickstart_compares_every_method(finished):
     workdir, res = finished
     methods = {r["method"] for r in res["rows"]}
-    assert {"autoregressive", "ngram", "draft"} <= methods
+    assert methods == {"autoregressive", "ngram", "draft", "medusa", "eagle"}
     assert {r["temperature"] for r in res["rows"]} == {0.0, 1.0}
     assert res["greedy_identical"] is True
     saved = json.loads((workdir / "results.json").read_text())

@@ -202,7 +202,7 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
              "draft": DraftModel(model=draft, k=k, target=target)}
     for name, make in (head_stages or {}).items():
         hdir = _stage(workdir, name, lambda d, make=make: make(d, tdir / "export"),
-                      dict(common, stage=getattr(make, "settings", repr(make))))
+                      dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
 
     settings = dict(common, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens, k=k,
@@ -248,6 +248,40 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
     return results
 
 
-def default_head_stages() -> dict[str, Callable]:
-    """The head-training stages of the quickstart (Medusa, EAGLE), when available."""
-    return {}
+@dataclasses.dataclass(frozen=True)
+class HeadStage:
+    """Trains Medusa heads or an EAGLE head on the frozen target (`jobs.heads`), and
+    builds the speculator that uses them."""
+
+    head_config: Any  # MedusaConfig | EagleConfig
+    train_config: TrainConfig
+    data_config: DataConfig
+    eagle_tree: tuple = (4, 4, 16)  # EAGLE-2 dynamic tree: top_k, depth, total_tokens
+
+    @property
+    def settings(self) -> dict:
+        return _jsonable(self)
+
+    def __call__(self, stage_dir: Path, target_export: Path):
+        return jobs.heads(stage_dir, target_export, self.head_config, self.train_config,
+                          self.data_config)
+
+    def speculator(self, stage_dir: Path, target: specjax.Model, k: int):
+        from specjax.heads import MedusaConfig
+        from specjax.speculators import Eagle, Medusa
+
+        heads = stage_dir / jobs.HEADS_DIR
+        if isinstance(self.head_config, MedusaConfig):
+            return Medusa(heads=heads, target=target)
+        top_k, depth, total = self.eagle_tree
+        return Eagle(heads=heads, target=target, top_k=top_k, depth=depth, total_tokens=total)
+
+
+def default_head_stages(train_config: TrainConfig, data_config: DataConfig = DataConfig(),
+                        medusa_heads: int = 4, eagle_version: int = 1) -> dict[str, HeadStage]:
+    """The quickstart's head stages: Medusa-1 heads and an EAGLE head, same training."""
+    from specjax.heads import EagleConfig, MedusaConfig
+
+    return {"medusa": HeadStage(MedusaConfig(num_heads=medusa_heads), train_config,
+                                data_config),
+            "eagle": HeadStage(EagleConfig(version=eagle_version), train_config, data_config)}
