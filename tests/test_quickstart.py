@@ -13,7 +13,7 @@ TINY = [
     "target/trainer.TrainConfig.steps = 3", "draft/trainer.TrainConfig.steps = 3",
     "heads/trainer.TrainConfig.steps = 3", "heads/trainer.TrainConfig.progress = False",
     "target/trainer.TrainConfig.progress = False", "draft/trainer.TrainConfig.progress = False",
-    "target/config.ModelConfig.vocab_size = 384", "target/config.ModelConfig.num_layers = 2",
+    "config.ModelConfig.vocab_size = 384", "config.ModelConfig.num_layers = 2",
     "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
     "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
     "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)",
