@@ -1,5 +1,6 @@
 """The `specjax` command line.
 
+  specjax run CONFIG.gin [--gin 'binding = value' ...] [--workdir DIR]
   specjax generate [--model DIR] [--prompt TEXT | --ids 1,2,3] [--speculator ngram|draft|none]
   specjax bench decode [...]
   specjax bench speculative [...]
@@ -62,6 +63,21 @@ def _generate(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    """`specjax run CONFIG.gin`: any configured experiment (training or evaluation)."""
+    import logging
+
+    from train.run import run_config
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("train").setLevel(logging.INFO)
+    result = run_config(args.config, args.gin, workdir=args.workdir)
+    if hasattr(result, "export_dir"):
+        print(f"workdir: {result.workdir}\nexport: {result.export_dir}\n"
+              f"eval: {result.train.eval}")
+    return 0
+
+
 def _bench(args, rest) -> int:
     if args.what == "decode":
         from specjax.bench import decode
@@ -87,16 +103,27 @@ def main(argv=None) -> int:
     g.add_argument("--draft", help="draft model directory for --speculator draft")
     g.add_argument("--k", type=int, default=4)
     g.add_argument("--json", action="store_true", help="also print stats as JSON")
+    r = sub.add_parser("run", help="run a gin experiment (training or evaluation)")
+    r.add_argument("config", help="a .gin file, e.g. configs/experiments/quickstart.gin")
+    r.add_argument("--gin", action="append", default=[], metavar="BINDING",
+                   help="extra binding, e.g. 'target/trainer.TrainConfig.steps = 10'")
+    r.add_argument("--workdir", default=None,
+                   help="run directory (default runs/<config name>); re-running resumes")
     b = sub.add_parser("bench", help="benchmarks (scripts, not tests)")
     b.add_argument("what", choices=["decode", "speculative"])
     args, rest = parser.parse_known_args(argv)
     try:
+        if args.command in ("generate", "run") and rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":
-            if rest:
-                parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return _generate(args)
+        if args.command == "run":
+            if args.workdir is None:
+                from pathlib import Path
+                args.workdir = str(Path("runs") / Path(args.config).stem)
+            return _run(args)
         return _bench(args, rest)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, KeyError, NameError) as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2
 

@@ -100,6 +100,11 @@ class ModelConfig:
         return tuple(self.eos_token_id)
 
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes`; a head_dim that was derived (hidden / heads) is derived
+        again when hidden_size or num_heads change, instead of keeping the stale value."""
+        derived = self.head_dim == self.hidden_size // self.num_heads
+        if "head_dim" not in changes and derived and {"hidden_size", "num_heads"} & set(changes):
+            changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
 
     def param_count(self) -> int:

@@ -16,7 +16,7 @@ import pytest
 import specjax
 from specjax import attention
 from specjax.config import ModelConfig
-from tests.hf_models import CACHE_ATOL, VOCAB, random_params
+from tests.hf_models import CACHE_ATOL, VOCAB
 
 ATOL = CACHE_ATOL["float32"]
 N, K, H = 4, 2, 8  # query heads, KV heads, head_dim
@@ -133,10 +133,10 @@ def test_backend_argument_validation(monkeypatch):
         attention.paged_attention(*args, scale=1.0, backend="cuda")
     config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=4, num_kv_heads=2)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specjax.param_shapes(config))
     tokens = jnp.zeros((1, 2), jnp.int32)
     with pytest.raises(ValueError, match=r"attention backend='cuda'"):
-        specjax.step(config, random_params(config), None, tokens, tokens,
-                     attention_backend="cuda")
+        specjax.step(config, params, None, tokens, tokens, attention_backend="cuda")
     monkeypatch.setenv("SPECJAX_ATTENTION", "bogus")
     with pytest.raises(ValueError, match=r"SPECJAX_ATTENTION='bogus'"):
-        specjax.step(config, random_params(config), None, tokens, tokens)
+        specjax.step(config, params, None, tokens, tokens)

@@ -233,3 +233,17 @@ def test_old_and_new_rope_config_forms_load_equal(ckpt):
     assert specjax.load(ckpt).config == new.config
     assert new.config.rope_theta == 500000.0
     assert new.config.rope_scaling_dict["rope_type"] == "llama3"
+
+
+def test_bfloat16_checkpoint_round_trip_is_exact(tmp_path):
+    """bf16 safetensors -> specjax (bf16 params, bf16 compute) -> safetensors, bitwise."""
+    tiny_hf("qwen2", seed=0).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    model = specjax.load(tmp_path / "hf")
+    assert model.config.dtype == "bfloat16"
+    assert {str(x.dtype) for x in jax.tree.leaves(model.params)} == {"bfloat16"}
+    specjax.save_hf(model, tmp_path / "out")
+    _assert_bitwise(_read_dir(tmp_path / "out"), _read_dir(tmp_path / "hf"))
+    assert specjax.load(tmp_path / "out").config == model.config
+    # and a bfloat16 checkpoint can be loaded as float32 on request
+    as_f32 = specjax.load(tmp_path / "out", dtype="float32")
+    assert {str(x.dtype) for x in jax.tree.leaves(as_f32.params)} == {"float32"}

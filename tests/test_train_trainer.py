@@ -77,6 +77,8 @@ def test_kill_and_resume_is_bitwise_exact(data, straight, tmp_path):
     # "Killed" after step 10: steps 9-10 are lost, the newest checkpoint is step 8.
     killed = train(Pretrain(MODEL), data, config(), tmp_path, stop_at=10)
     assert killed.step == 10 and not killed.finished
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "lo')  # a line torn by the kill
     resumed = train(Pretrain(MODEL), data, config(), tmp_path)
     assert resumed.step == 12 and resumed.finished
     assert_trees_equal(resumed.params, straight.params)

@@ -96,10 +96,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--gin", action="append", default=[], metavar="BINDING",
                         help="extra gin binding, e.g. 'trainer.TrainConfig.steps = 10'")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("train").setLevel(logging.INFO)
     result = run_config(args.gin_file, args.gin, workdir=args.workdir)
     print(f"workdir: {result.workdir}\nexport: {result.export_dir}\neval: {result.train.eval}")
 
 
 if __name__ == "__main__":
-    main()
+    # Run the imported module's main, not this __main__ copy: gin registered the
+    # functions of `train.run`, and `launch` must be that one.
+    from train.run import main as _main
+
+    _main()

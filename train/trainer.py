@@ -209,6 +209,14 @@ def evaluate(method: Method, params: Any, frozen: Any, batches: list[Batch],
     return {k: v / weight for k, v in totals.items()} if weight else {}
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a line torn by a kill mid-write."""
+    try:
+        return int(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
 class MetricsLog:
     """`metrics.jsonl`; on resume at step s, lines after s (from the killed run) go."""
 
@@ -216,7 +224,7 @@ class MetricsLog:
         self.path = path
         if path.exists():
             kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+                    if _step_of(line) is not None and _step_of(line) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -258,7 +266,11 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
     ckpts = RunCheckpoints(workdir / "checkpoints", identity, keep=config.keep_checkpoints)
     start = ckpts.latest_step() or 0
     if start:
-        state = ckpts.restore(start, abstract)
+        try:
+            state = ckpts.restore(start, abstract)
+        except Exception:
+            ckpts.close()
+            raise
         log.info("resuming %s from step %d", workdir, start)
     else:
         state = jax.device_put(init_state(), replicated)

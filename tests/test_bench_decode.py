@@ -1,0 +1,51 @@
+"""specjax.bench.decode: the docs section it writes and its argument checks (the run is `slow`)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specjax.bench import decode
+
+RESULT = {"params": 31_990_272, "threads": 2, "rows": [
+    dict(batch=1, specjax_ms=10.0, hf_ms=40.0, hf1_ms=20.0, speedup=2.0, ttft_ms=50.0,
+         tpot_ms=9.0, same=True)]}
+ARGS = argparse.Namespace(new_tokens=64, prompt_len=32, repeats=3)
+
+
+def test_write_section_replaces_only_its_own_section(tmp_path):
+    doc = tmp_path / "docs" / "benchmarks.md"
+    decode.write_section(doc, decode.markdown(RESULT, ARGS, "python -m specjax.bench.decode"))
+    doc.write_text(doc.read_text() + "\n## Kernels\n\nkeep me\n")
+    again = dict(RESULT, rows=[dict(RESULT["rows"][0], specjax_ms=5.0, speedup=4.0)])
+    decode.write_section(doc, decode.markdown(again, ARGS, "python -m specjax.bench.decode"))
+    text = doc.read_text()
+    assert text.count(decode.START) == 1 and text.count(decode.END) == 1
+    assert "keep me" in text and "| 1 | 5.00 | 40.00 | 20.00 | 4.00x |" in text
+    for needle in ("- date: ", "- machine: ", "- versions: jax ", "torch ", "transformers ",
+                   "- command: `python -m specjax.bench.decode`", "31,990,272 params"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("argv, match", [(["--new-tokens", "0"], "--new-tokens=0"),
+                                         (["--batch-sizes", "1,x"], "--batch-sizes='1,x'")])
+def test_bad_arguments_exit_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as err:
+        decode.main(argv)
+    assert err.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_bench_config_is_the_documented_llama():
+    from specjax.config import ModelConfig
+    config = ModelConfig(**decode.BENCH_CONFIG)
+    assert (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads,
+            config.num_kv_heads, config.intermediate_size) == (8192, 512, 8, 8, 4, 1408)
+    assert config.param_count() == 31_990_272
+
+
+@pytest.mark.slow
+def test_bench_runs_end_to_end(capsys):
+    assert decode.main(["--new-tokens", "2", "--batch-sizes", "1", "--repeats", "1",
+                        "--out", ""]) == 0
+    assert "same tokens: True" in capsys.readouterr().out

@@ -1,0 +1,61 @@
+"""The quickstart experiment end to end on a tiny setting: every stage, the table, the
+files, the greedy check; a re-run reuses everything; bad input keeps finished stages."""
+
+import json
+import time
+
+import pytest
+
+from specjax.cli import main as cli
+from train.run import CONFIGS_ROOT, run_config
+
+TINY = [
+    "target/trainer.TrainConfig.steps = 3", "draft/trainer.TrainConfig.steps = 3",
+    "heads/trainer.TrainConfig.steps = 3", "heads/trainer.TrainConfig.progress = False",
+    "target/trainer.TrainConfig.progress = False", "draft/trainer.TrainConfig.progress = False",
+    "target/config.ModelConfig.vocab_size = 384", "target/config.ModelConfig.num_layers = 2",
+    "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
+    "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
+    "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)",
+]
+GIN = CONFIGS_ROOT / "experiments" / "quickstart.gin"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("quickstart")
+    return workdir, run_config(GIN, TINY, workdir=workdir)
+
+
+def test_quickstart_compares_every_method(finished):
+    workdir, res = finished
+    methods = {r["method"] for r in res["rows"]}
+    assert methods == {"autoregressive", "ngram", "draft", "medusa", "eagle"}
+    assert {r["temperature"] for r in res["rows"]} == {0.0, 1.0}
+    assert res["greedy_identical"] is True
+    saved = json.loads((workdir / "results.json").read_text())
+    assert saved["versions"]["jax"] and saved["settings"]["seed"] == 0
+    for plot in saved["plots"]:
+        assert (workdir / plot).stat().st_size > 0
+    assert "| ngram | 0 |" in (workdir / "results.md").read_text()
+
+
+def test_rerun_reuses_every_stage(finished, capsys):
+    workdir, res = finished
+    markers = {p: p.stat().st_mtime for p in workdir.glob("*/DONE.json")}
+    t0 = time.perf_counter()
+    again = run_config(GIN, TINY, workdir=workdir)
+    assert time.perf_counter() - t0 < 60
+    assert again["rows"] == res["rows"]
+    assert {p: p.stat().st_mtime for p in workdir.glob("*/DONE.json")} == markers
+    assert "finished earlier" in capsys.readouterr().out
+
+
+def test_bad_binding_is_a_clear_error_and_keeps_stages(finished, capsys):
+    workdir, _ = finished
+    before = sorted(p.name for p in workdir.iterdir())
+    code = cli(["run", str(GIN), "--workdir", str(workdir), "--gin",
+                "quickstart.quickstart.bogus = 3"])
+    assert code == 2
+    assert "bogus" in capsys.readouterr().err
+    assert sorted(p.name for p in workdir.iterdir()) == before
