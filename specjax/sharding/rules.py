@@ -69,6 +69,15 @@ PARAM_AXES: tuple[tuple[str, Logical], ...] = (
     ("mlp/down_proj/kernel", ("mlp", "embed")),  # [F, D]
     ("input_layernorm/weight", ("embed",)),  # [D]
     ("post_attention_layernorm/weight", ("embed",)),  # [D]
+    # Medusa heads (specjax/heads/medusa.py), stacked over heads M and ResBlocks R
+    ("res_kernel", (None, None, "embed", None)),  # [M, R, D, D]
+    ("res_bias", (None, None, "embed")),  # [M, R, D]
+    ("lm_head", (None, "embed", "vocab")),  # [M, D, V]
+    # EAGLE heads (specjax/heads/eagle.py); their layer uses the rows above
+    ("fc/kernel", (None, "embed")),  # [2D or 3D, D]
+    ("fc/bias", ("embed",)),  # [D]
+    ("hidden_norm/weight", ("embed",)),  # [D]
+    ("d2t", (None,)),  # [Vd] EAGLE-3 draft index -> target id
 )
 
 # Cache field -> logical axes.
@@ -362,7 +371,10 @@ def shard_speculator(spec, mesh: Mesh, *, rules=RULES):
     """
     if not jax.tree.leaves(spec):
         return spec
-    return shard_params(spec, mesh, config=getattr(spec, "config", None), rules=rules)
+    config = getattr(spec, "config", None)  # a draft model's; heads use their target's
+    if not isinstance(config, ModelConfig):
+        config = getattr(spec, "target_config", None)
+    return shard_params(spec, mesh, config=config, rules=rules)
 
 
 def shard_batch(batch: Any, mesh: Mesh, *, rules=RULES) -> Any:
