@@ -1,4 +1,4 @@
-"""specjax.attention: the entry point's contract (module docstring), checked on hostile data.
+"""specjax.attention: the entry point's contract (module docstring), on hostile data, per backend.
 
 Unused pages and every slot at or past a row's length hold NaN; page tables are
 shuffled; lengths are ragged around the page size. The reference is a float64 numpy
@@ -87,16 +87,28 @@ CASES = {  # name -> (T, q_lens, tree parents or None)
 }
 
 
-@pytest.mark.parametrize("soft_cap, window", [(None, None), (5.0, None), (None, 3)])
-@pytest.mark.parametrize("name", CASES)
-def test_reference_matches_contract_with_nan_outside(name, soft_cap, window):
+def _backend_params():
+    """Every case on the reference; on the Pallas kernel (interpret mode on CPU, ~5 s a
+    case) decode and tree by default, the rest under `-m slow`."""
+    out = []
+    for name in CASES:
+        for soft_cap, window in [(None, None), (5.0, None), (None, 3)]:
+            out.append(pytest.param("reference", name, soft_cap, window))
+            fast = name in ("decode", "tree") and soft_cap is window is None
+            out.append(pytest.param("pallas", name, soft_cap, window,
+                                    marks=() if fast else pytest.mark.slow))
+    return out
+
+
+@pytest.mark.parametrize("backend, name, soft_cap, window", _backend_params())
+def test_backend_matches_contract_with_nan_outside(backend, name, soft_cap, window):
     t_len, q_lens, parents = CASES[name]
     mask = None if parents is None else _tree_mask(parents, t_len, len(KV_LENS))
     args = _case(t_len, q_lens, mask)
     scale = H ** -0.5
     out = np.asarray(attention.paged_attention(
         *map(lambda a: None if a is None else jnp.asarray(a), args), scale=scale,
-        soft_cap=soft_cap, sliding_window=window, backend="reference"))
+        soft_cap=soft_cap, sliding_window=window, backend=backend))
     assert np.isfinite(out).all()  # NaN never reaches any output, padding queries included
     want = _naive(*args, scale, soft_cap, window)
     for row, n in enumerate(q_lens):
