@@ -1,5 +1,14 @@
 """Shared fixtures: tiny random models, built locally and seeded (no downloads)."""
 
+import os
+
+# The suite's time is almost all XLA:CPU compilation of tiny programs; cheaper backend
+# passes compile them ~2.5x faster (numerics are unchanged: the same HLO ops run).
+# Set before jax is imported; subprocesses and notebook kernels inherit it.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+
 import numpy as np
 import pytest
 
