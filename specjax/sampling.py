@@ -42,13 +42,28 @@ def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """logits [..., V] f32 -> log-probabilities after temperature, top-k and top-p.
 
     At temperature 0 this is the (log) one-hot of the argmax, so greedy decoding is the
-    same distribution machinery with a point mass.
+    same distribution machinery with a point mass. The vocabulary sorts of top-k/top-p
+    run only when one of them is on (`lax.cond`): they dominate a small model's step.
     """
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
-    greedy = sampling.temperature <= 0
-    temp = jnp.where(greedy, 1.0, sampling.temperature)
-    x = logits / temp
+
+    def greedy():
+        hot = jnp.arange(v) == jnp.argmax(logits, axis=-1)[..., None]
+        return jnp.where(hot, 0.0, -jnp.inf)
+
+    def tempered():
+        x = logits / sampling.temperature
+        filtering = (sampling.top_k > 0) | (sampling.top_p < 1)
+        return jax.nn.log_softmax(jax.lax.cond(filtering, lambda: _filter(x, sampling),
+                                               lambda: x), axis=-1)
+
+    return jax.lax.cond(sampling.greedy, greedy, tempered)
+
+
+def _filter(x: jax.Array, sampling: Sampling) -> jax.Array:
+    """Top-k then top-p on tempered logits x [..., V]: filtered-out entries -> float min."""
+    v = x.shape[-1]
     neg = jnp.finfo(jnp.float32).min
     # top-k: keep logits >= the k-th largest (ties kept), k = 0 disables.
     desc = -jnp.sort(-x, axis=-1)
@@ -61,10 +76,7 @@ def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     before = jnp.cumsum(p_desc, axis=-1) - p_desc  # mass strictly above each sorted entry
     keep_sorted = before < sampling.top_p
     cutoff = jnp.min(jnp.where(keep_sorted, desc, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((sampling.top_p < 1) & (x < cutoff), neg, x)
-    lp = jax.nn.log_softmax(x, axis=-1)
-    onehot = jnp.where(jnp.arange(v) == jnp.argmax(logits, axis=-1)[..., None], 0.0, -jnp.inf)
-    return jnp.where(greedy, onehot, lp)
+    return jnp.where((sampling.top_p < 1) & (x < cutoff), neg, x)
 
 
 def probs(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -1,7 +1,11 @@
 """Speculative decoding benchmark: every method on the same target and prompts, one run.
 
-  python -m specjax.bench.speculative [--target DIR] [--draft DIR] [--k 4] [--new 64]
-                                      [--prompts FILE] [--hf] [--out FILE.json]
+  python -m specjax.bench.speculative [--target DIR] [--draft DIR] [--medusa DIR]
+      [--eagle DIR] [--workdir QUICKSTART_RUN] [--k 4] [--new 64] [--prompts FILE]
+      [--hf] [--out FILE.json]
+
+`--workdir runs/quickstart` takes the target, draft, Medusa and EAGLE heads that the
+quickstart trained.
 
 Prints, per method, α, τ, tokens/s, the measured speedup over autoregressive decoding
 in the same run, and Leviathan's analytical expectation from α, k and the draft/target
@@ -127,6 +131,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help="target model directory (default: random 25M Llama)")
     ap.add_argument("--draft", help="draft model directory")
+    ap.add_argument("--medusa", help="Medusa heads directory (train.jobs.heads output)")
+    ap.add_argument("--eagle", help="EAGLE head directory (train.jobs.heads output)")
+    ap.add_argument("--workdir", help="a quickstart run directory: all of the above")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--batch", type=int, default=1, help="prompts (when generated)")
@@ -135,14 +142,25 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same weights")
     ap.add_argument("--out", help="write results as JSON")
     args = ap.parse_args(argv)
-    from specjax.speculators import DraftModel, NGram
+    from specjax.speculators import DraftModel, Eagle, Medusa, NGram
 
+    if args.workdir:
+        w = Path(args.workdir)
+        args.target = args.target or str(w / "target" / "export")
+        args.draft = args.draft or str(w / "draft" / "export")
+        args.medusa = args.medusa or str(w / "medusa" / "heads")
+        args.eagle = args.eagle or str(w / "eagle" / "heads")
     target = specjax.load(args.target) if args.target else specjax.init_model(BENCH_25M, 0)
     draft = specjax.load(args.draft) if args.draft else None
     prompts = _prompts(args, target.config.vocab_size)
     specs = {"autoregressive": None, "ngram": NGram(k=args.k)}
     if draft is not None:
         specs["draft"] = DraftModel(model=draft, k=args.k, target=target)
+    if args.medusa:
+        specs["medusa"] = Medusa(heads=args.medusa, target=target)
+    if args.eagle:
+        specs["eagle"] = Eagle(heads=args.eagle, target=target, top_k=4, depth=4,
+                               total_tokens=16)
     rows = run_specjax(target, prompts, args.new, specs, args.repeats)
     if draft is not None:
         c = measured_cost_ratio(target, draft)
