@@ -138,18 +138,13 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]
     tensors, origin = {}, {}
     for fpath in safetensors_files(path):
         try:
-            part = _load_bf16_aware(fpath, load_file)
+            part = load_file(str(fpath))  # bf16 arrives as ml_dtypes.bfloat16
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"{fpath}: cannot read safetensors file ({e})") from e
         for k, v in part.items():
             tensors[k] = v
             origin[k] = str(fpath)
     return tensors, origin
-
-
-def _load_bf16_aware(fpath: Path, load_file):
-    """numpy cannot hold bf16 natively; safetensors' numpy loader gives ml_dtypes bf16."""
-    return load_file(str(fpath))
 
 
 def _read_tokenizer(path: Path):

@@ -138,7 +138,6 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
 
 # ---------------------------------------------------------------------------- decode
 def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend) -> LoopState:
-    b = st.tokens.shape[0]
     active = ~st.done
     root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
     logits, _, cache = step(config, params, st.cache, root, (st.lengths - 1)[:, None],
@@ -186,8 +185,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     if tree.num_nodes != n or tree.max_depth != dm:
         raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
                          f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
-    tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))
-    tree = tree.replace(valid=tree.valid & active[:, None])
+    tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))  # limit 0: inactive
     root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
     inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1]
     base = (st.lengths - 1)[:, None]
@@ -215,8 +213,8 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     emit = jnp.minimum(res.num_accepted + 1, budget)
     j = jnp.arange(dm + 1)[None, :]
     eos_at = _is_eos(res.path_tokens, eos_ids) & (j < emit[:, None])
-    first_eos = jnp.argmax(eos_at, axis=1)
-    emit = jnp.where(jnp.any(eos_at, axis=1), first_eos + 1, emit)
+    new_eos = jnp.any(eos_at, axis=1)
+    emit = jnp.where(new_eos, jnp.argmax(eos_at, axis=1) + 1, emit)
     emit = jnp.where(active, emit, 0)
     # Commit KV: accepted node at tree slot L + node moves to slot L + depth - 1.
     lens = st.lengths
@@ -227,7 +225,6 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     cache = cache.replace(lengths=jnp.where(active, lens - 1 + emit, st.cache.lengths))
     tokens = _write_tokens(st.tokens, lens, res.path_tokens, emit)
     lengths = lens + emit
-    new_eos = jnp.any(eos_at, axis=1)
     done = st.done | (active & new_eos) | (lengths - st.prompt_lens >= max_new)
     kept_in = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     spec_state = spec.commit(spec_state, CommitContext(

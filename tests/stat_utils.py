@@ -1,6 +1,5 @@
 """Exact target distributions and a chi-square comparison, for losslessness tests."""
 
-import itertools
 
 import jax.numpy as jnp
 import numpy as np

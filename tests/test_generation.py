@@ -1,6 +1,5 @@
 """Target-only generation: greedy exactness, ragged batches, EOS, sampling, bad input."""
 
-import numpy as np
 import pytest
 
 import specjax

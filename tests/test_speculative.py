@@ -1,7 +1,6 @@
 """Speculative generation end to end: lossless greedy, α/τ, sampling distribution, errors."""
 
 import jax
-import numpy as np
 import pytest
 
 import specjax

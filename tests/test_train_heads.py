@@ -14,7 +14,7 @@ from specjax.heads import EagleConfig, MedusaConfig, load_heads
 from specjax.model import Model, init_params
 from specjax.speculators import Eagle, Medusa
 from train import jobs
-from train.methods import TrainEagle, TrainMedusa
+from train.methods import TrainMedusa
 from train.methods.eagle import ttt_mask
 from train_setup import DATA, MODEL, tokenizer, train_config
 

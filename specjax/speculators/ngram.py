@@ -7,11 +7,9 @@ Repetitive input (code edits, quoting the prompt) gives long accepted runs.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.config import ModelConfig
 from specjax.speculators.base import ProposeContext, Speculator
 from specjax.tree import DraftTree, chain
 
