@@ -27,11 +27,12 @@ from flax import struct
 from specjax import sampling as sampling_lib
 from specjax.cache import PagedKVCache, PagePool, move_slots
 from specjax.config import ModelConfig
-from specjax.model import Model, module_for, step, validate_tokens
+from specjax.model import Model, decode_params, module_for, step, validate_tokens
 from specjax.models.transformer import Hidden, Transformer
 from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
-from specjax.stats import GenerationStats, build_stats, leviathan_optimal_k
+from specjax.stats import (GenerationStats, build_stats, default_verify_slope,
+                           leviathan_optimal_k)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.verify import verify
 
@@ -57,6 +58,7 @@ class LoopState:
     drafted: jax.Array  # [B] speculated positions (tree depth per step)
     accepted: jax.Array  # [B] accepted draft tokens
     hist: jax.Array  # [B, Dm+1] steps that accepted 0..Dm drafts
+    verified: jax.Array  # [B] target inputs fed while active (1 per plain step)
     steps: jax.Array  # [] loop iterations
 
 
@@ -133,7 +135,7 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
     dm = spec.max_depth if spec is not None else 0
     zeros = jnp.zeros((b,), jnp.int32)
     return LoopState(cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros,
-                     zeros, zeros, jnp.zeros((b, dm + 1), jnp.int32), jnp.int32(0))
+                     zeros, zeros, jnp.zeros((b, dm + 1), jnp.int32), zeros, jnp.int32(0))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -149,7 +151,8 @@ def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend)
     done = st.done | (active & _is_eos(nxt, eos_ids)) | (lengths - st.prompt_lens >= max_new)
     hist = st.hist.at[:, 0].add(active)
     return st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
-                      target_calls=st.target_calls + active, hist=hist, steps=st.steps + 1)
+                      target_calls=st.target_calls + active, hist=hist,
+                      verified=st.verified + active, steps=st.steps + 1)
 
 
 @struct.dataclass
@@ -158,23 +161,82 @@ class Speculation:
 
     tree: Any  # DraftTree, validity cut by depth_limit and activity
     result: Any  # VerifyResult
-    inputs: jax.Array  # [B, N+1] verify inputs: root, nodes
-    hidden: Hidden  # target hidden states of the inputs
-    cache: PagedKVCache  # with the N+1 inputs written
+    kept_inputs: jax.Array  # [B, Dm+1] verify inputs of the root and accepted nodes
+    kept_hidden: Hidden  # their target hidden states, [B, Dm+1, ...]
+    cache: PagedKVCache  # with the verified inputs written
     spec_state: Any
     depth_limit: jax.Array  # [B]
+    width: jax.Array  # [] tree nodes the target verified this step (0: a plain decode step)
     key: jax.Array
 
 
-def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
-                    cost_ratio: jax.Array, adaptive: jax.Array) -> Speculation:
+def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(depth, width) of the verify forwards compiled for a speculator's `depth_widths`.
+
+    The target forward's cost grows with the tokens it verifies (on CPU markedly; see
+    docs/speculators.md), so when no row keeps a node deeper than d, only the W[d]-node
+    prefix is verified. Three programs, not Dm+1, bound compile time: a plain decode
+    step (d = 0), half depth and full depth.
+    """
+    dm = len(widths) - 1
+    out: list[tuple[int, int]] = []
+    for d in sorted({0, (dm + 1) // 2, dm}):
+        if out and out[-1][1] == widths[d]:
+            out[-1] = (d, widths[d])  # same forward: let it serve the deeper depth
+        else:
+            out.append((d, int(widths[d])))
+    return tuple(out)
+
+
+def _bucket_width_per_depth(buckets) -> list[int]:
+    """For k = 0..Dm: the width verified when the deepest kept node has depth k."""
+    dm = buckets[-1][0]
+    return [next(w for d, w in buckets if d >= k) for k in range(dm + 1)]
+
+
+def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, tree,
+                   sampling, key, backend):
+    """Target forward over [root, first `width` nodes], verification, and the kept
+    inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket)."""
     b = st.tokens.shape[0]
+    active = ~st.done
+    n = max(width, 1)  # width 0 keeps one (invalid) node so the tree is never empty
+    sub = tree.replace(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n],
+                       depth=tree.depth[:, :n], valid=tree.valid[:, :n] & (width > 0),
+                       draft_probs=None if tree.draft_probs is None
+                       else tree.draft_probs[:, :n])
+    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
+    inputs = jnp.concatenate([root, sub.tokens[:, :width]], axis=1)  # [B, width+1]
+    positions = (st.lengths - 1)[:, None] + jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
+    mask = ancestor_mask(sub.parents[:, :width], spec.max_depth) if width else None
+    logits, hidden, cache = step(config, params, st.cache, inputs, positions, mask=mask,
+                                 q_lens=jnp.where(active, width + 1, 0),
+                                 hidden_layers=spec.hidden_layers, attention_backend=backend)
+    if width == 0:  # the invalid node's logits slot: never read by the verifier
+        logits = jnp.concatenate([logits, logits], axis=1)
+    res = verify(logits, sub, sampling, key, spec.verification)
+    kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
+    return res, kept, _gather_hidden(hidden, res.path_inputs), cache
+
+
+def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
+                    cost_ratio: jax.Array, adaptive: jax.Array,
+                    verify_slope: jax.Array) -> Speculation:
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
-    # Adaptive depth: Leviathan-optimal k per row from its running acceptance.
+    widths = tuple(spec.depth_widths)
+    if len(widths) != dm + 1 or widths[0] != 0 or widths[-1] != n or list(widths) != sorted(
+            widths):
+        raise ValueError(f"{type(spec).__name__}.depth_widths={widths} must rise from 0 to "
+                         f"num_nodes={n} over depths 0..max_depth={dm}")
+    buckets = verify_buckets(widths)
+    # Adaptive depth: per row, the k that maximises expected tokens per unit of cost
+    # (Leviathan et al.'s rule, with the verify forward's cost growing with its width).
     alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
-    limit = leviathan_optimal_k(alpha, cost_ratio, dm)
+    vcost = 1.0 + verify_slope * jnp.asarray(_bucket_width_per_depth(buckets), jnp.float32)
+    limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost)
     probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
     limit = jnp.where((limit == 0) & probe, 1, limit)
     limit = jnp.where(adaptive & active, limit, jnp.where(active, dm, 0))
@@ -186,26 +248,24 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
         raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
                          f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
     tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))  # limit 0: inactive
-    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1]
-    base = (st.lengths - 1)[:, None]
-    positions = base + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depth], axis=1)
-    mask = ancestor_mask(tree.parents, dm)
-    q_lens = jnp.where(active, n + 1, 0)
-    logits, hidden, cache = step(config, params, st.cache, inputs, positions, mask=mask,
-                                 q_lens=q_lens, hidden_layers=spec.hidden_layers,
-                                 attention_backend=backend)
-    res = verify(logits, tree, sampling, k_ver, spec.verification)
-    return Speculation(tree, res, inputs, hidden, cache, spec_state, limit, key)
+    deepest = jnp.max(jnp.where(tree.valid, tree.depth, 0))  # over the whole batch
+    which = jnp.sum(jnp.asarray([d for d, _ in buckets]) < deepest)
+    branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
+                                  k_ver, backend) for _, w in buckets]
+    res, kept, kept_hidden, cache = jax.lax.switch(which, branches)
+    width = jnp.asarray([w for _, w in buckets], jnp.int32)[which]
+    return Speculation(tree, res, kept, kept_hidden, cache, spec_state, limit, width, key)
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, cost_ratio: jax.Array, adaptive: jax.Array) -> LoopState:
+               backend, cost_ratio: jax.Array, adaptive: jax.Array,
+               verify_slope: jax.Array) -> LoopState:
     b = st.tokens.shape[0]
     dm = spec.max_depth
     active = ~st.done
-    sp = _propose_verify(config, params, spec, st, sampling, backend, cost_ratio, adaptive)
-    tree, res, inputs, hidden, cache = sp.tree, sp.result, sp.inputs, sp.hidden, sp.cache
+    sp = _propose_verify(config, params, spec, st, sampling, backend, cost_ratio, adaptive,
+                         verify_slope)
+    tree, res, cache = sp.tree, sp.result, sp.cache
     spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
     base = (st.lengths - 1)[:, None]
     # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
@@ -226,12 +286,10 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     tokens = _write_tokens(st.tokens, lens, res.path_tokens, emit)
     lengths = lens + emit
     done = st.done | (active & new_eos) | (lengths - st.prompt_lens >= max_new)
-    kept_in = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     spec_state = spec.commit(spec_state, CommitContext(
-        tokens=kept_in, next_tokens=res.path_tokens,
+        tokens=sp.kept_inputs, next_tokens=res.path_tokens,
         positions=base + jnp.arange(dm + 1)[None, :], num_pairs=emit,
-        hidden=_gather_hidden(hidden, res.path_inputs), num_accepted=res.num_accepted,
-        lengths=lengths), params)
+        hidden=sp.kept_hidden, num_accepted=res.num_accepted, lengths=lengths), params)
     depth_used = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)
     acc = jnp.where(active, res.num_accepted, 0)  # what the verifier accepted (α), even
     # if the row's budget or an EOS then emits fewer
@@ -243,12 +301,13 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         draft_calls=st.draft_calls + active * jnp.minimum(spec.draft_calls_per_step(),
                                                           jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
-        accepted=st.accepted + acc, hist=hist, steps=st.steps + 1)
+        accepted=st.accepted + acc, hist=hist, verified=st.verified + active * (sp.width + 1),
+        steps=st.steps + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))
 def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
-            sampling, max_new, eos_ids, cost_ratio, adaptive, *, backend):
+            sampling, max_new, eos_ids, cost_ratio, adaptive, verify_slope, *, backend):
     def cond(st):
         return jnp.any(~st.done) & (st.steps < max_new)
 
@@ -256,7 +315,7 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
         if spec is None:
             return _ar_step(config, params, st, sampling, max_new, eos_ids, backend)
         return _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                          cost_ratio, adaptive)
+                          cost_ratio, adaptive, verify_slope)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -300,6 +359,7 @@ def generate(
     ignore_eos: bool = False,
     speculator: Speculator | None = None,
     adaptive: bool = True,
+    verify_cost_slope: float | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
     prefill_chunk: int = 128,
@@ -313,6 +373,9 @@ def generate(
     speculator: a `specjax.speculators` instance; output is identical to target-only
       greedy decoding at temperature 0 and distributed as the target at any temperature.
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
+    verify_cost_slope: extra cost of each verified token relative to a one-token target
+      step, for the adaptive rule and the analytical speedup; None takes this backend's
+      entry of `specjax.stats.VERIFY_COST_SLOPE`.
     num_pages: cache pages in the pool (default: exactly what the batch needs).
     """
     cfg = model.config
@@ -335,6 +398,8 @@ def generate(
     mesh = shard.mesh_of(model.params)  # run where the params live (None: one device)
     if mesh is not None and speculator is not None:
         speculator = shard.shard_speculator(speculator, mesh)
+    elif speculator is not None:
+        speculator = speculator.for_decoding()
     if ignore_eos:
         eos = ()
     elif eos_id is None:
@@ -364,18 +429,23 @@ def generate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jax.random.key(seed),
          jnp.int32(max_new_tokens), jnp.asarray(eos_list, jnp.int32)), mesh)
     cost = float(speculator.cost_ratio(cfg)) if speculator is not None else 0.0
+    slope = default_verify_slope() if verify_cost_slope is None else float(verify_cost_slope)
+    if not np.isfinite(slope) or slope < 0:
+        raise ValueError(f"verify_cost_slope={verify_cost_slope!r} must be a finite number >= 0")
     plens = shard.put(np.asarray(lens, np.int32), mesh, ("batch",), name="prompt_lens")
 
-    pre_args = (cfg, model.params, speculator, cache,
+    params = decode_params(cfg, model.params)
+    pre_args = (cfg, params, speculator, cache,
                 shard.put(buf, mesh, ("batch", None), name="tokens"), plens, sampling, key,
                 max_new, eos_arr)
     pre_kw = dict(chunk=chunk, num_chunks=num_chunks, backend=attention_backend)
     t0 = time.perf_counter()
     pre = _compiled(_prefill, pre_args, pre_kw, mesh)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
-    dec_args = tuple(shard.replicate((jnp.float32(cost), jnp.bool_(adaptive)), mesh))
+    dec_args = tuple(shard.replicate((jnp.float32(cost), jnp.bool_(adaptive),
+                                      jnp.float32(slope)), mesh))
     dec_kw = dict(backend=attention_backend)
-    dec = _compiled(_decode, (cfg, model.params, speculator, state_shape, sampling, max_new,
+    dec = _compiled(_decode, (cfg, params, speculator, state_shape, sampling, max_new,
                               eos_arr) + dec_args, dec_kw, mesh)
     compile_s = time.perf_counter() - t0
 
@@ -384,7 +454,7 @@ def generate(
     jax.block_until_ready(state.tokens)
     ttft = time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = dec(*_dyn((cfg, model.params, speculator, state, sampling, max_new, eos_arr)
+    state = dec(*_dyn((cfg, params, speculator, state, sampling, max_new, eos_arr)
                       + dec_args))
     jax.block_until_ready(state.tokens)
     decode_s = time.perf_counter() - t0
@@ -399,6 +469,7 @@ def generate(
         new_tokens=[len(g) for g in gen], target_calls=shard.to_host(state.target_calls),
         draft_calls=shard.to_host(state.draft_calls), drafted=shard.to_host(state.drafted),
         accepted=shard.to_host(state.accepted), hist=shard.to_host(state.hist), cost_ratio=cost,
+        verified=shard.to_host(state.verified), verify_slope=slope,
         ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
     return GenerationResult(gen, text, stats)
 

@@ -20,7 +20,7 @@ from specjax.speculators.base import Speculator
 @functools.partial(jax.jit, static_argnames=("config",))
 def _one(config, params, spec, state, sampling):
     return gen._propose_verify(config, params, spec, state, sampling, None, jnp.float32(0.0),
-                               jnp.bool_(False))
+                               jnp.bool_(False), jnp.float32(0.0))
 
 
 def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,

@@ -36,8 +36,52 @@ class Model:
 
 
 @functools.lru_cache(maxsize=None)
-def module_for(config: ModelConfig) -> Transformer:
-    return Transformer(config)
+def _module(config: ModelConfig, scan_layers: bool) -> Transformer:
+    return Transformer(config, scan_layers=scan_layers)
+
+
+def module_for(config: ModelConfig, params: Any = None) -> Transformer:
+    """The module for `config`, in the layer layout of `params` (stacked by default)."""
+    return _module(config, params is None or "layers_0" not in params)
+
+
+def unstack_layers(params: Any) -> Any:
+    """Stacked params (`layers`, leaves [L, ...]) -> per-layer `layers_0` ... `layers_{L-1}`.
+
+    The decode layout on XLA:CPU: under `nn.scan` each step slices every layer's weights
+    out of the stack with a copy (a dynamic-slice the CPU backend does not fuse into the
+    matmul), which costs more than the matmuls themselves for small batches. Unrolled
+    layers with their own arrays read the weights in place. Costs one extra copy of the
+    layer weights in memory, so `generate` uses it on CPU only.
+    """
+    if "layers" not in params:
+        return params
+    stacked = params["layers"]
+    num = jax.tree.leaves(stacked)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num):
+        out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return out
+
+
+_DECODE_PARAMS: dict = {}
+
+
+def decode_params(config: ModelConfig, params: Any) -> Any:
+    """`params` in the layout decoding is fastest in on this backend (see
+    `unstack_layers`), converted once per params object and kept while it lives."""
+    from specjax.sharding.rules import mesh_of
+
+    if jax.default_backend() != "cpu" or mesh_of(params) is not None or "layers" not in params:
+        return params
+    key = id(params["layers"])
+    hit = _DECODE_PARAMS.get(key)
+    if hit is None or hit[0] is not params["layers"]:
+        if len(_DECODE_PARAMS) > 8:  # params of models no longer in use
+            _DECODE_PARAMS.clear()
+        hit = (params["layers"], jax.jit(unstack_layers)(params))
+        _DECODE_PARAMS[key] = hit
+    return hit[1]
 
 
 def init_params(config: ModelConfig, key: jax.Array | int = 0) -> Any:
@@ -68,8 +112,8 @@ def step(
     **kwargs,
 ) -> tuple[jax.Array | None, Hidden, PagedKVCache | None]:
     """The pure model step `(params, cache, tokens, positions, mask) -> (logits, hidden, cache)`."""
-    return module_for(config).apply({"params": params}, tokens, positions, cache, mask=mask,
-                                    **kwargs)
+    return module_for(config, params).apply({"params": params}, tokens, positions, cache,
+                                            mask=mask, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden_layers"))

@@ -3,9 +3,11 @@
 - acceptance_rate α = accepted draft tokens / drafted positions (for a chain, k per
   step; for a tree, its depth per step: α is per speculated position).
 - mean_accepted_length τ = tokens emitted per target forward in decoding, bonus included.
-- expected_speedup: Leviathan et al.'s (1 - α^(k+1)) / ((1 - α)(k c + 1)) from the
-  measured α, the mean k and the draft/target cost ratio c; print it beside the
-  measured speedup (which needs an autoregressive run of the same prompts).
+- expected_speedup: Leviathan et al.'s (1 - α^(k+1)) / ((1 - α)(k c + v)) from the
+  measured α, the mean k, the draft/target cost ratio c and the verify forward's cost v
+  relative to a one-token step (v = 1 + slope · (mean verified inputs - 1), see
+  `VERIFY_COST_SLOPE`; the paper's v = 1 is `expected_speedup_free_verify`). Print it
+  beside the measured speedup (which needs an autoregressive run of the same prompts).
 """
 
 from __future__ import annotations
@@ -16,24 +18,48 @@ from typing import Any
 import numpy as np
 
 
-def leviathan_speedup(alpha: float, k: float, cost_ratio: float) -> float:
-    """Expected walltime improvement of speculative decoding (Leviathan et al. 2023, Thm 3.8)."""
+# Extra cost of each further token in a verify forward, relative to a one-token target
+# step: cost(T tokens) ≈ 1 + slope · (T - 1). Leviathan et al. assume verification is
+# free (slope 0), which holds while the forward is memory-bound. XLA:CPU's small-M
+# matmuls are not: the CPU entry is measured by `python -m specjax.bench.decode
+# --verify-cost` (docs/speculators.md has the table). The GPU/TPU entries are not
+# measured; they are what a memory-bound forward gives up to ~64 tokens (the kernel
+# issue's target of 64 nodes for <= 1.3x one token). Override per call with
+# `generate(..., verify_cost_slope=...)`.
+VERIFY_COST_SLOPE = {"cpu": 0.10, "gpu": 0.005, "tpu": 0.005}
+
+
+def default_verify_slope() -> float:
+    import jax
+
+    return VERIFY_COST_SLOPE.get(jax.default_backend(), 0.005)
+
+
+def leviathan_speedup(alpha: float, k: float, cost_ratio: float,
+                      verify_cost: float = 1.0) -> float:
+    """Expected walltime improvement of speculative decoding (Leviathan et al. 2023, Thm 3.8):
+    E[tokens per step] / (k c + v), with v the verify forward's cost relative to one
+    target step (1 in the paper)."""
     if k <= 0:
         return 1.0
     if alpha >= 1.0:
         tokens = k + 1
     else:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-    return float(tokens / (k * cost_ratio + 1))
+    return float(tokens / (k * cost_ratio + verify_cost))
 
 
-def leviathan_optimal_k(alpha: np.ndarray, cost_ratio: float, k_max: int) -> np.ndarray:
-    """argmax_k over 0..k_max of the expected speedup, per row (numpy or jax arrays)."""
+def leviathan_optimal_k(alpha: np.ndarray, cost_ratio: float, k_max: int,
+                        verify_cost=None) -> np.ndarray:
+    """argmax_k over 0..k_max of the expected speedup, per row (numpy or jax arrays).
+
+    verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free)."""
     import jax.numpy as jnp
 
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
+    v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
     a = jnp.clip(alpha, 0.0, 0.999)[..., None]  # cost_ratio may be traced
-    gain = (1 - a ** (ks + 1)) / (1 - a) / (ks * cost_ratio + 1)
+    gain = (1 - a ** (ks + 1)) / (1 - a) / (ks * cost_ratio + v)
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
@@ -51,6 +77,9 @@ class GenerationStats:
     mean_k: float
     cost_ratio: float
     expected_speedup: float
+    expected_speedup_free_verify: float
+    mean_verified: float  # target inputs per decode forward (1 = a plain step)
+    verify_cost: float  # v: that forward's modelled cost relative to a one-token step
     wall_s: float
     ttft_s: float
     tpot_s: float
@@ -70,15 +99,20 @@ class GenerationStats:
 
 
 def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, hist,
-                cost_ratio, ttft_s, decode_s, compile_s) -> GenerationStats:
+                cost_ratio, ttft_s, decode_s, compile_s, verified=None,
+                verify_slope: float = 0.0) -> GenerationStats:
     """From per-row numpy counters (decode phase) and timings."""
     new_tokens = np.asarray(new_tokens)
+    if verified is None:
+        verified = np.asarray(target_calls)
     rows = []
     for b in range(len(new_tokens)):
         rows.append(_row(int(new_tokens[b]), int(target_calls[b]), int(draft_calls[b]),
-                         int(drafted[b]), int(accepted[b]), cost_ratio, ttft_s, decode_s))
+                         int(drafted[b]), int(accepted[b]), int(verified[b]), cost_ratio,
+                         verify_slope, ttft_s, decode_s))
     total = _row(int(new_tokens.sum()), int(np.sum(target_calls)), int(np.sum(draft_calls)),
-                 int(np.sum(drafted)), int(np.sum(accepted)), cost_ratio, ttft_s, decode_s,
+                 int(np.sum(drafted)), int(np.sum(accepted)), int(np.sum(verified)),
+                 cost_ratio, verify_slope, ttft_s, decode_s,
                  decode_tokens=int(np.maximum(new_tokens - 1, 0).sum()))
     wall = ttft_s + decode_s
     total["tokens_per_s"] = float(new_tokens.sum() / wall) if wall > 0 else 0.0
@@ -87,17 +121,21 @@ def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, his
                            accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows)
 
 
-def _row(new, calls, dcalls, drafted, accepted, c, ttft_s, decode_s,
+def _row(new, calls, dcalls, drafted, accepted, verified, c, slope, ttft_s, decode_s,
          decode_tokens: int | None = None) -> dict:
     alpha = accepted / drafted if drafted else 0.0
     if decode_tokens is None:
         decode_tokens = max(new - 1, 0)  # the first token comes from prefill
     tau = decode_tokens / calls if calls else 0.0
     k = drafted / calls if calls else 0.0
+    mean_verified = verified / calls if calls else 1.0
+    v = 1.0 + slope * (mean_verified - 1.0)
     wall = ttft_s + decode_s
     return dict(new_tokens=new, target_calls=calls, draft_calls=dcalls, drafted=drafted,
                 accepted=accepted, acceptance_rate=alpha, mean_accepted_length=tau, mean_k=k,
-                cost_ratio=c, expected_speedup=leviathan_speedup(alpha, k, c),
+                cost_ratio=c, expected_speedup=leviathan_speedup(alpha, k, c, v),
+                expected_speedup_free_verify=leviathan_speedup(alpha, k, c),
+                mean_verified=mean_verified, verify_cost=v,
                 wall_s=wall, ttft_s=ttft_s,
                 tpot_s=decode_s / decode_tokens if decode_tokens else 0.0,
                 tokens_per_s=new / wall if wall > 0 else 0.0)

@@ -87,6 +87,20 @@ def static_tree(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray,
     return np.asarray(parents, np.int32), np.asarray(depth, np.int32), choice
 
 
+def depth_widths(depth: Sequence[int]) -> tuple[int, ...]:
+    """W[d] for d = 0..max depth: every node of depth <= d is among the first W[d] nodes.
+
+    For a static tree layout `depth` [N]; a depth-sorted tree (as `static_tree` makes)
+    gives the node counts per depth, so verifying only that prefix is exact.
+    """
+    depth = np.asarray(depth)
+    out = []
+    for d in range(int(depth.max()) + 1):
+        idx = np.flatnonzero(depth <= d)
+        out.append(int(idx.max()) + 1 if idx.size else 0)
+    return tuple(out)
+
+
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     """[B, N+1, N+1] bool over verify inputs [root, nodes]: i sees j iff j is i or its ancestor."""
     b, n = parents.shape

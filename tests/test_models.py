@@ -136,3 +136,31 @@ def test_forward_rejects_out_of_vocab_tokens(bad):
     model = specjax.Model(config, random_params(config, 0))
     with pytest.raises(ValueError, match=rf"token id {bad}\b.*\[0, {VOCAB}\)"):
         specjax.forward(model, [[1, 2, bad, 3]])
+
+
+def test_unrolled_decode_layout_matches_scanned():
+    """`unstack_layers` (the CPU decode layout) computes what the stacked scan computes,
+    cached step with tree mask and hidden taps included, and `decode_params` converts a
+    params object once."""
+    from specjax.cache import PagedKVCache
+    from specjax.model import decode_params, unstack_layers
+
+    cfg = specjax.config.tiny_llama(num_layers=3)
+    params = specjax.init_params(cfg, 1)
+    flat = unstack_layers(params)
+    assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == [
+        "layers_0", "layers_1", "layers_2"]
+    cache = PagedKVCache.create(cfg, jnp.array([[2, 0], [1, 3]]), num_pages=4, page_size=8,
+                                lengths=jnp.array([3, 9]))
+    tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, cfg.vocab_size)
+    positions = cache.lengths[:, None] + jnp.array([0, 1, 1, 2])[None]
+    mask = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)[None]
+    mask = jnp.broadcast_to(mask, (2, 4, 4))
+    outs = [specjax.step(cfg, p, cache, tokens, positions, mask=mask, hidden_layers=(0, 2))
+            for p in (params, flat)]
+    (la, ha, ca), (lb, hb, cb) = outs
+    np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ha.layers[1], hb.layers[1], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=1e-6)
+    assert decode_params(cfg, params) is decode_params(cfg, params)
+    assert "layers_0" in decode_params(cfg, params)  # this suite runs on CPU

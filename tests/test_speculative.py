@@ -112,3 +112,49 @@ def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temp
     samples = [tuple(t[:3]) for t in out.tokens]
     exact = exact_joint(target, prompt, 3, temperature, top_p)
     assert_same_distribution(samples, exact)
+
+
+def test_verify_buckets_and_depth_widths():
+    from specjax.generation import verify_buckets
+    from specjax.tree import depth_widths
+
+    assert NGram(k=4).depth_widths == (0, 1, 2, 3, 4)
+    assert verify_buckets((0, 1, 2, 3, 4)) == ((0, 0), (2, 2), (4, 4))
+    assert verify_buckets((0, 1)) == ((0, 0), (1, 1))
+    # equal widths: one forward serves the deeper depth
+    assert verify_buckets((0, 5, 5, 5)) == ((0, 0), (3, 5))
+    # a depth-sorted static tree: widths are node counts up to each depth
+    assert depth_widths([1, 1, 2, 2, 2, 3]) == (0, 2, 5, 6)
+
+
+def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
+    """A costly verify forward (large slope) makes every step a plain one-token step; a
+    free one (slope 0) verifies the drafts. Output is target-only greedy either way, and
+    the stats count the inputs each forward fed."""
+    spec = NGram(k=4)
+    costly = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                              speculator=spec, verify_cost_slope=50.0)
+    free = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                            speculator=spec, verify_cost_slope=0.0)
+    assert costly.tokens == greedy_ref and free.tokens == greedy_ref
+    # k = 0 but for the probe step every 16 (rows re-measure with k = 1)
+    assert costly.stats.mean_verified < 1.2 and costly.stats.mean_accepted_length < 1.2
+    assert free.stats.mean_verified > 1.5 and free.stats.mean_accepted_length > 1.5
+    assert free.stats.verify_cost == 1.0  # slope 0: the paper's free verify
+    # a draft as costly as the target never pays, whatever the verify costs
+    selfish = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                               speculator=DraftModel(model=tiny_target, k=4),
+                               verify_cost_slope=0.0)
+    assert selfish.tokens == greedy_ref and selfish.stats.drafted <= 4
+    with pytest.raises(ValueError, match="verify_cost_slope=-1"):
+        specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
+                         verify_cost_slope=-1)
+
+
+def test_mixed_buckets_in_one_batch_stay_lossless(tiny_target, greedy_ref):
+    """n-gram finds matches in some rows and steps, none in others: steps run the plain,
+    half-depth and full-depth forwards, and the output is still target-only greedy."""
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                           speculator=NGram(k=4), verify_cost_slope=0.0)
+    assert out.tokens == greedy_ref
+    assert 1.0 < out.stats.mean_verified < 5.0

@@ -119,7 +119,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             rows.append(dict(method=name, temperature=temp, alpha=s.acceptance_rate,
                              tau=s.mean_accepted_length, k=s.mean_k, cost_ratio=c,
                              tokens_per_s=s.tokens_per_s, speedup=s.tokens_per_s / base,
-                             analytical=leviathan_speedup(s.acceptance_rate, s.mean_k, c),
+                             analytical=leviathan_speedup(s.acceptance_rate, s.mean_k, c,
+                                                          s.verify_cost),
                              ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
                              accepted_hist=s.accepted_hist, compile_s=s.compile_s,
                              identical_to_plain=out.tokens == outputs[next(iter(outputs))]))

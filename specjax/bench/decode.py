@@ -150,10 +150,10 @@ def markdown(result: dict, args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replaces this benchmark's section of `path` (other sections are kept)."""
+def write_section(path: Path, section: str, start: str = START, end: str = END) -> None:
+    """Replaces one benchmark's section of `path` (between its markers; others are kept)."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END) + "\n?", re.S)
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end) + "\n?", re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
         text.rstrip("\n") + "\n\n" + section)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -62,10 +62,13 @@ def _time(fn, repeats: int) -> tuple[float, object]:
 
 def measured_cost_ratio(target: specjax.Model, draft: specjax.Model, repeats: int = 20) -> float:
     """Wall time of one single-token draft forward / one target forward (batch 1, T=1)."""
+    from specjax.model import decode_params
+
     def one(model):
         fwd = jax.jit(lambda p, t: specjax.step(model.config, p, None, t, t * 0)[0])
         tok = jnp.zeros((1, 1), jnp.int32)
-        return _time(lambda: fwd(model.params, tok).block_until_ready(), repeats)[0]
+        params = decode_params(model.config, model.params)  # the layout generate uses
+        return _time(lambda: fwd(params, tok).block_until_ready(), repeats)[0]
     return one(draft) / one(target)
 
 
@@ -88,7 +91,8 @@ def run_specjax(target, prompts, new, speculators: dict, repeats: int) -> list[d
         if base_tps is None:
             base_tps = row["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / base_tps
-        row["analytical"] = leviathan_speedup(s.acceptance_rate, s.mean_k, s.cost_ratio)
+        row["analytical"] = s.expected_speedup
+        row["verify_cost"] = s.verify_cost
         rows.append(row)
     return rows
 
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
         for r in rows:
             if r["method"] == "draft":
                 r["cost_ratio_measured"] = c
-                r["analytical"] = leviathan_speedup(r["alpha"], r["k"], c)
+                r["analytical"] = leviathan_speedup(r["alpha"], r["k"], c, r["verify_cost"])
     ref = rows[0]["tokens"]
     for r in rows:
         r["identical_to_greedy"] = r["tokens"] == ref

@@ -151,15 +151,23 @@ class Transformer(nn.Module):
     """The decoder. See the module docstring for axes and the call contract."""
 
     config: ModelConfig
+    # True: params["layers"] stacked on L, run under nn.scan (the stored layout).
+    # False: params["layers_0"], ["layers_1"], ... run as an unrolled Python loop: the
+    # decode layout on XLA:CPU, whose scan copies each layer's weights out of the
+    # stack every step (`specjax.model.unstack_layers`, docs/benchmarks.md).
+    scan_layers: bool = True
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
                                      param_dtype=jnp.float32,
                                      embedding_init=nn.initializers.normal(0.02))
-        self.layers = nn.scan(
-            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c)
+        if self.scan_layers:
+            self.layers = nn.scan(
+                DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c)
+        else:
+            self.layer_list = [DecoderLayer(c, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype))
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.dtype(c.dtype),
@@ -215,8 +223,13 @@ class Transformer(nn.Module):
             for slot, i in enumerate(tapped):
                 table[i] = slot
             tap_slots = jnp.asarray(table, jnp.int32)
-        (x, k_pages, v_pages, _, taps), _ = self.layers(
-            (x, k_pages, v_pages, jnp.int32(0), taps), ctx, tap_slots)
+        carry = (x, k_pages, v_pages, jnp.int32(0), taps)
+        if self.scan_layers:
+            carry, _ = self.layers(carry, ctx, tap_slots)
+        else:
+            for layer in self.layer_list:
+                carry, _ = layer(carry, ctx, tap_slots)
+        x, k_pages, v_pages, _, taps = carry
         h = self.norm(x)
         logits = self.logits(h) if return_logits else None
         new_cache = None

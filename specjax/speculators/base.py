@@ -81,6 +81,19 @@ class Speculator:
     def max_depth(self) -> int:
         raise NotImplementedError
 
+    @property
+    def depth_widths(self) -> tuple[int, ...]:
+        """W[d], d = 0..max_depth (static): every node of depth <= d of a proposed tree is
+        among its first W[d] nodes. When no kept node is deeper than d, the loop verifies
+        only those W[d] nodes (a cheaper target forward; W[0] = 0 is a plain decode
+        step). The default knows nothing of the layout: all nodes, or none."""
+        return (0,) + (self.num_nodes,) * self.max_depth
+
+    def for_decoding(self) -> "Speculator":
+        """This speculator with its weights in the layout decoding is fastest in on this
+        backend (`specjax.model.decode_params`); `generate` calls it off-mesh."""
+        return self
+
     def check_target(self, target_config: ModelConfig) -> None:
         """Raises a clear error if this speculator cannot serve `target_config`."""
 

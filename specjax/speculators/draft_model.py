@@ -27,7 +27,7 @@ from flax import struct
 from specjax import sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import Model, module_for, step
+from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
 from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
                                       Speculator, set_fields)
@@ -89,6 +89,15 @@ class DraftModel(Speculator):
     @property
     def max_depth(self) -> int:
         return self.k
+
+    def for_decoding(self) -> "DraftModel":
+        return self.replace(params=decode_params(self.config, self.params))
+
+    @property
+    def depth_widths(self) -> tuple[int, ...]:
+        if self.tree_top_k:  # the dynamic tree's nodes per depth vary step to step
+            return super().depth_widths
+        return tuple(range(self.k + 1))
 
     def check_target(self, target_config: ModelConfig) -> None:
         if self.config.vocab_size != target_config.vocab_size:

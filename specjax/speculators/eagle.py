@@ -40,7 +40,7 @@ from specjax.model import Model
 from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
                                       Speculator, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
-from specjax.tree import DraftTree, static_tree
+from specjax.tree import DraftTree, depth_widths, static_tree
 
 
 @struct.dataclass
@@ -143,6 +143,12 @@ class Eagle(Speculator):
     @property
     def max_depth(self) -> int:
         return self.depth if self.tree is None else max(len(p) for p in self.tree)
+
+    @property
+    def depth_widths(self) -> tuple[int, ...]:
+        if self.tree is None:  # EAGLE-2's dynamic tree: nodes per depth vary
+            return super().depth_widths
+        return depth_widths(static_tree(self.tree)[1])
 
     @property
     def _extra_slots(self) -> int:

@@ -32,7 +32,7 @@ from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits
 from specjax.model import Model
 from specjax.speculators.base import (CommitContext, ProposeContext, Speculator,
                                       set_fields)
-from specjax.tree import DraftTree, static_tree
+from specjax.tree import DraftTree, depth_widths, static_tree
 from specjax.verify import METHODS
 
 DEFAULT_TREE = ((0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3),
@@ -105,6 +105,10 @@ class Medusa(Speculator):
     @property
     def max_depth(self) -> int:
         return max(len(p) for p in self.tree)
+
+    @property
+    def depth_widths(self) -> tuple[int, ...]:
+        return depth_widths(static_tree(self.tree)[1])
 
     def check_target(self, target_config: ModelConfig) -> None:
         heads_io.check_fingerprint(heads_io.target_fingerprint(self.target_config),

@@ -35,6 +35,10 @@ class NGram(Speculator):
     def max_depth(self) -> int:
         return self.k
 
+    @property
+    def depth_widths(self) -> tuple[int, ...]:
+        return tuple(range(self.k + 1))  # a chain: depth d is node d - 1
+
     def propose(self, state, ctx: ProposeContext, target_params) -> tuple[DraftTree, tuple]:
         toks, lens = ctx.tokens, ctx.lengths  # [B, S], [B]
         b, s = toks.shape
