@@ -26,7 +26,8 @@ def built(cls):
 
 def test_tiers_exist():
     assert {p.name for p in TIERS["models"]} >= {"tiny.gin", "small.gin"}
-    assert {p.name for p in TIERS["runs"]} >= {"pretrain.gin", "distill.gin"}
+    assert {p.name for p in TIERS["runs"]} >= {"pretrain.gin", "distill.gin", "medusa.gin",
+                                                "eagle.gin"}
     assert len(TIERS["experiments"]) >= 2
 
 
@@ -49,6 +50,8 @@ def test_run_files(path):
     required = ["trainer.TrainConfig.steps = 3"]
     if path.name == "distill.gin":
         required.append("jobs.distill.target_dir = '/nowhere'")
+    if path.name in ("medusa.gin", "eagle.gin"):
+        required.append("jobs.heads.target_dir = '/nowhere'")
     run.parse([CONFIGS / "models" / "tiny.gin", path], required)
     assert built(TrainConfig).steps == 3 and isinstance(built(DataConfig), DataConfig)
     with pytest.raises(ValueError, match="REQUIRED"):

@@ -100,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("train").setLevel(logging.INFO)
     result = run_config(args.gin_file, args.gin, workdir=args.workdir)
     print(f"workdir: {result.workdir}\nexport: {result.export_dir}\neval: {result.train.eval}")
+    speculative = result.summary.get("speculative")
+    if speculative:  # heads runs: the end-of-run generation through their speculator
+        print(f"speculative (greedy, {speculative['prompts']} prompts): "
+              f"alpha={speculative['alpha']:.3f} tau={speculative['tau']:.2f}")
 
 
 if __name__ == "__main__":
