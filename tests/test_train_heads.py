@@ -125,34 +125,43 @@ def test_medusa2_joint_trains_the_target_too(target_dir):
         method.init(jax.random.key(0))
 
 
-def test_gin_eagle3_run_from_offline_features(tmp_path, target_dir):
-    """configs/runs/eagle.gin with features = "offline": the dump (final hidden state and
-    EAGLE-3's layers) lands in the workdir, training reads it, the heads come out; a re-run
-    finds the dump and the run finished. (The τ record: the Medusa case above, and the
-    quickstart's head stages.)"""
-    bindings = [f"include '{CONFIGS_ROOT / 'models' / 'tiny.gin'}'", *GIN_BINDINGS,
+def test_gin_features_dump_then_eagle3_run_reads_it(tmp_path, target_dir):
+    """configs/runs/features.gin dumps the final hidden state and EAGLE-3's layers once;
+    configs/runs/eagle.gin with features = "offline" trains from that dump without
+    rewriting it; a re-run of either finds its work done."""
+    data = [f"include '{CONFIGS_ROOT / 'models' / 'tiny.gin'}'",
+            *[b for b in GIN_BINDINGS if b.split(".")[0] in ("config", "data", "corpus")],
+            "corpus.CorpusConfig.max_chars = 20000"]
+    dump_bindings = [*data, f"jobs.offline_features.target_dir = '{target_dir}'",
+                     "jobs.offline_features.head_config = @eagle.EagleConfig()",
+                     "jobs.offline_features.progress = False"]
+    store = run_config(CONFIGS_ROOT / "runs" / "features.gin", dump_bindings,
+                       workdir=tmp_path / "features")
+    assert store.complete and store.layers == (0, 1)  # eagle3_layers(2) = (1, 0, 0)
+    files = lambda: {p: p.stat().st_mtime_ns for p in (tmp_path / "features").rglob("*")
+                     if p.name != "config.gin"}
+    dumped = files()
+    assert run_config(CONFIGS_ROOT / "runs" / "features.gin", dump_bindings,
+                      workdir=tmp_path / "features").written == store.written
+    bindings = [*data, *[b for b in GIN_BINDINGS if b.split(".")[0] in ("trainer", "optim")],
                 f"jobs.heads.target_dir = '{target_dir}'",
                 "jobs.heads.features = 'offline'",
-                "jobs.heads.speculative = None",
+                f"jobs.heads.features_dir = '{tmp_path / 'features'}'",
+                "jobs.heads.speculative = None",  # τ: the Medusa case above, the quickstart
                 "jobs.heads.ttt_steps = 2",
                 "eagle.EagleConfig.version = 3",
                 "eagle.EagleConfig.draft_vocab_size = 200",
-                "trainer.TrainConfig.steps = 4",
-                "corpus.CorpusConfig.max_chars = 20000"]
-    bindings = [b for b in bindings if b != "trainer.TrainConfig.steps = 12"]
-    job = run_config(CONFIGS_ROOT / "runs" / "eagle.gin", bindings, workdir=tmp_path)
+                "trainer.TrainConfig.steps = 4"]
+    bindings.remove("trainer.TrainConfig.steps = 12")
+    job = run_config(CONFIGS_ROOT / "runs" / "eagle.gin", bindings, workdir=tmp_path / "heads")
     assert job.train.finished and job.summary["features"] == "offline"
-    assert "speculative" not in job.summary
-    meta = json.loads((tmp_path / "features" / "features.json").read_text())
-    assert meta["identity"]["layers"] == [0, 1]  # eagle3_layers(2) = (1, 0, 0)
-    assert meta["written"] == {s: meta["identity"]["data"][s]["rows"] for s in ("train", "eval")}
-    identity = json.loads((tmp_path / "config.json").read_text())["identity"]
+    assert "speculative" not in job.summary and not (tmp_path / "heads" / "features").exists()
+    identity = json.loads((tmp_path / "heads" / "config.json").read_text())["identity"]
     assert identity["data"]["features"]["layers"] == [0, 1]
     assert load_heads(job.export_dir, MODEL).vocab_map.shape == (200,)
-    dump = {p: p.stat().st_mtime_ns for p in (tmp_path / "features").rglob("*")}
-    again = run_config(CONFIGS_ROOT / "runs" / "eagle.gin", bindings, workdir=tmp_path)
+    again = run_config(CONFIGS_ROOT / "runs" / "eagle.gin", bindings, workdir=tmp_path / "heads")
     assert again.train.step == 4 and again.train.eval == pytest.approx(job.train.eval)
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "features").rglob("*")} == dump
+    assert files() == dumped
 
 
 def test_a_misspelled_method_setting_is_an_error_before_loading():

@@ -123,7 +123,9 @@ def _compatible(directory: Path, saved: dict, wanted: dict) -> None:
 def _read_meta(directory: Path) -> dict | None:
     path = directory / META_FILE
     if not path.exists():
-        if directory.exists() and any(directory.iterdir()):
+        # A gin run's own config.gin (train.run writes it first) is no foreign content.
+        if directory.exists() and any(not p.name.startswith("config.gin")
+                                      for p in directory.iterdir()):
             raise FeaturesError(f"{directory} is not empty and has no {META_FILE}: not a "
                                 f"features directory; refusing to write into it")
         return None
@@ -182,6 +184,10 @@ class FeatureStore:
             if list(self.arrays[name].shape) != shape:
                 raise FeaturesError(f"{directory / name}: shape {list(self.arrays[name].shape)}"
                                     f" != {shape} recorded in {META_FILE}; the dump is damaged")
+
+    def __repr__(self) -> str:
+        return (f"FeatureStore({str(self.directory)!r}, layers={self.layers}, "
+                f"dtype={self.meta['identity']['dtype']!r}, written={self.written})")
 
     @property
     def layers(self) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from specjax.model import Model
 from train import features as features_lib
 from train import tokenizer as tok_lib
 from train.corpus import load_corpus
-from train.data import DataConfig, tokenize_corpus
+from train.data import DataConfig, build_data, tokenize_corpus
 from train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
 from train.speculation import (SpeculativeEval, head_speculator, heldout_prompts,
                                speculative_run)
@@ -76,6 +76,22 @@ def _settings(job: str, data_config: DataConfig, **extra: Any) -> dict[str, Any]
     return {"job": job, "data_config": dataclasses.asdict(data_config), **extra}
 
 
+def _load_target(target_dir, what: str, expect_target: ModelConfig | None = None) -> Model:
+    """The float32 target at `target_dir` with its tokenizer; with `expect_target`, an
+    error naming every shape that differs from it."""
+    target = load(target_dir, dtype="float32")
+    if target.tokenizer is None:
+        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; {what} needs the "
+                                f"target's tokenizer")
+    if expect_target is not None:
+        have, want = target_fingerprint(target.config), target_fingerprint(expect_target)
+        bad = [f"{k}={have[k]!r} (expected {want[k]!r})" for k in want if have[k] != want[k]]
+        if bad:
+            raise ValueError(f"the target at {target_dir} is not the expected model "
+                             f"(expect_target): " + ", ".join(bad))
+    return target
+
+
 def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig = DataConfig(), *, tokenizer_path: str | None = None,
              tokenizer_min_frequency: int = 2, data_parallel: bool = False,
@@ -115,10 +131,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
     `draft_config` says) and is exported with the target's tokenizer.
     `draft_init_dir`: start from this HF checkpoint's params instead of random ones.
     """
-    target = load(target_dir, dtype="float32")
-    if target.tokenizer is None:
-        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; distillation needs "
-                                f"the target's tokenizer")
+    target = _load_target(target_dir, "distillation")
     if draft_config.vocab_size != target.config.vocab_size:
         log.info("draft vocab_size %d -> the target's %d", draft_config.vocab_size,
                  target.config.vocab_size)
@@ -132,8 +145,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                 bos_token_id=None, eos_token_id=None):
             raise ValueError(f"{draft_init_dir}: its config does not match draft_config")
         init = start.params
-    data = tokenize_corpus(load_corpus(data_config.corpus), target.tokenizer,
-                           data_config.seq_len, train_config.seed)
+    data = build_data(data_config, target.tokenizer, train_config.seed)
     method = Distill(draft_config, target.config, divergence=divergence,
                      temperature=temperature, source=source, prompt_len=prompt_len,
                      sample_temperature=sample_temperature)
@@ -151,14 +163,6 @@ SUMMARY_FILE = "summary.json"
 SPECULATIVE_SPLIT = "speculative"  # the metrics.jsonl record of the end-of-run generation
 
 
-def _check_expected_target(target_dir, config: ModelConfig, expected: ModelConfig | None):
-    if expected is None:
-        return
-    have, want = target_fingerprint(config), target_fingerprint(expected)
-    bad = [f"{k}={have[k]!r} (expected {want[k]!r})" for k in want if have[k] != want[k]]
-    if bad:
-        raise ValueError(f"the target at {target_dir} is not the expected model "
-                         f"(expect_target): " + ", ".join(bad))
 
 
 def _speculative_record(result: TrainResult, heads_dir: Path, target: Model, data_config,
@@ -216,13 +220,8 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
         raise ValueError(f"jobs.heads got {unknown}, which {method_cls.__name__} does not "
                          f"take (its settings: {sorted(settings)})")
     workdir = Path(workdir).absolute()
-    target = load(target_dir, dtype="float32")
-    if target.tokenizer is None:
-        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; training heads needs "
-                                f"the target's tokenizer")
-    _check_expected_target(target_dir, target.config, expect_target)
-    data = tokenize_corpus(load_corpus(data_config.corpus), target.tokenizer,
-                           data_config.seq_len, train_config.seed)
+    target = _load_target(target_dir, "training heads", expect_target)
+    data = build_data(data_config, target.tokenizer, train_config.seed)
     d2t, init, layers = None, None, ()
     if isinstance(head_config, MedusaConfig):
         kind, method = "medusa", TrainMedusa(target.config, head_config, **method_kwargs)
@@ -275,3 +274,27 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
                                                          speculative)
         (result.workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return JobResult(workdir, out, result, summary)
+
+
+def offline_features(workdir: str | Path, target_dir: str | Path,
+                     data_config: DataConfig = DataConfig(), *,
+                     head_config: MedusaConfig | EagleConfig | None = None,
+                     dtype: str = "float32",
+                     batch_size: int = 8, expect_target: ModelConfig | None = None,
+                     progress: bool = True) -> features_lib.FeatureStore:
+    """Dumps the target's features for `data_config` into `workdir` (a features directory,
+    see `train.features`) without training anything: run it where the target fits, then
+    train heads with `heads(..., features="offline", features_dir=workdir)`. Resumes a
+    killed dump; refuses a directory holding another one.
+
+    head_config: the heads the dump serves; an EAGLE-3 config adds its low/mid/high
+      layers (resolved for this target), anything else stores the final hidden state only.
+    """
+    target = _load_target(target_dir, "dumping features", expect_target)
+    layers = ()
+    if isinstance(head_config, EagleConfig):  # the layers TrainEagle reads
+        layers = TrainEagle(target.config, head_config).hidden_layers
+    data = build_data(data_config, target.tokenizer, seed=0)  # the rows; order is per run
+    return features_lib.dump_features(workdir, target.config, target.params, data,
+                                      layers=layers, dtype=dtype, batch_size=batch_size,
+                                      progress=progress)
