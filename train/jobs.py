@@ -163,15 +163,16 @@ SUMMARY_FILE = "summary.json"
 SPECULATIVE_SPLIT = "speculative"  # the metrics.jsonl record of the end-of-run generation
 
 
-
-
 def _speculative_record(result: TrainResult, heads_dir: Path, target: Model, data_config,
                         config: SpeculativeEval) -> dict[str, Any]:
     """α and τ of a short greedy generation through the heads' speculator, appended to
     metrics.jsonl once per finished run (a re-run finds it there)."""
     path = result.workdir / METRICS_FILE
     for line in path.read_text().splitlines() if path.exists() else ():
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill; MetricsLog drops it below
+            continue
         if record.get("split") == SPECULATIVE_SPLIT and record.get("step") == result.step:
             return record
     prompts = heldout_prompts(load_corpus(data_config.corpus), target.tokenizer,
