@@ -26,7 +26,8 @@ def built(cls):
 
 def test_tiers_exist():
     assert {p.name for p in TIERS["models"]} >= {"tiny.gin", "small.gin"}
-    assert {p.name for p in TIERS["runs"]} >= {"pretrain.gin", "distill.gin"}
+    assert {p.name for p in TIERS["runs"]} >= {"pretrain.gin", "distill.gin", "medusa.gin",
+                                                "eagle.gin"}
     assert len(TIERS["experiments"]) >= 2
 
 
@@ -40,19 +41,29 @@ def test_model_files(path):
         assert 20e6 < config.param_count() < 30e6, config.param_count()
 
 
+# Bindings each run file leaves %gin.REQUIRED besides MODEL (and trainer steps).
+REQUIRED = {"distill.gin": ["jobs.distill.target_dir = '/nowhere'"],
+            "medusa.gin": ["jobs.heads.target_dir = '/nowhere'"],
+            "eagle.gin": ["jobs.heads.target_dir = '/nowhere'"],
+            "features.gin": ["jobs.offline_features.target_dir = '/nowhere'"]}
+SHARED = ("defaults.gin", "data.gin")  # included by the run files; not runs themselves
+
+
 @pytest.mark.parametrize("path", TIERS["runs"], ids=lambda p: p.name)
 def test_run_files(path):
     text = path.read_text()
-    if path.name != "defaults.gin":
+    if path.name not in SHARED:
         assert "# Required:" in text and "# Commonly overridden:" in text
+    trains = path.name == "defaults.gin" or "include 'runs/defaults.gin'" in text
     run.parse([path], finalize=False)  # binds every name; required values come later
-    required = ["trainer.TrainConfig.steps = 3"]
-    if path.name == "distill.gin":
-        required.append("jobs.distill.target_dir = '/nowhere'")
+    required = ["trainer.TrainConfig.steps = 3"] * trains + REQUIRED.get(path.name, [])
     run.parse([CONFIGS / "models" / "tiny.gin", path], required)
-    assert built(TrainConfig).steps == 3 and isinstance(built(DataConfig), DataConfig)
-    with pytest.raises(ValueError, match="REQUIRED"):
-        run.parse([CONFIGS / "models" / "tiny.gin", path])
+    assert isinstance(built(DataConfig), DataConfig)
+    if trains:
+        assert built(TrainConfig).steps == 3
+    if required:
+        with pytest.raises(ValueError, match="REQUIRED"):
+            run.parse([CONFIGS / "models" / "tiny.gin", path])
 
 
 @pytest.mark.parametrize("path", TIERS["experiments"], ids=lambda p: p.name)

@@ -40,6 +40,17 @@ def test_quickstart_compares_every_method(finished):
     assert "| ngram | 0 |" in (workdir / "results.md").read_text()
 
 
+def test_head_stages_record_the_tau_of_their_greedy_row(finished):
+    """Each head stage's end-of-run generation runs on the comparison's greedy prompts
+    through the same speculator, so its α and τ are that row's."""
+    workdir, res = finished
+    for method in ("medusa", "eagle"):
+        record = json.loads((workdir / method / "summary.json").read_text())["speculative"]
+        row = next(r for r in res["rows"] if r["method"] == method and r["temperature"] == 0)
+        assert record["tau"] >= 1.0
+        assert (record["alpha"], record["tau"]) == (row["alpha"], row["tau"])
+
+
 def test_rerun_reuses_every_stage(finished, capsys):
     workdir, res = finished
     markers = {p: p.stat().st_mtime for p in workdir.glob("*/DONE.json")}

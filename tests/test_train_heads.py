@@ -16,7 +16,9 @@ from specjax.speculators import Eagle, Medusa
 from train import jobs
 from train.methods import TrainMedusa
 from train.methods.eagle import ttt_mask
-from train_setup import DATA, MODEL, tokenizer, train_config
+from train.run import CONFIGS_ROOT, run_config
+from train.speculation import SpeculativeEval
+from train_setup import DATA, GIN_BINDINGS, MODEL, tokenizer, train_config
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11] * 12, [40, 41, 42, 40, 41]]
 
@@ -37,6 +39,25 @@ def _evals(workdir):
     return [r for r in lines if r["split"] == "eval"]
 
 
+SPECULATIVE = SpeculativeEval(num_prompts=2, prompt_len=16, new_tokens=16)
+
+
+def _check_speculative_record(workdir, job, step):
+    """One record of the end-of-run greedy generation, in metrics.jsonl and the summary,
+    with α and τ as generation defines them."""
+    lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if r["split"] == "speculative"]
+    assert len(records) == 1, records
+    rec = records[0]
+    assert rec["step"] == step and rec["prompts"] == 2 and rec["new_tokens"] == 16
+    assert 0.0 <= rec["alpha"] <= 1.0 and rec["tau"] >= 1.0
+    assert (rec["tau"] > 1.0) == (rec["alpha"] > 0.0)  # τ - 1 drafts accepted per target call
+    assert sum(rec["accepted_hist"]) > 0
+    assert job.summary["speculative"] == rec
+    assert json.loads((workdir / "summary.json").read_text())["speculative"] == rec
+    return rec
+
+
 def _lossless(target_dir, spec):
     target = specjax.load(target_dir, dtype="float32")
     ref = specjax.generate(target, PROMPTS, max_new_tokens=12, ignore_eos=True).tokens
@@ -55,10 +76,20 @@ def _lossless(target_dir, spec):
 ], ids=["medusa", "eagle3", "eagle3-generate", "eagle1"])
 def test_trained_heads_learn_and_generate_losslessly(tmp_path, target_dir, head, generate):
     kw = {"ttt_steps": 2} if isinstance(head, EagleConfig) and head.version == 3 else {}
+    # The end-of-run τ generation compiles a speculative loop: only where we generate anyway.
+    kw["speculative"] = SPECULATIVE if generate else None
     job = jobs.heads(tmp_path, target_dir, head, train_config(
         steps=30, checkpoint_every=0, eval_at_start=True), DATA, **kw)
     first, last = _evals(tmp_path)[0], _evals(tmp_path)[-1]
     assert last["loss"] < 0.95 * first["loss"], (first, last)
+    if generate:
+        record = _check_speculative_record(tmp_path, job, 30)
+        if isinstance(head, MedusaConfig):  # a re-run of the finished job reuses the record
+            again = jobs.heads(tmp_path, target_dir, head, train_config(
+                steps=30, checkpoint_every=0, eval_at_start=True), DATA, **kw)
+            assert _check_speculative_record(tmp_path, again, 30) == record
+    else:
+        assert "speculative" not in job.summary
     target = specjax.load(target_dir, dtype="float32")
     ckpt = load_heads(job.export_dir, target.config)
     if isinstance(head, MedusaConfig):
@@ -92,3 +123,48 @@ def test_medusa2_joint_trains_the_target_too(target_dir):
     assert norm(grads["target"]) > 0 and norm(grads["heads"]) > 0
     with pytest.raises(ValueError, match="initial_params"):
         method.init(jax.random.key(0))
+
+
+def test_gin_features_dump_then_eagle3_run_reads_it(tmp_path, target_dir):
+    """configs/runs/features.gin dumps the final hidden state and EAGLE-3's layers once;
+    configs/runs/eagle.gin with features = "offline" trains from that dump without
+    rewriting it; a re-run of either finds its work done."""
+    data = [f"include '{CONFIGS_ROOT / 'models' / 'tiny.gin'}'",
+            *[b for b in GIN_BINDINGS if b.split(".")[0] in ("config", "data", "corpus")],
+            "corpus.CorpusConfig.max_chars = 20000"]
+    dump_bindings = [*data, f"jobs.offline_features.target_dir = '{target_dir}'",
+                     "jobs.offline_features.head_config = @eagle.EagleConfig()",
+                     "jobs.offline_features.progress = False"]
+    store = run_config(CONFIGS_ROOT / "runs" / "features.gin", dump_bindings,
+                       workdir=tmp_path / "features")
+    assert store.complete and store.layers == (0, 1)  # eagle3_layers(2) = (1, 0, 0)
+    files = lambda: {p: p.stat().st_mtime_ns for p in (tmp_path / "features").rglob("*")
+                     if p.name != "config.gin"}
+    dumped = files()
+    assert run_config(CONFIGS_ROOT / "runs" / "features.gin", dump_bindings,
+                      workdir=tmp_path / "features").written == store.written
+    bindings = [*data, *[b for b in GIN_BINDINGS if b.split(".")[0] in ("trainer", "optim")],
+                f"jobs.heads.target_dir = '{target_dir}'",
+                "jobs.heads.features = 'offline'",
+                f"jobs.heads.features_dir = '{tmp_path / 'features'}'",
+                "jobs.heads.speculative = None",  # τ: the Medusa case above, the quickstart
+                "jobs.heads.ttt_steps = 2",
+                "eagle.EagleConfig.version = 3",
+                "eagle.EagleConfig.draft_vocab_size = 200",
+                "trainer.TrainConfig.steps = 4"]
+    bindings.remove("trainer.TrainConfig.steps = 12")
+    job = run_config(CONFIGS_ROOT / "runs" / "eagle.gin", bindings, workdir=tmp_path / "heads")
+    assert job.train.finished and job.summary["features"] == "offline"
+    assert "speculative" not in job.summary and not (tmp_path / "heads" / "features").exists()
+    identity = json.loads((tmp_path / "heads" / "config.json").read_text())["identity"]
+    assert identity["data"]["features"]["layers"] == [0, 1]
+    assert load_heads(job.export_dir, MODEL).vocab_map.shape == (200,)
+    again = run_config(CONFIGS_ROOT / "runs" / "eagle.gin", bindings, workdir=tmp_path / "heads")
+    assert again.train.step == 4 and again.train.eval == pytest.approx(job.train.eval)
+    assert files() == dumped
+
+
+def test_a_misspelled_method_setting_is_an_error_before_loading():
+    with pytest.raises(ValueError, match=r"\['ttt_stepz'\].*TrainEagle"):
+        jobs.heads("/nowhere/run", "/nowhere/target", EagleConfig(3), train_config(),
+                   ttt_stepz=3)

@@ -1,4 +1,4 @@
-"""train/: training for specjax — targets, drafts, and (next) Medusa and EAGLE heads.
+"""train/: training for specjax — targets, drafts, Medusa and EAGLE heads.
 
 Modules, one concern each:
   corpus       documents: the embedded Python-stdlib corpus, text / JSON-lines files, hash split
@@ -8,21 +8,28 @@ Modules, one concern each:
   optim        clip + AdamW on a warmup + cosine schedule
   trainer      the `Method` protocol and the one training loop (eval, metrics, resume, mesh)
   checkpointing  orbax checkpoints and the run identity that guards a workdir
-  forward      causal forwards of specjax models; sampler: a plain jitted target sampler
-  methods/     pretrain (next-token CE), distill (draft on a frozen target)
-  jobs         whole jobs as plain functions (data + method + trainer + HF export)
+  forward      causal forwards of specjax models, the frozen target's hidden states (online
+               or from a batch's offline features); sampler: a plain jitted target sampler
+  features     offline target features: dumped once to tensorstore (zarr), streamed back
+  speculation  held-out prompts, the heads' speculator, α and τ of a short generation
+  methods/     pretrain (next-token CE), distill (draft on a frozen target), Medusa, EAGLE
+  jobs         whole jobs as plain functions (data + method + trainer + HF export / heads)
   run          the gin front end (the only module that imports gin)
 """
 
 from train.corpus import Corpus, CorpusConfig, load_corpus
 from train.data import DataConfig, TokenData, build_data, tokenize_corpus
-from train.jobs import JobResult, distill, pretrain
-from train.methods import Distill, Pretrain
+from train.features import FeatureStore, FeaturesError, OfflineData, dump_features
+from train.jobs import JobResult, distill, heads, offline_features, pretrain
+from train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
+from train.speculation import SpeculativeEval
 from train.optim import OptimConfig
 from train.trainer import Method, TrainConfig, TrainResult, evaluate, train
 
 __all__ = [
-    "Corpus", "CorpusConfig", "DataConfig", "Distill", "JobResult", "Method", "OptimConfig",
-    "Pretrain", "TokenData", "TrainConfig", "TrainResult", "build_data", "distill",
-    "evaluate", "load_corpus", "pretrain", "tokenize_corpus", "train",
+    "Corpus", "CorpusConfig", "DataConfig", "Distill", "FeatureStore", "FeaturesError",
+    "JobResult", "Method", "OfflineData", "OptimConfig", "Pretrain", "SpeculativeEval",
+    "TokenData", "TrainConfig", "TrainEagle", "TrainMedusa", "TrainResult", "build_data",
+    "distill", "dump_features", "evaluate", "heads", "load_corpus", "offline_features",
+    "pretrain", "tokenize_corpus", "train",
 ]

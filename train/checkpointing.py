@@ -37,21 +37,23 @@ def state_signature(abstract_state: Any) -> dict[str, list]:
     return {jax.tree_util.keystr(path): [list(x.shape), str(x.dtype)] for path, x in leaves}
 
 
-def diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
-    """Human-readable differences between two JSON values (saved vs this run)."""
+def diff(saved: Any, current: Any, prefix: str = "", *,
+         names: tuple[str, str] = ("the checkpoint", "this run")) -> list[str]:
+    """Human-readable differences between two JSON values (`names`: what each one is)."""
+    old, new = names
     if isinstance(saved, dict) and isinstance(current, dict):
         out = []
         for key in sorted(set(saved) | set(current), key=str):
             where = f"{prefix}.{key}" if prefix else str(key)
             if key not in saved:
-                out.append(f"{where}: absent in the checkpoint, {current[key]!r} in this run")
+                out.append(f"{where}: absent in {old}, {current[key]!r} in {new}")
             elif key not in current:
-                out.append(f"{where}: {saved[key]!r} in the checkpoint, absent in this run")
+                out.append(f"{where}: {saved[key]!r} in {old}, absent in {new}")
             else:
-                out.extend(diff(saved[key], current[key], where))
+                out.extend(diff(saved[key], current[key], where, names=names))
         return out
     if saved != current:
-        return [f"{prefix or 'value'}: {saved!r} in the checkpoint != {current!r} in this run"]
+        return [f"{prefix or 'value'}: {saved!r} in {old} != {current!r} in {new}"]
     return []
 
 

@@ -86,22 +86,32 @@ class TokenData:
     def seq_len(self) -> int:
         return self.train.shape[1]
 
+    def train_rows(self, step: int, batch_size: int) -> np.ndarray:
+        """Indices into `train` of the rows of training batch `step`."""
+        return batch_rows(step, batch_size, len(self.train), self.seed)
+
     def train_batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
-        tokens = self.train[batch_rows(step, batch_size, len(self.train), self.seed)]
+        tokens = self.train[self.train_rows(step, batch_size)]
         return {"tokens": tokens, "mask": np.ones(tokens.shape, np.float32)}
+
+    def eval_slices(self, batch_size: int, max_batches: int | None = None) -> list[slice]:
+        """The `eval` rows of each held-out batch, in order (the last may be short)."""
+        starts = range(0, len(self.eval), batch_size)
+        if max_batches is not None:
+            starts = starts[:max_batches]
+        return [slice(s, min(s + batch_size, len(self.eval))) for s in starts]
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None
                      ) -> list[dict[str, np.ndarray]]:
-        """Held-out rows in order, `batch_size` at a time (at most `max_batches`)."""
+        """Held-out rows in order, `batch_size` at a time (at most `max_batches`); the
+        last batch is padded to `batch_size` rows with mask 0."""
         out = []
-        for start in range(0, len(self.eval), batch_size):
-            if max_batches is not None and len(out) >= max_batches:
-                break
-            rows = self.eval[start:start + batch_size]
+        for rows in self.eval_slices(batch_size, max_batches):
+            n = rows.stop - rows.start
             mask = np.zeros((batch_size, self.seq_len), np.float32)
-            mask[:len(rows)] = 1.0
+            mask[:n] = 1.0
             tokens = np.full((batch_size, self.seq_len), self.pad_id, np.int32)
-            tokens[:len(rows)] = rows
+            tokens[:n] = self.eval[rows]
             out.append({"tokens": tokens, "mask": mask})
         return out
 

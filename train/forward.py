@@ -1,4 +1,6 @@
-"""Plain causal forwards of a specjax model for training (no KV cache)."""
+"""Plain causal forwards of a specjax model for training (no KV cache), and the frozen
+target's hidden states that head methods read: computed here (online) or carried by the
+batch (offline features dumped by `train.features`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.model import module_for, step
 from specjax.models.transformer import Hidden, Transformer
+
+# Batch keys of offline features (`train.features.OfflineData`), beside tokens and mask:
+FINAL_KEY = "target_final"  # [B, T, D] the target's final-normed hidden state
+LAYERS_KEY = "target_layers"  # [B, T, K, D] outputs of the K decoder layers a method asks for
 
 
 def positions_for(tokens: jax.Array) -> jax.Array:
@@ -35,3 +41,23 @@ def causal_logits(config: ModelConfig, params: Any, tokens: jax.Array) -> jax.Ar
 def head_logits(config: ModelConfig, params: Any, h: jax.Array) -> jax.Array:
     """The LM head on final-normed hidden states [..., D] -> float32 logits [..., V]."""
     return module_for(config).apply({"params": params}, h, method=Transformer.logits)
+
+
+def frozen_hidden(config: ModelConfig, params: Any, batch: dict, layers: Sequence[int] = ()
+                  ) -> Hidden:
+    """The frozen target's hidden states over `batch["tokens"]`: the final-normed state and
+    the outputs of decoder `layers` (in that order). Read from the batch when it carries
+    offline features, else computed by a causal forward of `params`; either way a constant
+    for differentiation, in the target's compute dtype."""
+    layers = tuple(layers)
+    if FINAL_KEY not in batch:
+        _, hidden = causal_forward(config, params, batch["tokens"], hidden_layers=layers,
+                                   return_logits=False)
+        return jax.lax.stop_gradient(hidden)
+    dt = jnp.dtype(config.dtype)
+    stacked = batch.get(LAYERS_KEY)
+    have = 0 if stacked is None else stacked.shape[2]
+    if have != len(layers):
+        raise ValueError(f"offline features carry {have} decoder layers; {layers=} are needed")
+    return Hidden(final=batch[FINAL_KEY].astype(dt),
+                  layers=tuple(stacked[:, :, k].astype(dt) for k in range(have)))

@@ -9,6 +9,7 @@ resumes there when re-run; a finished job exports a Hugging Face directory to
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,17 @@ from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
 from specjax.config import ModelConfig
-from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads
+from specjax.heads import (EagleConfig, MedusaConfig, build_vocab_map, save_heads,
+                           target_fingerprint)
 from specjax.model import Model
+from train import features as features_lib
 from train import tokenizer as tok_lib
 from train.corpus import load_corpus
-from train.data import DataConfig, tokenize_corpus
+from train.data import DataConfig, build_data, tokenize_corpus
 from train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
-from train.trainer import DATA_AXIS, TrainConfig, TrainResult, train
+from train.speculation import (SpeculativeEval, head_speculator, heldout_prompts,
+                               speculative_run)
+from train.trainer import DATA_AXIS, METRICS_FILE, MetricsLog, TrainConfig, TrainResult, train
 
 log = logging.getLogger("train")
 TOKENIZER_FILE = "tokenizer.json"
@@ -37,6 +42,7 @@ class JobResult:
     workdir: Path
     export_dir: Path | None  # None until the run has finished
     train: TrainResult
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # heads: α, τ, eval
 
 
 def data_parallel_mesh(devices=None) -> Mesh:
@@ -68,6 +74,22 @@ def _export(result: TrainResult, config: ModelConfig, tokenizer) -> Path | None:
 
 def _settings(job: str, data_config: DataConfig, **extra: Any) -> dict[str, Any]:
     return {"job": job, "data_config": dataclasses.asdict(data_config), **extra}
+
+
+def _load_target(target_dir, what: str, expect_target: ModelConfig | None = None) -> Model:
+    """The float32 target at `target_dir` with its tokenizer; with `expect_target`, an
+    error naming every shape that differs from it."""
+    target = load(target_dir, dtype="float32")
+    if target.tokenizer is None:
+        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; {what} needs the "
+                                f"target's tokenizer")
+    if expect_target is not None:
+        have, want = target_fingerprint(target.config), target_fingerprint(expect_target)
+        bad = [f"{k}={have[k]!r} (expected {want[k]!r})" for k in want if have[k] != want[k]]
+        if bad:
+            raise ValueError(f"the target at {target_dir} is not the expected model "
+                             f"(expect_target): " + ", ".join(bad))
+    return target
 
 
 def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
@@ -109,10 +131,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
     `draft_config` says) and is exported with the target's tokenizer.
     `draft_init_dir`: start from this HF checkpoint's params instead of random ones.
     """
-    target = load(target_dir, dtype="float32")
-    if target.tokenizer is None:
-        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; distillation needs "
-                                f"the target's tokenizer")
+    target = _load_target(target_dir, "distillation")
     if draft_config.vocab_size != target.config.vocab_size:
         log.info("draft vocab_size %d -> the target's %d", draft_config.vocab_size,
                  target.config.vocab_size)
@@ -126,8 +145,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                 bos_token_id=None, eos_token_id=None):
             raise ValueError(f"{draft_init_dir}: its config does not match draft_config")
         init = start.params
-    data = tokenize_corpus(load_corpus(data_config.corpus), target.tokenizer,
-                           data_config.seq_len, train_config.seed)
+    data = build_data(data_config, target.tokenizer, train_config.seed)
     method = Distill(draft_config, target.config, divergence=divergence,
                      temperature=temperature, source=source, prompt_len=prompt_len,
                      sample_temperature=sample_temperature)
@@ -140,33 +158,82 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
 
 
 HEADS_DIR = "heads"
+FEATURES_DIR = "features"
+SUMMARY_FILE = "summary.json"
+SPECULATIVE_SPLIT = "speculative"  # the metrics.jsonl record of the end-of-run generation
+
+
+def _speculative_record(result: TrainResult, heads_dir: Path, target: Model, data_config,
+                        config: SpeculativeEval) -> dict[str, Any]:
+    """α and τ of a short greedy generation through the heads' speculator, appended to
+    metrics.jsonl once per finished run (a re-run finds it there)."""
+    path = result.workdir / METRICS_FILE
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill; MetricsLog drops it below
+            continue
+        if record.get("split") == SPECULATIVE_SPLIT and record.get("step") == result.step:
+            return record
+    prompts = heldout_prompts(load_corpus(data_config.corpus), target.tokenizer,
+                              config.num_prompts, config.prompt_len, config.seed)
+    spec = head_speculator(heads_dir, target, config.eagle_tree)
+    _, record = speculative_run(target, spec, prompts, new_tokens=config.new_tokens)
+    record = {"step": result.step, "split": SPECULATIVE_SPLIT, "temperature": 0.0,
+              "speculator": type(spec).__name__, "prompts": len(prompts),
+              "prompt_len": config.prompt_len, "new_tokens": config.new_tokens, **record}
+    MetricsLog(path, result.step).write(record)
+    log.info("speculative (greedy, %d prompts): alpha=%.3f tau=%.2f", len(prompts),
+             record["alpha"], record["tau"])
+    return record
 
 
 def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig | EagleConfig,
           train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
-          data_parallel: bool = False, stop_at: int | None = None, **method_kwargs: Any
-          ) -> JobResult:
+          features: str = "online", features_dir: str | Path | None = None,
+          features_dtype: str = "float32",
+          speculative: SpeculativeEval | None = SpeculativeEval(),
+          expect_target: ModelConfig | None = None, data_parallel: bool = False,
+          stop_at: int | None = None, **method_kwargs: Any) -> JobResult:
     """Trains Medusa heads (`MedusaConfig`) or an EAGLE head (`EagleConfig`) on the frozen
     target at `target_dir` and, when finished, writes them with `specjax.heads.save_heads`
     to `<workdir>/heads` (what `Medusa(heads=...)` / `Eagle(heads=...)` load); a joint
     Medusa-2 run also exports its trained target to `<workdir>/export`.
 
+    features: "online" runs the target inside every step; "offline" dumps its features
+      once to `features_dir` (default `<workdir>/features`; resumed if partial, reused if
+      complete, refused if foreign; see `train.features`) in `features_dtype` and streams
+      them back, so training never runs the target. Same batches, same loss.
+    speculative: at the end, a short greedy generation through the heads' speculator on
+      held-out prompts; its α and τ go to metrics.jsonl (split "speculative") and to
+      `<workdir>/summary.json`. None skips it.
+    expect_target: the target's expected config (gin: %MODEL); a target of other shapes is
+      an error.
     EAGLE-3 with a reduced `draft_vocab_size`: d2t keeps the ids most frequent in the
     training split. `method_kwargs` go to `TrainMedusa` / `TrainEagle`.
     """
-    target = load(target_dir, dtype="float32")
-    if target.tokenizer is None:
-        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; training heads needs "
-                                f"the target's tokenizer")
-    data = tokenize_corpus(load_corpus(data_config.corpus), target.tokenizer,
-                           data_config.seq_len, train_config.seed)
-    d2t, init = None, None
+    if features not in features_lib.MODES:
+        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
+    method_cls = TrainMedusa if isinstance(head_config, MedusaConfig) else TrainEagle
+    settings = {f.name for f in dataclasses.fields(method_cls)} - {"target", "heads", "head"}
+    unknown = sorted(set(method_kwargs) - settings)
+    if unknown:  # before loading anything: a misspelled gin binding lands here
+        raise ValueError(f"jobs.heads got {unknown}, which {method_cls.__name__} does not "
+                         f"take (its settings: {sorted(settings)})")
+    workdir = Path(workdir).absolute()
+    target = _load_target(target_dir, "training heads", expect_target)
+    data = build_data(data_config, target.tokenizer, train_config.seed)
+    d2t, init, layers = None, None, ()
     if isinstance(head_config, MedusaConfig):
         kind, method = "medusa", TrainMedusa(target.config, head_config, **method_kwargs)
         init = method.initial_params(target.params)
         frozen = None if method.joint else target.params
+        if method.joint and features == "offline":
+            raise ValueError("joint Medusa-2 trains the target, so it cannot read offline "
+                             "features; use features='online'")
     elif isinstance(head_config, EagleConfig):
         kind, method = "eagle", TrainEagle(target.config, head_config, **method_kwargs)
+        layers = method.hidden_layers
         vd = method.head.draft_vocab_size
         if vd is not None and vd < target.config.vocab_size:
             counts = np.bincount(data.train.reshape(-1), minlength=target.config.vocab_size)
@@ -174,10 +241,24 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
         frozen = {"target": target.params, "d2t": d2t}
     else:
         raise ValueError(f"head_config={head_config!r} must be a MedusaConfig or EagleConfig")
-    result = train(method, data, train_config, workdir, frozen=frozen, init_params=init,
+    train_data = data
+    if features == "offline":
+        store = features_lib.dump_features(
+            features_dir or workdir / FEATURES_DIR, target.config, target.params, data,
+            layers=layers, dtype=features_dtype, batch_size=train_config.micro_batch,
+            progress=train_config.progress)
+        train_data = features_lib.OfflineData(data, store, layers)
+        # The step reads features, not the target: only the embedding and LM head stay.
+        if kind == "medusa":
+            frozen = None
+        else:
+            frozen = {"target": features_lib.embedding_and_head(target.params), "d2t": d2t}
+    result = train(method, train_data, train_config, workdir, frozen=frozen, init_params=init,
                    mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
-                   settings=_settings(f"heads/{kind}", data_config, target_dir=str(target_dir)))
-    out = None
+                   settings=_settings(f"heads/{kind}", data_config, target_dir=str(target_dir),
+                                      features=features,
+                                      features_dir=features_dir and str(features_dir)))
+    out, summary = None, {}
     if result.finished:
         params = method.head_params(result.params) if kind == "medusa" else result.params
         head = method.heads if kind == "medusa" else method.head
@@ -185,6 +266,36 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
                          vocab_map=d2t)
         log.info("wrote heads %s", out)
         if kind == "medusa" and method.joint:  # Medusa-2 changed the target too
-            save_hf(Model(target.config, result.params["target"], target.tokenizer),
-                    result.workdir / EXPORT_DIR)
-    return JobResult(Path(workdir).absolute(), out, result)
+            target = Model(target.config, result.params["target"], target.tokenizer)
+            save_hf(target, result.workdir / EXPORT_DIR)
+        summary = {"step": result.step, "eval": result.eval, "heads": str(out),
+                   "features": features}
+        if speculative is not None:
+            summary["speculative"] = _speculative_record(result, out, target, data_config,
+                                                         speculative)
+        (result.workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return JobResult(workdir, out, result, summary)
+
+
+def offline_features(workdir: str | Path, target_dir: str | Path,
+                     data_config: DataConfig = DataConfig(), *,
+                     head_config: MedusaConfig | EagleConfig | None = None,
+                     dtype: str = "float32",
+                     batch_size: int = 8, expect_target: ModelConfig | None = None,
+                     progress: bool = True) -> features_lib.FeatureStore:
+    """Dumps the target's features for `data_config` into `workdir` (a features directory,
+    see `train.features`) without training anything: run it where the target fits, then
+    train heads with `heads(..., features="offline", features_dir=workdir)`. Resumes a
+    killed dump; refuses a directory holding another one.
+
+    head_config: the heads the dump serves; an EAGLE-3 config adds its low/mid/high
+      layers (resolved for this target), anything else stores the final hidden state only.
+    """
+    target = _load_target(target_dir, "dumping features", expect_target)
+    layers = ()
+    if isinstance(head_config, EagleConfig):  # the layers TrainEagle reads
+        layers = TrainEagle(target.config, head_config).hidden_layers
+    data = build_data(data_config, target.tokenizer, seed=0)  # the rows; order is per run
+    return features_lib.dump_features(workdir, target.config, target.params, data,
+                                      layers=layers, dtype=dtype, batch_size=batch_size,
+                                      progress=progress)

@@ -33,6 +33,8 @@ from specjax.stats import leviathan_speedup
 from train import jobs
 from train.corpus import load_corpus
 from train.data import DataConfig
+from train.speculation import (SpeculativeEval, head_speculator, heldout_prompts,
+                               speculative_run)
 from train.trainer import TrainConfig
 
 log = logging.getLogger("train.quickstart")
@@ -65,24 +67,6 @@ def _jsonable(x):
     return str(x)
 
 
-def eval_prompts(data_config: DataConfig, tokenizer, num: int, length: int,
-                 seed: int) -> list[list[int]]:
-    """`num` prompts of `length` tokens from held-out documents (never trained on)."""
-    corpus = load_corpus(data_config.corpus)
-    rng = np.random.default_rng(seed)
-    docs = [tokenizer.encode(t).ids for t in corpus.eval]
-    docs = [d for d in docs if len(d) > length + 8]
-    if not docs:
-        raise ValueError(f"no held-out document has more than {length + 8} tokens; lower "
-                         f"prompt_len={length}")
-    prompts = []
-    for i in range(num):
-        d = docs[int(rng.integers(len(docs)))]
-        start = int(rng.integers(0, len(d) - length))
-        prompts.append(d[start:start + length])
-    return prompts
-
-
 def versions() -> dict[str, str]:
     import flax
     import optax
@@ -109,21 +93,16 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         base = None
         outputs = {}
         for name, spec in speculators.items():
-            out = specjax.generate(target, prompts, max_new_tokens=new_tokens,
-                                   temperature=temp, seed=seed, ignore_eos=True,
-                                   speculator=spec)
-            s = out.stats
-            base = base or s.tokens_per_s
-            c = cost_ratios.get(name, s.cost_ratio)
-            outputs[name] = out.tokens
-            rows.append(dict(method=name, temperature=temp, alpha=s.acceptance_rate,
-                             tau=s.mean_accepted_length, k=s.mean_k, cost_ratio=c,
-                             tokens_per_s=s.tokens_per_s, speedup=s.tokens_per_s / base,
-                             analytical=leviathan_speedup(s.acceptance_rate, s.mean_k, c,
-                                                          s.verify_cost),
-                             ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
-                             accepted_hist=s.accepted_hist, compile_s=s.compile_s,
-                             identical_to_plain=out.tokens == outputs[next(iter(outputs))]))
+            tokens, r = speculative_run(target, spec, prompts, new_tokens=new_tokens,
+                                        temperature=temp, seed=seed)
+            base = base or r["tokens_per_s"]
+            c = cost_ratios.get(name, r["cost_ratio"])
+            outputs[name] = tokens
+            rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
+                             speedup=r["tokens_per_s"] / base,
+                             analytical=leviathan_speedup(r["alpha"], r["k"], c,
+                                                         r["verify_cost"]),
+                             identical_to_plain=tokens == outputs[next(iter(outputs))]))
     return rows
 
 
@@ -202,7 +181,10 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
     specs = {"autoregressive": None, "ngram": NGram(k=k),
              "draft": DraftModel(model=draft, k=k, target=target)}
     for name, make in (head_stages or {}).items():
-        hdir = _stage(workdir, name, lambda d, make=make: make(d, tdir / "export"),
+        # The stage's own α/τ record uses the comparison's greedy prompts: same numbers,
+        # and the same compiled generation.
+        tau = SpeculativeEval(num_prompts, prompt_len, new_tokens, seed, make.eagle_tree)
+        hdir = _stage(workdir, name, lambda d, make=make, tau=tau: make(d, tdir / "export", tau),
                       dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
 
@@ -218,7 +200,8 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
             print(old["table"])
             print(f"(finished earlier: {res_file})")
             return old
-    prompts = eval_prompts(data_config, target.tokenizer, num_prompts, prompt_len, seed)
+    prompts = heldout_prompts(load_corpus(data_config.corpus), target.tokenizer,
+                              num_prompts, prompt_len, seed)
     from specjax.bench.speculative import measured_cost_ratio
 
     costs = {"draft": measured_cost_ratio(target, draft)}
@@ -263,19 +246,14 @@ class HeadStage:
     def settings(self) -> dict:
         return _jsonable(self)
 
-    def __call__(self, stage_dir: Path, target_export: Path):
+    def __call__(self, stage_dir: Path, target_export: Path,
+                 speculative: SpeculativeEval | None = None):
         return jobs.heads(stage_dir, target_export, self.head_config, self.train_config,
-                          self.data_config)
+                          self.data_config, speculative=speculative or SpeculativeEval(
+                              eagle_tree=self.eagle_tree))
 
     def speculator(self, stage_dir: Path, target: specjax.Model, k: int):
-        from specjax.heads import MedusaConfig
-        from specjax.speculators import Eagle, Medusa
-
-        heads = stage_dir / jobs.HEADS_DIR
-        if isinstance(self.head_config, MedusaConfig):
-            return Medusa(heads=heads, target=target)
-        top_k, depth, total = self.eagle_tree
-        return Eagle(heads=heads, target=target, top_k=top_k, depth=depth, total_tokens=total)
+        return head_speculator(stage_dir / jobs.HEADS_DIR, target, self.eagle_tree)
 
 
 def default_head_stages(train_config: TrainConfig, data_config: DataConfig = DataConfig(),

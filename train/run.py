@@ -99,7 +99,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
     result = run_config(args.gin_file, args.gin, workdir=args.workdir)
+    if not hasattr(result, "train"):  # a job that trains nothing (jobs.offline_features)
+        print(result)
+        return
     print(f"workdir: {result.workdir}\nexport: {result.export_dir}\neval: {result.train.eval}")
+    speculative = result.summary.get("speculative")
+    if speculative:  # heads runs: the end-of-run generation through their speculator
+        print(f"speculative (greedy, {speculative['prompts']} prompts): "
+              f"alpha={speculative['alpha']:.3f} tau={speculative['tau']:.2f}")
 
 
 if __name__ == "__main__":

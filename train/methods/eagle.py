@@ -17,7 +17,9 @@ match the target's distribution at position i + 1.
   i + 1 + j restricted to the draft vocabulary (d2t) and renormalised.
 
 Trainable: the head's params. Frozen: {"target": target params, "d2t": [Vd] int32 or
-None}.
+None}. With offline features (`train.features`) the batch carries the target's hidden
+states and "target" needs only its embedding and LM head (`features.embedding_and_head`);
+the target's distributions are its LM head over the final hidden state either way.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from specjax.config import ModelConfig
 from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
                                  init_eagle_params, target_features)
 from train import losses
-from train.forward import causal_forward, positions_for
+from train.forward import frozen_hidden, head_logits, positions_for
 
 
 def _smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -78,12 +80,12 @@ class TrainEagle:
     def init(self, rng: jax.Array) -> Any:
         return init_eagle_params(self.head, self.target, rng)
 
-    def _target(self, frozen, tokens):
-        logits, hidden = causal_forward(self.target, frozen["target"], tokens,
-                                        hidden_layers=self.hidden_layers)
+    def _target(self, frozen, batch):
+        """(target logits [B, T, V], head input features [B, T, D or 3D]), constants."""
+        hidden = frozen_hidden(self.target, frozen["target"], batch, self.hidden_layers)
+        logits = head_logits(self.target, frozen["target"], hidden.final)
         index = tuple(self.hidden_layers.index(i) for i in self.head.hidden_layers)
-        feats = target_features(self.head, hidden, index)
-        return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(feats)
+        return jax.lax.stop_gradient(logits), target_features(self.head, hidden, index)
 
     def _step(self, params, frozen, tokens, feats, positions, mask=None):
         out, _ = eagle_step(self.head, self.target, params, frozen["target"], None, tokens,
@@ -92,7 +94,7 @@ class TrainEagle:
 
     def _losses(self, params, frozen, batch, rng):
         tokens, mask = batch["tokens"], batch["mask"]
-        logits, feats = self._target(frozen, tokens)
+        logits, feats = self._target(frozen, batch)
         p = jax.nn.softmax(logits, axis=-1)  # [B, T, V] target distributions
         pair_mask = mask[:, :-1] * mask[:, 1:]  # pair i = (f_i, x_{i+1}) -> position i + 1
         if self.head.version == 1:

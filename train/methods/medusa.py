@@ -8,7 +8,8 @@ weight `lm_weight`, so the backbone keeps its quality while becoming easier to d
 for (Medusa-2's differential learning rates and self-distillation are not done here).
 
 Trainable: the heads' params (`joint`: {"heads", "target"}). Frozen: the target's
-params (`joint`: unused). Start from `initial_params(target_params)`: zero ResBlocks and
+params (`joint`: unused; offline features, `train.features`: unused, the batch carries
+the final hidden state). Start from `initial_params(target_params)`: zero ResBlocks and
 the target's LM head in every head (the Medusa init); `init` alone draws random LM heads.
 """
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits, medusa_module
 from train import losses
-from train.forward import causal_forward
+from train.forward import FINAL_KEY, causal_forward, frozen_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,14 @@ class TrainMedusa:
     def _losses(self, trainable, frozen, batch):
         heads, target = self._parts(trainable, frozen)
         tokens, mask = batch["tokens"], batch["mask"]
-        logits, hidden = causal_forward(self.target, target, tokens, return_logits=self.joint)
-        h = hidden.final if self.joint else jax.lax.stop_gradient(hidden.final)
+        if self.joint:
+            if FINAL_KEY in batch:
+                raise ValueError("joint Medusa-2 trains the target, so it cannot read "
+                                 "offline features; use features='online'")
+            logits, hidden = causal_forward(self.target, target, tokens)
+            h = hidden.final
+        else:
+            h = frozen_hidden(self.target, target, batch).final
         head_logits = medusa_logits(self.heads, self.target, heads, h)  # [B, T, M, V]
         t = tokens.shape[1]
         out, total = {}, 0.0

@@ -1,0 +1,80 @@
+"""Short real speculative generations for evaluation: held-out prompts, the speculator
+that trained heads go into, and its α and τ (DESIGN "Metrics"). The heads job records one
+at the end of every run; the quickstart's comparison runs every method through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import specjax
+from specjax.heads import load_heads
+from train.corpus import Corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeEval:
+    """A short greedy speculative run on held-out prompts, at the end of a heads run."""
+
+    num_prompts: int = 4
+    prompt_len: int = 32  # tokens taken from one held-out document per prompt
+    new_tokens: int = 32
+    seed: int = 0  # which documents and offsets the prompts come from
+    eagle_tree: tuple[int, int, int] = (4, 4, 16)  # EAGLE-2 tree: top_k, depth, total_tokens
+
+    def __post_init__(self):
+        if min(self.num_prompts, self.prompt_len, self.new_tokens) < 1:
+            raise ValueError(f"num_prompts={self.num_prompts}, prompt_len={self.prompt_len} "
+                             f"and new_tokens={self.new_tokens} must be positive")
+
+
+def heldout_prompts(corpus: Corpus, tokenizer, num: int, length: int,
+                    seed: int) -> list[list[int]]:
+    """`num` prompts of `length` tokens from held-out documents (never trained on)."""
+    rng = np.random.default_rng(seed)
+    docs = [tokenizer.encode(t).ids for t in corpus.eval]
+    docs = [d for d in docs if len(d) > length + 8]
+    if not docs:
+        raise ValueError(f"no held-out document has more than {length + 8} tokens; lower "
+                         f"prompt_len={length}")
+    prompts = []
+    for _ in range(num):
+        d = docs[int(rng.integers(len(docs)))]
+        start = int(rng.integers(0, len(d) - length))
+        prompts.append(d[start:start + length])
+    return prompts
+
+
+def head_speculator(heads_dir: str | Path, target: specjax.Model,
+                    eagle_tree: tuple[int, int, int] = (4, 4, 16)):
+    """The speculator that uses the heads saved in `heads_dir`: `Medusa` with the default
+    tree cut to its number of heads, or `Eagle` with a dynamic tree of `eagle_tree`."""
+    from specjax.speculators import Eagle, Medusa
+    from specjax.speculators.medusa import DEFAULT_TREE
+
+    ckpt = load_heads(heads_dir, target.config)
+    if ckpt.kind == "medusa":
+        tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]
+        return Medusa(ckpt.params, ckpt.config, target=target, tree=tree)
+    top_k, depth, total = eagle_tree
+    return Eagle(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map,
+                 top_k=top_k, depth=depth, total_tokens=total)
+
+
+def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,
+                    temperature: float = 0.0, seed: int = 0
+                    ) -> tuple[list[list[int]], dict[str, Any]]:
+    """(generated tokens, record) of one `specjax.generate` run: α, τ, mean k, tokens/s,
+    TTFT/TPOT, the accepted-length histogram and compile time."""
+    out = specjax.generate(target, prompts, max_new_tokens=new_tokens, temperature=temperature,
+                           seed=seed, ignore_eos=True, speculator=speculator)
+    s = out.stats
+    return out.tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
+                            cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
+                            mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
+                            ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
+                            accepted_hist=s.accepted_hist, compile_s=s.compile_s)
