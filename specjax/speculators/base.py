@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.config import ModelConfig
@@ -117,6 +118,28 @@ class Speculator:
 
     def commit(self, state: Any, ctx: CommitContext, target_params: Any) -> Any:
         return state
+
+
+def requeue(ctx: CommitContext, cache, queue: tuple, count: jax.Array,
+            kept: tuple) -> tuple[Any, tuple, jax.Array]:
+    """The pending queue of a speculator with its own cache (draft model, EAGLE head).
+
+    After a commit, a row's kept pairs (root and accepted nodes, `kept` arrays [B, J, ...])
+    become its queue ([B, Q, ...], zero-padded), and its cache rolls back to the old
+    root's position: what the draft wrote for tree nodes is dropped, and the next
+    `propose` feeds queue + new root in one call. Rows without pairs keep everything.
+    Returns (cache, queue, count).
+    """
+    act = ctx.num_pairs > 0
+
+    def put(old, new):
+        pad = [(0, 0), (0, old.shape[1] - new.shape[1])] + [(0, 0)] * (new.ndim - 2)
+        sel = act.reshape((-1,) + (1,) * (old.ndim - 1))
+        return jnp.where(sel, jnp.pad(new.astype(old.dtype), pad), old)
+
+    lengths = jnp.where(act, ctx.positions[:, 0], cache.lengths)
+    return (cache.replace(lengths=lengths), tuple(put(o, n) for o, n in zip(queue, kept)),
+            jnp.where(act, ctx.num_pairs, count))
 
 
 def set_fields(obj: Speculator, **fields) -> None:

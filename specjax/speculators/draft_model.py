@@ -30,7 +30,7 @@ from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
 from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
-                                      Speculator, set_fields)
+                                      Speculator, requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
 from specjax.tree import DraftTree, chain
 
@@ -185,15 +185,9 @@ class DraftModel(Speculator):
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
-        act = ctx.num_pairs > 0
-        old_root = ctx.positions[:, 0]
-        lengths = jnp.where(act, old_root, state.cache.lengths)
-        q = state.pending.shape[1]
-        kept = jnp.pad(ctx.tokens, ((0, 0), (0, q - ctx.tokens.shape[1])))
-        pending = jnp.where(act[:, None], kept, state.pending)
-        count = jnp.where(act, ctx.num_pairs, state.pending_count)
-        return state.replace(cache=state.cache.replace(lengths=lengths), pending=pending,
-                             pending_count=count)
+        cache, (pending,), count = requeue(ctx, state.cache, (state.pending,),
+                                           state.pending_count, (ctx.tokens,))
+        return state.replace(cache=cache, pending=pending, pending_count=count)
 
 
 def _check_tokenizers(draft: Model | None, target: Model) -> None:

@@ -38,7 +38,7 @@ from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_fea
                                  init_eagle_params, layer_config, target_features)
 from specjax.model import Model
 from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
-                                      Speculator, set_fields)
+                                      Speculator, requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
 from specjax.tree import DraftTree, depth_widths, static_tree
 
@@ -220,7 +220,6 @@ class Eagle(Speculator):
         out, cache = self._step(target_params, state.cache, state.pending, state.pending_feats,
                                 pos, q_lens=c * act)
         root_out = out[rows, jnp.maximum(c - 1, 0)]  # [B, D]: drafts the root's children
-        first = self._logp(target_params, root_out)  # [B, V']
         base = cache.lengths
 
         def expand(carry, nodes: Nodes):
@@ -235,29 +234,36 @@ class Eagle(Speculator):
         prev = jnp.zeros((b, 1 + self._extra_slots, root_out.shape[-1]), root_out.dtype)
         carry = (cache, prev.at[:, 0].set(root_out))
         levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
-        if self.tree is None:
-            tree, (cache, _) = dynamic_tree(first, expand, carry, top_k=self.top_k,
-                                            depth=self.depth, total_tokens=self.total_tokens,
-                                            vocab_map=self.d2t, levels=levels)
-        else:
-            parents, depth, choice = self._static
-            tree, (cache, _) = static_tree_expand(first, expand, carry, parents, depth, choice,
-                                                  vocab_map=self.d2t, levels=levels)
+
+        def grow():
+            first = self._logp(target_params, root_out)  # [B, V']
+            if self.tree is None:
+                tree, (grown, _) = dynamic_tree(first, expand, carry, top_k=self.top_k,
+                                                depth=self.depth,
+                                                total_tokens=self.total_tokens,
+                                                vocab_map=self.d2t, levels=levels)
+            else:
+                parents, depth, choice = self._static
+                tree, (grown, _) = static_tree_expand(first, expand, carry, parents, depth,
+                                                      choice, vocab_map=self.d2t, levels=levels)
+            return tree, grown
+
+        def skip():  # no row drafts this step: the queue call above was all it needed
+            shape = jax.eval_shape(grow)[0]
+            full = lambda v: jnp.full(shape.tokens.shape, v, jnp.int32)
+            return shape.replace(tokens=full(0), parents=full(-1), depth=full(1),
+                                 valid=jnp.zeros(shape.tokens.shape, bool)), cache
+
+        tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def commit(self, state: EagleState, ctx: CommitContext, target_params) -> EagleState:
-        act = ctx.num_pairs > 0
-        q = state.pending.shape[1]
-        pad = q - ctx.tokens.shape[1]
-        feats = self._features(ctx.hidden, target_params).astype(state.pending_feats.dtype)
-        feats = jnp.pad(feats, ((0, 0), (0, pad), (0, 0)))
-        nxt = jnp.pad(ctx.next_tokens, ((0, 0), (0, pad)))
-        lengths = jnp.where(act, ctx.positions[:, 0], state.cache.lengths)
-        return state.replace(
-            cache=state.cache.replace(lengths=lengths),
-            pending=jnp.where(act[:, None], nxt, state.pending),
-            pending_feats=jnp.where(act[:, None, None], feats, state.pending_feats),
-            pending_count=jnp.where(act, ctx.num_pairs, state.pending_count))
+        feats = self._features(ctx.hidden, target_params)
+        cache, (pending, pending_feats), count = requeue(
+            ctx, state.cache, (state.pending, state.pending_feats), state.pending_count,
+            (ctx.next_tokens, feats))
+        return state.replace(cache=cache, pending=pending, pending_feats=pending_feats,
+                             pending_count=count)
 
 
 def _check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):

@@ -136,11 +136,17 @@ class Medusa(Speculator):
                 target_params) -> tuple[DraftTree, MedusaState]:
         b = state.hidden.shape[0]
         parents, depth, choice = static_tree(self.tree)
-        logits = medusa_logits(self.config, self.target_config, self.params,
-                               state.hidden[:, None])[:, 0]  # [B, M, V]
-        _, top = jax.lax.top_k(logits, int(max(choice)) + 1)  # [B, M, K]
-        tokens = top[:, depth - 1, np.asarray(choice)]  # [B, N]
         n = len(self.tree)
+
+        def heads():
+            logits = medusa_logits(self.config, self.target_config, self.params,
+                                   state.hidden[:, None])[:, 0]  # [B, M, V]
+            _, top = jax.lax.top_k(logits, int(max(choice)) + 1)  # [B, M, K]
+            return top[:, depth - 1, np.asarray(choice)].astype(jnp.int32)  # [B, N]
+
+        # The heads are stateless: when no row drafts this step, skip their cost.
+        drafting = jnp.any(ctx.active & (ctx.depth_limit > 0))
+        tokens = jax.lax.cond(drafting, heads, lambda: jnp.zeros((b, n), jnp.int32))
         bc = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (b, n))
         return DraftTree(tokens.astype(jnp.int32), bc(parents), bc(depth),
                          jnp.ones((b, n), bool), None, max_depth=self.max_depth), state
