@@ -235,7 +235,8 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     # Adaptive depth: per row, the k that maximises expected tokens per unit of cost
     # (Leviathan et al.'s rule, with the verify forward's cost growing with its width).
     alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
-    vcost = 1.0 + verify_slope * jnp.asarray(_bucket_width_per_depth(buckets), jnp.float32)
+    inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
+    vcost = 1.0 + verify_slope * jnp.asarray(np.log2(inputs), jnp.float32)
     limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost)
     probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
     limit = jnp.where((limit == 0) & probe, 1, limit)
@@ -373,9 +374,9 @@ def generate(
     speculator: a `specjax.speculators` instance; output is identical to target-only
       greedy decoding at temperature 0 and distributed as the target at any temperature.
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
-    verify_cost_slope: extra cost of each verified token relative to a one-token target
-      step, for the adaptive rule and the analytical speedup; None takes this backend's
-      entry of `specjax.stats.VERIFY_COST_SLOPE`.
+    verify_cost_slope: a verify forward of T tokens costs 1 + slope·log2(T) one-token
+      target steps; used by the adaptive rule and the analytical speedup. None takes this
+      backend's entry of `specjax.stats.VERIFY_COST_SLOPE`.
     num_pages: cache pages in the pool (default: exactly what the batch needs).
     """
     cfg = model.config

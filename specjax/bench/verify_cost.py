@@ -6,7 +6,7 @@ small-M matmuls are compute-bound, so on CPU each verified token adds a measurab
 share. This script times the jitted cached target step (`specjax.step`, the same call
 the decode loop makes, tree mask included) at T = 1 and larger T, interleaved, on the
 ~25M-param benchmark Llama at a 128-token context, and fits
-cost(T) / cost(1) = 1 + slope · (T - 1) by least squares. The slope is what
+cost(T) / cost(1) = 1 + slope · log2(T) by least squares. The slope is what
 `specjax.stats.VERIFY_COST_SLOPE` holds per backend (the adaptive draft length and the
 analytical speedup use it).
 
@@ -62,7 +62,7 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128) -> 
             times[t].append(time.perf_counter() - t0)
     med = {t: statistics.median(v) for t, v in times.items()}
     base = med[tokens[0]]
-    x = np.asarray([t - 1 for t in tokens], np.float64)
+    x = np.log2(np.asarray(tokens, np.float64))
     y = np.asarray([med[t] / base - 1 for t in tokens], np.float64)
     slope = float(x @ y / (x @ x)) if x @ x > 0 else 0.0
     return dict(params=model.num_params(), seconds=med, ratio={t: med[t] / base for t in tokens},
@@ -80,7 +80,7 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
              "| T (verified tokens) | ms per forward | cost / cost(T=1) |", "|---:|---:|---:|"]
     for t, s in result["seconds"].items():
         lines.append(f"| {t} | {s * 1e3:.2f} | {result['ratio'][t]:.2f} |")
-    lines += ["", f"Least-squares slope of cost(T)/cost(1) = 1 + slope·(T−1): "
+    lines += ["", f"Least-squares slope of cost(T)/cost(1) = 1 + slope·log2(T): "
               f"**{result['slope']:.3f}**.", END]
     return "\n".join(lines) + "\n"
 
