@@ -236,9 +236,18 @@ def test_plan_llama3_8b_kv_cache_by_hand():
     plan = specjax.plan_memory(cfg, {"data": 1, "model": 8}, batch=8, max_len=8192,
                                page_size=16, dtype="bfloat16")
     assert plan.kv_cache == 8 * 8192 * per_token // 8 + 8 * 512 * 4 + 8 * 4
+    # data 2: each data shard owns the pages of its 4 rows, so the pool halves again
     plan = specjax.plan_memory(cfg, {"data": 2, "model": 4}, batch=8, max_len=8192,
                                page_size=16, dtype="bfloat16")
-    assert plan.kv_cache == 8 * 8192 * per_token // 4 + (8 * 512 * 4 + 8 * 4) // 2
+    assert plan.kv_cache == 8 * 8192 * per_token // (2 * 4) + (8 * 512 * 4 + 8 * 4) // 2
+    assert plan.kv_cache == 1_073_750_032  # 1 GiB of pages + 8,208 bytes of table/lengths
+    plan = specjax.plan_memory(cfg, {"data": 8, "model": 1}, batch=8, max_len=8192,
+                               page_size=16, dtype="bfloat16")
+    assert plan.kv_cache == 8192 * per_token + 512 * 4 + 4  # one row's 8192 tokens per device
+    # 6 rows do not divide data 4: rows, and with them the one pool, are replicated
+    plan = specjax.plan_memory(cfg, {"data": 4, "model": 2}, batch=6, max_len=8192,
+                               page_size=16, dtype="bfloat16")
+    assert plan.kv_cache == 6 * 8192 * per_token // 2 + 6 * 512 * 4 + 6 * 4
     # activations, the docstring's formula: b=8, C=128, S=8192, N'=4, K'=1, F'=1792, V'=16032
     plan = specjax.plan_memory(cfg, {"data": 1, "model": 8}, batch=8, max_len=8192,
                                page_size=16, dtype="bfloat16")
@@ -260,7 +269,8 @@ def test_plan_llama3_70b_by_hand():
     plan = specjax.plan_memory(cfg, {"data": 2, "model": 16}, batch=4, max_len=4096,
                                page_size=16, dtype="bfloat16")
     assert plan.params == ((sharded - kv) // 16 + kv + norms) * BF16  # 11,338,268,672
-    assert plan.kv_cache == 4 * 4096 * per_token + (4 * 256 * 4 + 4 * 4) // 2  # K replicated
+    # K replicated over model 16; the pages of 4 rows split over data 2
+    assert plan.kv_cache == 4 * 4096 * per_token // 2 + (4 * 256 * 4 + 4 * 4) // 2  # 2,684,356,616
 
 
 def test_plan_with_a_draft_adds_its_params_and_cache():
