@@ -26,21 +26,14 @@ from specjax import sharding
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig, llama3_8b, llama3_70b, tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
+from multidevice import ROOT, run_cases
+
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 
 
 # ---------------------------------------------------------------------------- multi-device
 def _run_cases(marker: str) -> None:
-    # XLA's CPU backend optimisation level only changes codegen (and compile time, which
-    # dominates these cases); every comparison is between programs of the same process.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/sharding_cases.py", "-q", "-p", "no:cacheprovider",
-         "-m", marker], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_cases("tests/sharding_cases.py", marker)
 
 
 def test_multidevice():

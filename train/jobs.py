@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
+from specjax.sharding import make_mesh
 from specjax.config import ModelConfig
 from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads
 from specjax.model import Model
@@ -42,6 +43,16 @@ class JobResult:
 def data_parallel_mesh(devices=None) -> Mesh:
     """A 1-D mesh with a `data` axis over `devices` (default: all of them)."""
     return Mesh(np.asarray(devices if devices is not None else jax.devices()), (DATA_AXIS,))
+
+
+def job_mesh(data_parallel: bool = False, mesh_shape: Mapping[str, int] | None = None
+             ) -> Mesh | None:
+    """The mesh a job trains on: `mesh_shape` over all (global) devices, e.g.
+    {"data": -1, "model": 4} (`specjax.make_mesh`; the target, heads and draft are then
+    split over `model` by the rules table), else a 1-D `data` mesh if `data_parallel`."""
+    if mesh_shape is not None:
+        return make_mesh(dict(mesh_shape))
+    return data_parallel_mesh() if data_parallel else None
 
 
 def _run_tokenizer(workdir: Path, texts, vocab_size: int, tokenizer_path, min_frequency: int):
@@ -73,6 +84,7 @@ def _settings(job: str, data_config: DataConfig, **extra: Any) -> dict[str, Any]
 def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig = DataConfig(), *, tokenizer_path: str | None = None,
              tokenizer_min_frequency: int = 2, data_parallel: bool = False,
+             mesh_shape: Mapping[str, int] | None = None,
              stop_at: int | None = None) -> JobResult:
     """Pretrains a target from scratch with next-token CE.
 
@@ -92,7 +104,7 @@ def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: Train
     model_config = model_config.replace(bos_token_id=ids.bos, eos_token_id=ids.eos)
     data = tokenize_corpus(corpus, tok, data_config.seq_len, train_config.seed)
     result = train(Pretrain(model_config), data, train_config, workdir,
-                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   mesh=job_mesh(data_parallel, mesh_shape), stop_at=stop_at,
                    settings=_settings("pretrain", data_config, tokenizer_path=tokenizer_path))
     return JobResult(workdir, _export(result, model_config, tok), result)
 
@@ -102,14 +114,18 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
             divergence: str = "tvd", temperature: float = 1.0, source: str = "corpus",
             prompt_len: int = 16, sample_temperature: float = 1.0,
             draft_init_dir: str | Path | None = None, data_parallel: bool = False,
+            mesh_shape: Mapping[str, int] | None = None,
             stop_at: int | None = None) -> JobResult:
     """Distills the target at `target_dir` (HF layout with tokenizer.json) into a draft.
 
     The draft takes the target's vocabulary size and special ids (whatever
     `draft_config` says) and is exported with the target's tokenizer.
     `draft_init_dir`: start from this HF checkpoint's params instead of random ones.
+    `mesh_shape` (see `job_mesh`): the target is loaded straight onto the mesh, split over
+    `model` with the draft; `data_parallel`: a 1-D data mesh.
     """
-    target = load(target_dir, dtype="float32")
+    mesh = job_mesh(data_parallel, mesh_shape)
+    target = load(target_dir, dtype="float32", mesh=mesh)
     if target.tokenizer is None:
         raise FileNotFoundError(f"{target_dir} has no tokenizer.json; distillation needs "
                                 f"the target's tokenizer")
@@ -132,7 +148,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                      temperature=temperature, source=source, prompt_len=prompt_len,
                      sample_temperature=sample_temperature)
     result = train(method, data, train_config, workdir, frozen=target.params, init_params=init,
-                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   mesh=mesh, stop_at=stop_at,
                    settings=_settings("distill", data_config, target_dir=str(target_dir),
                                       draft_init_dir=draft_init_dir and str(draft_init_dir)))
     return JobResult(Path(workdir).absolute(), _export(result, draft_config, target.tokenizer),
@@ -144,17 +160,20 @@ HEADS_DIR = "heads"
 
 def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig | EagleConfig,
           train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
-          data_parallel: bool = False, stop_at: int | None = None, **method_kwargs: Any
-          ) -> JobResult:
+          data_parallel: bool = False, mesh_shape: Mapping[str, int] | None = None,
+          stop_at: int | None = None, **method_kwargs: Any) -> JobResult:
     """Trains Medusa heads (`MedusaConfig`) or an EAGLE head (`EagleConfig`) on the frozen
     target at `target_dir` and, when finished, writes them with `specjax.heads.save_heads`
     to `<workdir>/heads` (what `Medusa(heads=...)` / `Eagle(heads=...)` load); a joint
     Medusa-2 run also exports its trained target to `<workdir>/export`.
 
     EAGLE-3 with a reduced `draft_vocab_size`: d2t keeps the ids most frequent in the
-    training split. `method_kwargs` go to `TrainMedusa` / `TrainEagle`.
+    training split. `method_kwargs` go to `TrainMedusa` / `TrainEagle`. `mesh_shape` (see
+    `job_mesh`): the target is loaded straight onto the mesh, split over `model` with the
+    heads.
     """
-    target = load(target_dir, dtype="float32")
+    mesh = job_mesh(data_parallel, mesh_shape)
+    target = load(target_dir, dtype="float32", mesh=mesh)
     if target.tokenizer is None:
         raise FileNotFoundError(f"{target_dir} has no tokenizer.json; training heads needs "
                                 f"the target's tokenizer")
@@ -175,7 +194,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
     else:
         raise ValueError(f"head_config={head_config!r} must be a MedusaConfig or EagleConfig")
     result = train(method, data, train_config, workdir, frozen=frozen, init_params=init,
-                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   mesh=mesh, stop_at=stop_at,
                    settings=_settings(f"heads/{kind}", data_config, target_dir=str(target_dir)))
     out = None
     if result.finished:
