@@ -28,3 +28,26 @@ def run_cases(path: str, marker: str, keyword: str | None = None, timeout: int =
         [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", *select],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def medusa_two_steps(model, workdir, mesh=None):
+    """Two steps of online Medusa training on `model` as the frozen target (a random
+    corpus; Adam eps 1e-4, see tests/train_sharding_cases.py): the run that
+    `test_sharding.py::test_two_processes` makes on one device and on a two-process mesh."""
+    import numpy as np
+
+    from specjax.heads import MedusaConfig
+    from train.data import TokenData
+    from train.methods import TrainMedusa
+    from train.optim import OptimConfig
+    from train.trainer import TrainConfig, train
+
+    rng = np.random.default_rng(0)
+    data = TokenData(rng.integers(2, model.config.vocab_size, (32, 16), dtype=np.int32),
+                     rng.integers(2, model.config.vocab_size, (8, 16), dtype=np.int32),
+                     pad_id=0, seed=0, name="random")
+    method = TrainMedusa(model.config, MedusaConfig(num_heads=2))
+    config = TrainConfig(steps=2, batch_size=8, log_every=1, eval_batches=1, progress=False,
+                         optim=OptimConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-4))
+    return train(method, data, config, workdir, frozen=model.params,
+                 init_params=method.initial_params(model.params), mesh=mesh)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -26,7 +27,7 @@ from specjax import sharding
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig, llama3_8b, llama3_70b, tiny_llama
 
-from multidevice import ROOT, run_cases
+from multidevice import ROOT, medusa_two_steps, run_cases
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 
@@ -49,7 +50,8 @@ def test_multidevice_slow():
 
 @pytest.mark.slow
 def test_two_processes(tmp_path):
-    """Multi-host in miniature: 2 processes × 4 CPU devices (gloo) = one 2×4 mesh."""
+    """Multi-host in miniature: 2 processes × 4 CPU devices (gloo) = one 2×4 mesh, the same
+    code as one host: load, generate (plain, NGram) and train Medusa heads."""
     import socket
 
     cfg = tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=8,
@@ -62,15 +64,24 @@ def test_two_processes(tmp_path):
         sock.bind(("localhost", 0))
         port = str(sock.getsockname()[1])
     env = dict(os.environ, SPECJAX_PROMPTS=json.dumps(prompts), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     procs = [subprocess.Popen([sys.executable, "tests/multihost_worker.py", str(i), port,
                                str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
-        got = json.loads(out.split("RESULT ", 1)[1])
+        got = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
         assert got == {"plain": want, "ngram": want}
+    # training on the two-process mesh == one device (heads and eval loss, float32)
+    one = medusa_two_steps(model, tmp_path / "one")
+    got = np.load(tmp_path / "heads.npz")
+    np.testing.assert_allclose(got["eval_loss"], one.eval["loss"], rtol=1e-5)
+    for name, want_heads in one.params.items():
+        np.testing.assert_allclose(got[name], np.asarray(want_heads), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    lines = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines] == [1, 2, 2]  # one writer: train ×2, eval
 
 
 # ---------------------------------------------------------------------------- rules

@@ -286,16 +286,20 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsLog:
-    """`metrics.jsonl`; on resume at step s, lines after s (from the killed run) go."""
+    """`metrics.jsonl`; on resume at step s, lines after s (from the killed run) go.
+    On many hosts only process 0 writes it (every process computes the same records)."""
 
     def __init__(self, path: Path, resume_step: int):
         self.path = path
-        if path.exists():
+        self.primary = jax.process_index() == 0
+        if self.primary and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if _step_of(line) is not None and _step_of(line) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.primary:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -345,7 +349,7 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
         log.info("resuming %s from step %d", workdir, start)
     else:
         state = _fresh_state(method, rule, init_key, init_params, where)
-    if not has_config:
+    if not has_config and jax.process_index() == 0:  # many hosts: one writer
         write_run_config(workdir, identity, {"train": dataclasses.asdict(config),
                                              **(settings or {})})
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
