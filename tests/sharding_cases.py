@@ -218,16 +218,17 @@ def _paged_inputs(rng, shards, b=4, t=3, n=8, k=4, h=8, pages=16, z=4, m=4):
     return (q, kp, vp, table, kv_lens, q_lens, mask), local
 
 
-@pytest.mark.parametrize("mesh_name", ["2x4", "1x8", "8x1"])
-def test_paged_attention_per_shard_matches(mesh_name):
-    """Per shard, with shard-local page ids, == one device with global ids (4 rows split
-    over data=2; on 8x1 they do not divide, so rows and pool are replicated)."""
+@pytest.mark.parametrize("mesh_name,backend", [
+    ("2x4", "reference"), ("1x8", "reference"), ("8x1", "reference"), ("2x4", "pallas")])
+def test_paged_attention_per_shard_matches(mesh_name, backend):
+    """Per shard, with shard-local page ids, == the reference on one device with global
+    ids (4 rows split over data=2; on 8x1 they do not divide, so rows and pool are
+    replicated). Pallas: the GPU/TPU kernel, interpreted on CPU, per shard."""
     mesh = mesh_of(mesh_name)
     args, local = _paged_inputs(np.random.default_rng(0), sharding.page_shards(4, mesh))
-    kw = dict(scale=8 ** -0.5, backend="reference")
-    want = attention.paged_attention(*args, **kw)
-    got = jax.jit(functools.partial(attention.paged_attention, mesh=mesh, **kw))(
-        *args[:3], local, *args[4:])
+    want = attention.paged_attention(*args, scale=8 ** -0.5, backend="reference")
+    got = jax.jit(functools.partial(attention.paged_attention, mesh=mesh, scale=8 ** -0.5,
+                                    backend=backend))(*args[:3], local, *args[4:])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
 
 

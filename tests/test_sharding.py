@@ -127,6 +127,19 @@ def test_kv_heads_and_batch_replicate_when_indivisible():
     assert sharding.mesh_axis("kv_heads", 8, {"model": 16}) is None
 
 
+def test_page_pool_goes_with_the_rows():
+    mesh = {"data": 2, "model": 4}
+    assert sharding.page_axis(8, mesh) == "data" and sharding.page_shards(8, mesh) == 4 // 2
+    assert sharding.page_axis(3, mesh) is None and sharding.page_shards(3, mesh) == 1
+    assert sharding.page_shards(8, None) == 1
+    shared = tuple((a, None if a == "pages" else t) for a, t in sharding.RULES)
+    assert sharding.page_axis(8, mesh, rules=shared) is None  # one replicated pool
+    crossed = tuple((a, "model" if a == "pages" else t) for a, t in sharding.RULES)
+    with pytest.raises(sharding.ShardingError, match="rules map 'pages' to 'model' but "
+                                                     "'batch' to 'data'"):
+        sharding.page_axis(8, mesh, rules=crossed)
+
+
 def test_make_mesh_checks_sizes():
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         specjax.make_mesh({"data": -1, "model": -1})

@@ -43,7 +43,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from specjax import sharding as shard
-
 from train.checkpointing import (RunCheckpoints, check_run_config, state_signature,
                                  write_run_config)
 from train.optim import OptimConfig, make_optimizer, schedule
