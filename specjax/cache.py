@@ -3,8 +3,15 @@
 `PagedKVCache` holds every layer's key/value pages, one page table per row and one
 committed length per row. It is immutable: writes return a new cache (`.at[].set`,
 `mode="drop"` for padding), so a whole generation can run inside `lax.while_loop` with
-the cache donated. Page 0..P-1 are shared by all rows; which page holds which tokens is
-the page table's business, so rows can grow, shrink and be recycled independently.
+the cache donated. Which page holds which tokens is the page table's business, so rows
+can grow, shrink and be recycled independently.
+
+On a mesh whose `data` axis splits the rows, the page axis is split with them: data
+shard i holds pages [i·P/d, (i+1)·P/d) and its rows' page tables name them by
+shard-local ids 0..P/d-1 (a `PagePool` with `num_shards=d` hands them out). Writes, moves
+and attention then run per shard under `shard_map` (`specjax.sharding.per_shard`), so
+no page ever crosses devices and each device holds 1/d of the pool. Without a split
+(one device, or rows replicated) local ids are global ids.
 
 Axis letters: L layers, K KV heads, P pages, Z page size, H head_dim, B rows, M pages
 per row, T new tokens.
@@ -65,6 +72,19 @@ class PagedKVCache:
         return constrain_cache(cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_table,
                                    jnp.asarray(lengths, jnp.int32)))
 
+    @classmethod
+    def for_rows(cls, config: ModelConfig, batch: int, pages_per_row: int, page_size: int,
+                 dtype=None) -> "PagedKVCache":
+        """A zeroed cache giving each of `batch` rows its own `pages_per_row` pages, from
+        one pool per data shard of the active mesh (what a speculator's own cache uses)."""
+        from specjax.sharding.rules import active_mesh, page_shards
+
+        pool = PagePool(batch * pages_per_row, page_size,
+                        num_shards=page_shards(batch, active_mesh()))
+        table = pool.allocate_rows([pages_per_row * page_size] * batch, pages_per_row)
+        return cls.create(config, table, num_pages=pool.num_pages, page_size=page_size,
+                          dtype=dtype)
+
 
 def slot_pages(page_table: jax.Array, slots: jax.Array, valid: jax.Array, page_size: int,
                num_pages: int) -> tuple[jax.Array, jax.Array]:
@@ -76,15 +96,44 @@ def slot_pages(page_table: jax.Array, slots: jax.Array, valid: jax.Array, page_s
     return jnp.where(valid, page, num_pages), slots % page_size
 
 
+def _write_kv(pages, layer, new, page, offset):
+    return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
+
+
 def write_kv(
     pages: jax.Array,  # [L, K, P, Z, H]
     layer: jax.Array,  # [] int32
     new: jax.Array,  # [B, T, K, H]
-    page: jax.Array,  # [B, T] int32 (P = drop)
+    page: jax.Array,  # [B, T] int32 (>= P = drop)
     offset: jax.Array,  # [B, T] int32
 ) -> jax.Array:
-    """Writes `new` into layer `layer` at (page, offset); out-of-range pages are dropped."""
-    return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
+    """Writes `new` into layer `layer` at (page, offset); out-of-range pages are dropped.
+
+    Under an active mesh it runs per shard (each data shard writes its rows into its own
+    pages, each model shard its KV heads).
+    """
+    from specjax.sharding import per_shard, rules
+
+    mesh = rules.active_mesh()
+    if mesh is None:
+        return _write_kv(pages, layer, new, page, offset)
+    return per_shard.per_shard_pages(
+        _write_kv, mesh, (pages, layer, new, page, offset),
+        (per_shard.PAGES, (), ("batch", None, "kv_heads", None), ("batch", None),
+         ("batch", None)), per_shard.PAGES, kv_heads=pages.shape[1], batch=new.shape[0])
+
+
+def _move_slots(k_pages, v_pages, page_table, src, dst, valid):
+    z, p = k_pages.shape[3], k_pages.shape[2]  # this shard's pages
+    sp, so = slot_pages(page_table, src, valid, z, p)
+    dp, do = slot_pages(page_table, dst, valid, z, p)
+    sp = jnp.minimum(sp, p - 1)
+
+    def move(pages):  # [L, K, P, Z, H]
+        vals = pages[:, :, sp, so]  # [L, K, B, T, H]
+        return pages.at[:, :, dp, do].set(vals, mode="drop")
+
+    return move(k_pages), move(v_pages)
 
 
 def move_slots(cache: PagedKVCache, src: jax.Array, dst: jax.Array,
@@ -92,18 +141,21 @@ def move_slots(cache: PagedKVCache, src: jax.Array, dst: jax.Array,
     """Copies KV of slots `src` [B, T] to slots `dst` [B, T] of the same row, in every layer.
 
     Used by tree commit: accepted nodes are compacted from their tree slots into the
-    contiguous slots that follow the committed prefix.
+    contiguous slots that follow the committed prefix. Per shard under an active mesh.
     """
-    z, p = cache.page_size, cache.num_pages
-    sp, so = slot_pages(cache.page_table, src, valid, z, p)
-    dp, do = slot_pages(cache.page_table, dst, valid, z, p)
-    sp = jnp.minimum(sp, p - 1)
+    from specjax.sharding import per_shard, rules
 
-    def move(pages):  # [L, K, P, Z, H]
-        vals = pages[:, :, sp, so]  # [L, K, B, T, H]
-        return pages.at[:, :, dp, do].set(vals, mode="drop")
-
-    return cache.replace(k_pages=move(cache.k_pages), v_pages=move(cache.v_pages))
+    args = (cache.k_pages, cache.v_pages, cache.page_table, src, dst, valid)
+    mesh = rules.active_mesh()
+    if mesh is None:
+        k_pages, v_pages = _move_slots(*args)
+    else:
+        rows = ("batch", None)
+        k_pages, v_pages = per_shard.per_shard_pages(
+            _move_slots, mesh, args, (per_shard.PAGES, per_shard.PAGES, rows, rows, rows, rows),
+            (per_shard.PAGES, per_shard.PAGES), kv_heads=cache.k_pages.shape[1],
+            batch=src.shape[0])
+    return cache.replace(k_pages=k_pages, v_pages=v_pages)
 
 
 @dataclasses.dataclass
@@ -113,49 +165,95 @@ class PagePool:
     Pages are plain ints; a sequence owns a list of them. `allocate` grows a sequence to
     hold `num_tokens`, `release` returns its pages. Running out raises `OutOfPagesError`
     naming how many pages were asked for and how many are free.
+
+    num_shards: data shards (`specjax.sharding.page_shards`). Each owns an equal block of
+    `num_pages // num_shards` pages, and a sequence lives on one shard: its page ids are
+    local to that block, as the per-shard cache reads them. A batch's rows split into
+    `num_shards` equal contiguous blocks, as `batch` splits over `data`, so row r of B
+    belongs to shard r // (B / num_shards) (`shard_of_row`).
     """
 
     num_pages: int
     page_size: int
+    num_shards: int = 1
 
     def __post_init__(self):
         if self.num_pages < 1:
             raise ValueError(f"num_pages={self.num_pages} must be >= 1")
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} must be >= 1")
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        if self.num_shards < 1 or self.num_pages % self.num_shards:
+            raise ValueError(f"num_pages={self.num_pages} must be a multiple of num_shards="
+                             f"{self.num_shards} (each data shard owns an equal block of pages)")
+        per = self.pages_per_shard
+        self._free = [list(range(per - 1, -1, -1)) for _ in range(self.num_shards)]
         self._owned: dict[object, list[int]] = {}
+        self._shard: dict[object, int] = {}
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.num_pages // self.num_shards
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def allocate(self, seq_id, num_tokens: int) -> list[int]:
-        """Ensures `seq_id` owns pages for `num_tokens` tokens; returns its page list."""
+    def shard_of_row(self, row: int, batch: int) -> int:
+        """The data shard that holds row `row` of a `batch`-row page table."""
+        if batch % self.num_shards:
+            raise ValueError(f"batch={batch} rows do not split over num_shards="
+                             f"{self.num_shards} data shards")
+        return row // (batch // self.num_shards)
+
+    def allocate(self, seq_id, num_tokens: int, shard: int = 0) -> list[int]:
+        """Ensures `seq_id` owns pages for `num_tokens` tokens on data shard `shard`;
+        returns its page ids (local to that shard's block)."""
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard={shard} must be in [0, num_shards={self.num_shards})")
+        home = self._shard.setdefault(seq_id, shard)
+        if home != shard:
+            raise ValueError(f"sequence {seq_id!r} owns pages on data shard {home}, not "
+                             f"shard={shard}")
         owned = self._owned.setdefault(seq_id, [])
+        free = self._free[shard]
         need = self.pages_for(num_tokens) - len(owned)
-        if need > len(self._free):
+        if need > len(free):
+            where = f" on data shard {shard}" if self.num_shards > 1 else ""
             raise OutOfPagesError(
-                f"out of cache pages: sequence {seq_id!r} needs {need} more page(s) of "
-                f"{self.page_size} tokens for {num_tokens} tokens, but only "
-                f"{len(self._free)} of {self.num_pages} are free; raise num_pages")
+                f"out of cache pages{where}: sequence {seq_id!r} needs {need} more page(s) "
+                f"of {self.page_size} tokens for {num_tokens} tokens, but only {len(free)} "
+                f"of {self.pages_per_shard} are free; raise num_pages")
         for _ in range(max(need, 0)):
-            owned.append(self._free.pop())
+            owned.append(free.pop())
         return list(owned)
 
     def release(self, seq_id) -> None:
-        self._free.extend(reversed(self._owned.pop(seq_id, [])))
+        pages = self._owned.pop(seq_id, [])
+        self._free[self._shard.pop(seq_id, 0)].extend(reversed(pages))
 
     def page_table(self, seq_ids, pages_per_row: int) -> np.ndarray:
-        """[B, pages_per_row] int32 table; unused entries point at page 0 (never read)."""
+        """[B, pages_per_row] int32 table of shard-local ids; unused entries point at page
+        0 (never read). Row r's sequence must live on `shard_of_row(r, B)`."""
         table = np.zeros((len(seq_ids), pages_per_row), np.int32)
         for row, sid in enumerate(seq_ids):
             pages = self._owned.get(sid, [])
             if len(pages) > pages_per_row:
                 raise ValueError(
                     f"sequence {sid!r} owns {len(pages)} pages > pages_per_row={pages_per_row}")
+            if pages and self._shard[sid] != self.shard_of_row(row, len(seq_ids)):
+                raise ValueError(
+                    f"sequence {sid!r} owns pages on data shard {self._shard[sid]} but sits in "
+                    f"row {row}, which data shard {self.shard_of_row(row, len(seq_ids))} holds")
             table[row, :len(pages)] = pages
         return table
+
+    def allocate_rows(self, num_tokens, pages_per_row: int) -> np.ndarray:
+        """Allocates row r (sequence id r) `num_tokens[r]` tokens on the data shard that
+        holds it; returns the [B, pages_per_row] page table."""
+        b = len(num_tokens)
+        for row, n in enumerate(num_tokens):
+            self.allocate(row, n, shard=self.shard_of_row(row, b))
+        return self.page_table(list(range(b)), pages_per_row)

@@ -117,7 +117,7 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
             pairs = jnp.clip(prompt_lens - 1 - start, 0, chunk)
             spec_state = spec.prefill(spec_state, PrefillChunk(tok, nxt, pos, pairs, hidden),
                                       params)
-        return cache, spec_state, last
+        return shard.constrain_caches((cache, spec_state, last))
 
     cache, spec_state, last = jax.lax.fori_loop(0, num_chunks, body, (cache, spec_state, last))
     key, sub = jax.random.split(key)
@@ -134,8 +134,9 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
     done = _is_eos(first, eos_ids) | (max_new <= 1)
     dm = spec.max_depth if spec is not None else 0
     zeros = jnp.zeros((b,), jnp.int32)
-    return LoopState(cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros,
-                     zeros, zeros, jnp.zeros((b, dm + 1), jnp.int32), zeros, jnp.int32(0))
+    return shard.constrain_caches(LoopState(
+        cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros, zeros, zeros,
+        jnp.zeros((b, dm + 1), jnp.int32), zeros, jnp.int32(0)))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -314,9 +315,11 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
 
     def body(st):
         if spec is None:
-            return _ar_step(config, params, st, sampling, max_new, eos_ids, backend)
-        return _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                          cost_ratio, adaptive, verify_slope)
+            st = _ar_step(config, params, st, sampling, max_new, eos_ids, backend)
+        else:
+            st = _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
+                            cost_ratio, adaptive, verify_slope)
+        return shard.constrain_caches(st)  # the carried pools stay split per data shard
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -377,7 +380,8 @@ def generate(
     verify_cost_slope: a verify forward of T tokens costs 1 + slope·log2(T) one-token
       target steps; used by the adaptive rule and the analytical speedup. None takes this
       backend's entry of `specjax.stats.VERIFY_COST_SLOPE`.
-    num_pages: cache pages in the pool (default: exactly what the batch needs).
+    num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
+      whose `data` axis splits the rows, split evenly between the data shards.
     """
     cfg = model.config
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -414,11 +418,11 @@ def generate(
     width = _bucket(num_chunks * chunk + max_new_tokens + slack, 64)  # token buffer S
     pages_per_row = -(-width // page_size)
     # Default pool: a full table per row, so the cache shape (and the compiled program)
-    # depends only on the bucketed buffer width, not on the exact prompt lengths.
-    pool = PagePool(num_pages if num_pages is not None else b * pages_per_row, page_size)
-    for r, n in enumerate(lens):
-        pool.allocate(r, n + max_new_tokens + slack)
-    table = pool.page_table(list(range(b)), pages_per_row)
+    # depends only on the bucketed buffer width, not on the exact prompt lengths. On a
+    # mesh each data shard owns the pages of its rows (shard-local ids).
+    pool = PagePool(num_pages if num_pages is not None else b * pages_per_row, page_size,
+                    num_shards=shard.page_shards(b, mesh))
+    table = pool.allocate_rows([n + max_new_tokens + slack for n in lens], pages_per_row)
     buf = np.zeros((b, width), np.int32)
     for r, ids in enumerate(rows):
         buf[r, :len(ids)] = ids

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import specjax
-from specjax import attention, sharding
+from specjax import attention, generation, sharding
 from specjax.config import tiny_llama
 
 if jax.device_count() != 8:  # pragma: no cover - misuse guard
@@ -122,45 +122,153 @@ def test_single_device_params_equal_the_mesh_of_one():
     assert res.tokens == run("plain", "1x1", 0.0)[0]
 
 
+def row_cache(mesh_name: str, rows: int = 8, pages_per_row: int = 3, page_size: int = 4):
+    """A cache of `rows` rows with their own pages, one pool per data shard (as generate)."""
+    mesh = mesh_of(mesh_name)
+    pool = specjax.PagePool(rows * pages_per_row, page_size,
+                            num_shards=sharding.page_shards(rows, mesh))
+    table = pool.allocate_rows([pages_per_row * page_size] * rows, pages_per_row)
+    return sharding.create_cache(TARGET, table, num_pages=pool.num_pages, page_size=page_size,
+                                 mesh=mesh)
+
+
 def test_cache_follows_the_rules():
     mesh = mesh_of("2x4")
-    table = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
-    cache = sharding.create_cache(TARGET, table, num_pages=24, page_size=4, mesh=mesh)
-    assert laid_out(cache.k_pages, mesh, P(None, "model"))
+    cache = row_cache("2x4")
+    assert laid_out(cache.k_pages, mesh, P(None, "model", "data"))  # KV heads; pages per shard
     assert laid_out(cache.page_table, mesh, P("data"))
     assert laid_out(cache.lengths, mesh, P("data"))
+    # shard-local page ids: each data shard's 4 rows use its own 12 pages, 0..11
+    np.testing.assert_array_equal(np.asarray(cache.page_table),
+                                  np.tile(np.arange(12).reshape(4, 3), (2, 1)))
     # model axis 8 > kv_heads 4: the cache is replicated over `model` (documented rule)
     mesh = mesh_of("1x8")
-    cache = sharding.create_cache(TARGET, table, num_pages=24, page_size=4, mesh=mesh)
-    assert laid_out(cache.k_pages, mesh, P())
+    assert laid_out(row_cache("1x8").k_pages, mesh, P())
+    mesh = mesh_of("8x1")
+    assert laid_out(row_cache("8x1").k_pages, mesh, P(None, None, "data"))
+    # rows replicated (3 rows on data=2): one pool, replicated with them
+    mesh = mesh_of("2x4")
+    assert laid_out(row_cache("2x4", rows=3).k_pages, mesh, P(None, "model"))
+    with pytest.raises(sharding.ShardingError,
+                       match=r"cache.k_pages: pages=9 of shape \(2, 4, 9, 4, 8\) is not "
+                             r"divisible by mesh axis data=2"):
+        sharding.create_cache(TARGET, np.zeros((8, 1), np.int32), num_pages=9, page_size=4,
+                              mesh=mesh)
+
+
+def _device_bytes(cache) -> int:
+    """Bytes of `cache` on its most-loaded device (all four fields)."""
+    per_device: dict = {}
+    for x in jax.tree.leaves(cache):
+        for shard in x.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+@pytest.mark.parametrize("mesh_name,data,model", [("2x4", 2, 4), ("8x1", 8, 1), ("1x8", 1, 1)])
+def test_cache_bytes_per_device_divide_by_the_data_axis(mesh_name, data, model):
+    """Each device holds 1/data of the page pool (and 1/model of the KV heads when they
+    divide), exactly what the memory planner counts."""
+    full = _device_bytes(row_cache("1x1"))
+    pages = 2 * 2 * 4 * 24 * 4 * 8 * 4  # K and V, [L, K, P, Z, H] float32
+    assert full == pages + 8 * 3 * 4 + 8 * 4  # + page table [8, 3] and lengths [8], int32
+    got = _device_bytes(row_cache(mesh_name))
+    assert got == pages // (data * model) + (8 * 3 * 4 + 8 * 4) // data
+    assert got == sharding.cache_bytes(TARGET, {"data": data, "model": model}, batch=8,
+                                       max_len=12, page_size=4, dtype="float32")
+
+
+def test_generate_keeps_a_page_pool_per_data_shard():
+    """The compiled prefill and decode carry every cache (the target's and the draft's)
+    with its page axis split over `data`: no device holds another shard's pages."""
+    mesh = mesh_of("2x4")
+    run("draft", "2x4", 0.0)
+    pools = 0
+    for sig, program in generation._COMPILED.items():
+        on_mesh = any(getattr(leaf[2], "mesh", None) == mesh for leaf in sig[-1])
+        if sig[0] not in ("_prefill", "_decode") or not on_mesh:
+            continue
+        for path, sh in jax.tree_util.tree_flatten_with_path(program.output_shardings)[0]:
+            if jax.tree_util.keystr(path).endswith(("k_pages", "v_pages")):
+                pools += 1
+                assert sh.is_equivalent_to(NamedSharding(mesh, P(None, "model", "data")), 5), (
+                    sig[0], jax.tree_util.keystr(path), sh)
+    assert pools >= 8  # prefill and decode × (target, draft) × (K, V)
 
 
 # ---------------------------------------------------------------------------- attention hook
-def _paged_inputs(rng, b=4, t=3, n=8, k=4, h=8, pages=16, z=4, m=4):
+def shard_tables(rng, rows: int, pages_per_row: int, shards: int):
+    """(global, shard-local) page tables: shard s's rows use a shuffled block of its own pages."""
+    per = rows // shards * pages_per_row  # pages per data shard
+    local = np.concatenate([rng.permutation(per).reshape(-1, pages_per_row)
+                            for _ in range(shards)]).astype(np.int32)
+    offset = np.repeat(np.arange(shards) * per, rows // shards)[:, None]
+    return (local + offset).astype(np.int32), local
+
+
+def _paged_inputs(rng, shards, b=4, t=3, n=8, k=4, h=8, pages=16, z=4, m=4):
     q = rng.standard_normal((b, t, n, h), dtype=np.float32)
     kp = rng.standard_normal((k, pages, z, h), dtype=np.float32)
     vp = rng.standard_normal((k, pages, z, h), dtype=np.float32)
-    table = rng.permutation(pages).reshape(b, m).astype(np.int32)  # shuffled pages
+    table, local = shard_tables(rng, b, m, shards)  # shuffled pages
     q_lens = np.array([3, 1, 2, 3], np.int32)
     kv_lens = np.array([z - 1, z, z + 1, 13], np.int32) + q_lens  # ragged around a page
     mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
     mask[0, 2, 1] = False  # a tree: node 2 is a sibling of node 1
-    return q, kp, vp, table, kv_lens, q_lens, mask
+    return (q, kp, vp, table, kv_lens, q_lens, mask), local
 
 
-@pytest.mark.parametrize("mesh_name", ["2x4", "1x8"])
-def test_paged_attention_per_shard_matches(mesh_name):
-    args = _paged_inputs(np.random.default_rng(0))
-    kw = dict(scale=8 ** -0.5, backend="reference")
-    want = attention.paged_attention(*args, **kw)
-    got = jax.jit(functools.partial(attention.paged_attention, mesh=mesh_of(mesh_name), **kw))(
-        *args)
+@pytest.mark.parametrize("mesh_name,backend", [
+    ("2x4", "reference"), ("1x8", "reference"), ("8x1", "reference"), ("2x4", "pallas")])
+def test_paged_attention_per_shard_matches(mesh_name, backend):
+    """Per shard, with shard-local page ids, == the reference on one device with global
+    ids (4 rows split over data=2; on 8x1 they do not divide, so rows and pool are
+    replicated). Pallas: the GPU/TPU kernel, interpreted on CPU, per shard."""
+    mesh = mesh_of(mesh_name)
+    args, local = _paged_inputs(np.random.default_rng(0), sharding.page_shards(4, mesh))
+    want = attention.paged_attention(*args, scale=8 ** -0.5, backend="reference")
+    got = jax.jit(functools.partial(attention.paged_attention, mesh=mesh, scale=8 ** -0.5,
+                                    backend=backend))(*args[:3], local, *args[4:])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mesh_name", ["2x4", "8x1"])
+def test_cache_writes_and_moves_stay_in_their_shard(mesh_name):
+    """`write_kv` and `move_slots` per shard with shard-local ids == one device with global
+    ids, bit for bit: every row writes and moves only within its data shard's pages."""
+    from specjax.cache import PagedKVCache, move_slots, slot_pages, write_kv
+
+    rng = np.random.default_rng(1)
+    mesh = mesh_of(mesh_name)
+    b, m, z, t = 8, 3, 4, 5
+    shape = (TARGET.num_layers, TARGET.num_kv_heads, b * m, z, TARGET.head_dim)
+    table, local = shard_tables(rng, b, m, sharding.page_shards(b, mesh))
+    lengths = rng.integers(0, m * z - t, b).astype(np.int32)
+    cache = PagedKVCache(*(rng.standard_normal(shape, dtype=np.float32) for _ in range(2)),
+                         table, lengths)
+    on_mesh = jax.device_put(cache.replace(page_table=local), jax.tree.map(
+        lambda s: NamedSharding(mesh, s), sharding.cache_specs(cache, mesh)))
+    new = rng.standard_normal((b, t, TARGET.num_kv_heads, TARGET.head_dim), dtype=np.float32)
+    slots = lengths[:, None] + np.arange(t)[None, :]
+    valid = rng.random((b, t)) < 0.7
+
+    def write_then_move(c):
+        page, offset = slot_pages(c.page_table, slots, valid, z, c.num_pages)
+        c = c.replace(k_pages=write_kv(c.k_pages, jnp.int32(1), new, page, offset))
+        return move_slots(c, slots, slots - lengths[:, None], valid)  # to the row's start
+
+    want = jax.jit(write_then_move)(cache)
+    with jax.set_mesh(mesh):
+        got = jax.jit(write_then_move)(on_mesh)
+    np.testing.assert_array_equal(np.asarray(got.k_pages), np.asarray(want.k_pages))
+    np.testing.assert_array_equal(np.asarray(got.v_pages), np.asarray(want.v_pages))
+    assert laid_out(got.k_pages, mesh, sharding.cache_specs(cache, mesh).k_pages)
+    assert not np.array_equal(np.asarray(want.k_pages), cache.k_pages)  # it did write
 
 
 def test_model_step_under_a_mesh_runs_attention_per_shard():
     model = specjax.shard_model(target(), mesh_of("2x4"))
-    cache = sharding.create_cache(TARGET, np.arange(8).reshape(2, 4), num_pages=8,
+    cache = sharding.create_cache(TARGET, np.arange(8).reshape(2, 4) % 4, num_pages=8,
                                   page_size=4, mesh=mesh_of("2x4"))
     tok = jnp.zeros((2, 3), jnp.int32)
     with jax.set_mesh(mesh_of("2x4")):

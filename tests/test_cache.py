@@ -307,8 +307,36 @@ def test_page_pool_allocate_release():
     assert pool.free_pages == 0
 
 
+def test_page_pool_per_data_shard():
+    """Two data shards: each owns 4 of the 8 pages, named by local ids 0..3; rows 0-1 of
+    a 4-row batch live on shard 0 and rows 2-3 on shard 1, as `batch` splits over `data`."""
+    pool = PagePool(num_pages=8, page_size=4, num_shards=2)
+    assert pool.pages_per_shard == 4
+    table = pool.allocate_rows([5, 3, 8, 1], pages_per_row=2)  # pages 2, 1 | 2, 1
+    np.testing.assert_array_equal(table, [[0, 1], [2, 0], [0, 1], [2, 0]])
+    assert pool.free_pages == 2
+    with pytest.raises(OutOfPagesError, match=r"on data shard 1: sequence 3 needs 2 more "
+                                              r"page\(s\).*only 1 of 4 are free"):
+        pool.allocate(3, 12, shard=1)
+    pool.release(2)  # back to shard 1, not shard 0
+    assert pool.allocate(9, 12, shard=1) == [0, 1, 3]
+    with pytest.raises(OutOfPagesError, match="on data shard 0"):
+        pool.allocate(8, 5, shard=0)
+    with pytest.raises(ValueError, match="sequence 9 owns pages on data shard 1, not shard=0"):
+        pool.allocate(9, 16, shard=0)
+    with pytest.raises(ValueError, match="sequence 9 owns pages on data shard 1 but sits in "
+                                         "row 0, which data shard 0 holds"):
+        pool.page_table([9, 1, 3, 3], 3)
+    with pytest.raises(ValueError, match="batch=3 rows do not split over num_shards=2"):
+        pool.page_table([0, 1, 3], 2)
+    with pytest.raises(ValueError, match=r"shard=2 must be in \[0, num_shards=2\)"):
+        pool.allocate("x", 1, shard=2)
+
+
 @pytest.mark.parametrize("kwargs, match", [({"num_pages": 0, "page_size": 4}, "num_pages=0"),
-                                           ({"num_pages": 4, "page_size": 0}, "page_size=0")])
+                                           ({"num_pages": 4, "page_size": 0}, "page_size=0"),
+                                           ({"num_pages": 6, "page_size": 4, "num_shards": 4},
+                                            "num_pages=6 must be a multiple of num_shards=4")])
 def test_page_pool_rejects_bad_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PagePool(**kwargs)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -26,21 +27,14 @@ from specjax import sharding
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig, llama3_8b, llama3_70b, tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
+from multidevice import ROOT, medusa_two_steps, run_cases
+
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 
 
 # ---------------------------------------------------------------------------- multi-device
 def _run_cases(marker: str) -> None:
-    # XLA's CPU backend optimisation level only changes codegen (and compile time, which
-    # dominates these cases); every comparison is between programs of the same process.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-               "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/sharding_cases.py", "-q", "-p", "no:cacheprovider",
-         "-m", marker], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_cases("tests/sharding_cases.py", marker)
 
 
 def test_multidevice():
@@ -56,7 +50,8 @@ def test_multidevice_slow():
 
 @pytest.mark.slow
 def test_two_processes(tmp_path):
-    """Multi-host in miniature: 2 processes × 4 CPU devices (gloo) = one 2×4 mesh."""
+    """Multi-host in miniature: 2 processes × 4 CPU devices (gloo) = one 2×4 mesh, the same
+    code as one host: load, generate (plain, NGram) and train Medusa heads."""
     import socket
 
     cfg = tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=8,
@@ -69,15 +64,24 @@ def test_two_processes(tmp_path):
         sock.bind(("localhost", 0))
         port = str(sock.getsockname()[1])
     env = dict(os.environ, SPECJAX_PROMPTS=json.dumps(prompts), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     procs = [subprocess.Popen([sys.executable, "tests/multihost_worker.py", str(i), port,
                                str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
-        got = json.loads(out.split("RESULT ", 1)[1])
+        got = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
         assert got == {"plain": want, "ngram": want}
+    # training on the two-process mesh == one device (heads and eval loss, float32)
+    one = medusa_two_steps(model, tmp_path / "one")
+    got = np.load(tmp_path / "heads.npz")
+    np.testing.assert_allclose(got["eval_loss"], one.eval["loss"], rtol=1e-5)
+    for name, want_heads in one.params.items():
+        np.testing.assert_allclose(got[name], np.asarray(want_heads), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    lines = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines] == [1, 2, 2]  # one writer: train ×2, eval
 
 
 # ---------------------------------------------------------------------------- rules
@@ -121,6 +125,19 @@ def test_kv_heads_and_batch_replicate_when_indivisible():
     assert sharding.mesh_axis("batch", 3, {"data": 2}) is None
     assert sharding.mesh_axis("batch", 4, {"data": 2}) == "data"
     assert sharding.mesh_axis("kv_heads", 8, {"model": 16}) is None
+
+
+def test_page_pool_goes_with_the_rows():
+    mesh = {"data": 2, "model": 4}
+    assert sharding.page_axis(8, mesh) == "data" and sharding.page_shards(8, mesh) == 4 // 2
+    assert sharding.page_axis(3, mesh) is None and sharding.page_shards(3, mesh) == 1
+    assert sharding.page_shards(8, None) == 1
+    shared = tuple((a, None if a == "pages" else t) for a, t in sharding.RULES)
+    assert sharding.page_axis(8, mesh, rules=shared) is None  # one replicated pool
+    crossed = tuple((a, "model" if a == "pages" else t) for a, t in sharding.RULES)
+    with pytest.raises(sharding.ShardingError, match="rules map 'pages' to 'model' but "
+                                                     "'batch' to 'data'"):
+        sharding.page_axis(8, mesh, rules=crossed)
 
 
 def test_make_mesh_checks_sizes():
@@ -236,9 +253,18 @@ def test_plan_llama3_8b_kv_cache_by_hand():
     plan = specjax.plan_memory(cfg, {"data": 1, "model": 8}, batch=8, max_len=8192,
                                page_size=16, dtype="bfloat16")
     assert plan.kv_cache == 8 * 8192 * per_token // 8 + 8 * 512 * 4 + 8 * 4
+    # data 2: each data shard owns the pages of its 4 rows, so the pool halves again
     plan = specjax.plan_memory(cfg, {"data": 2, "model": 4}, batch=8, max_len=8192,
                                page_size=16, dtype="bfloat16")
-    assert plan.kv_cache == 8 * 8192 * per_token // 4 + (8 * 512 * 4 + 8 * 4) // 2
+    assert plan.kv_cache == 8 * 8192 * per_token // (2 * 4) + (8 * 512 * 4 + 8 * 4) // 2
+    assert plan.kv_cache == 1_073_750_032  # 1 GiB of pages + 8,208 bytes of table/lengths
+    plan = specjax.plan_memory(cfg, {"data": 8, "model": 1}, batch=8, max_len=8192,
+                               page_size=16, dtype="bfloat16")
+    assert plan.kv_cache == 8192 * per_token + 512 * 4 + 4  # one row's 8192 tokens per device
+    # 6 rows do not divide data 4: rows, and with them the one pool, are replicated
+    plan = specjax.plan_memory(cfg, {"data": 4, "model": 2}, batch=6, max_len=8192,
+                               page_size=16, dtype="bfloat16")
+    assert plan.kv_cache == 6 * 8192 * per_token // 2 + 6 * 512 * 4 + 6 * 4
     # activations, the docstring's formula: b=8, C=128, S=8192, N'=4, K'=1, F'=1792, V'=16032
     plan = specjax.plan_memory(cfg, {"data": 1, "model": 8}, batch=8, max_len=8192,
                                page_size=16, dtype="bfloat16")
@@ -260,7 +286,8 @@ def test_plan_llama3_70b_by_hand():
     plan = specjax.plan_memory(cfg, {"data": 2, "model": 16}, batch=4, max_len=4096,
                                page_size=16, dtype="bfloat16")
     assert plan.params == ((sharded - kv) // 16 + kv + norms) * BF16  # 11,338,268,672
-    assert plan.kv_cache == 4 * 4096 * per_token + (4 * 256 * 4 + 4 * 4) // 2  # K replicated
+    # K replicated over model 16; the pages of 4 rows split over data 2
+    assert plan.kv_cache == 4 * 4096 * per_token // 2 + (4 * 256 * 4 + 4 * 4) // 2  # 2,684,356,616
 
 
 def test_plan_with_a_draft_adds_its_params_and_cache():

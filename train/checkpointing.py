@@ -13,6 +13,7 @@ directory, before anything in it is written.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,9 @@ def check_run_config(workdir: Path, identity: dict[str, Any]) -> bool:
 def write_run_config(workdir: Path, identity: dict[str, Any], extra: dict[str, Any]) -> None:
     """Writes `workdir/config.json`: the identity plus informational settings (`extra`)."""
     record = {"format": FORMAT, "identity": jsonable(identity), "settings": jsonable(extra)}
-    (workdir / CONFIG_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+    tmp = workdir / f".{CONFIG_FILE}.tmp"  # atomic: another host may be reading it
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+    os.replace(tmp, workdir / CONFIG_FILE)
 
 
 def _is_orbax_entry(name: str) -> bool:

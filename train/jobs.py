@@ -12,13 +12,14 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
+from specjax.sharding import make_mesh
 from specjax.config import ModelConfig
 from specjax.heads import (EagleConfig, MedusaConfig, build_vocab_map, save_heads,
                            target_fingerprint)
@@ -50,6 +51,16 @@ def data_parallel_mesh(devices=None) -> Mesh:
     return Mesh(np.asarray(devices if devices is not None else jax.devices()), (DATA_AXIS,))
 
 
+def job_mesh(data_parallel: bool = False, mesh_shape: Mapping[str, int] | None = None
+             ) -> Mesh | None:
+    """The mesh a job trains on: `mesh_shape` over all (global) devices, e.g.
+    {"data": -1, "model": 4} (`specjax.make_mesh`; the target, heads and draft are then
+    split over `model` by the rules table), else a 1-D `data` mesh if `data_parallel`."""
+    if mesh_shape is not None:
+        return make_mesh(dict(mesh_shape))
+    return data_parallel_mesh() if data_parallel else None
+
+
 def _run_tokenizer(workdir: Path, texts, vocab_size: int, tokenizer_path, min_frequency: int):
     """The run's tokenizer: its own saved one on resume, else the given one, else a new BPE."""
     own = workdir / TOKENIZER_FILE
@@ -76,10 +87,11 @@ def _settings(job: str, data_config: DataConfig, **extra: Any) -> dict[str, Any]
     return {"job": job, "data_config": dataclasses.asdict(data_config), **extra}
 
 
-def _load_target(target_dir, what: str, expect_target: ModelConfig | None = None) -> Model:
-    """The float32 target at `target_dir` with its tokenizer; with `expect_target`, an
-    error naming every shape that differs from it."""
-    target = load(target_dir, dtype="float32")
+def _load_target(target_dir, what: str, expect_target: ModelConfig | None = None,
+                 mesh: Mesh | None = None) -> Model:
+    """The float32 target at `target_dir` with its tokenizer, placed on `mesh` if given;
+    with `expect_target`, an error naming every shape that differs from it."""
+    target = load(target_dir, dtype="float32", mesh=mesh)
     if target.tokenizer is None:
         raise FileNotFoundError(f"{target_dir} has no tokenizer.json; {what} needs the "
                                 f"target's tokenizer")
@@ -95,6 +107,7 @@ def _load_target(target_dir, what: str, expect_target: ModelConfig | None = None
 def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig = DataConfig(), *, tokenizer_path: str | None = None,
              tokenizer_min_frequency: int = 2, data_parallel: bool = False,
+             mesh_shape: Mapping[str, int] | None = None,
              stop_at: int | None = None) -> JobResult:
     """Pretrains a target from scratch with next-token CE.
 
@@ -114,7 +127,7 @@ def pretrain(workdir: str | Path, model_config: ModelConfig, train_config: Train
     model_config = model_config.replace(bos_token_id=ids.bos, eos_token_id=ids.eos)
     data = tokenize_corpus(corpus, tok, data_config.seq_len, train_config.seed)
     result = train(Pretrain(model_config), data, train_config, workdir,
-                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   mesh=job_mesh(data_parallel, mesh_shape), stop_at=stop_at,
                    settings=_settings("pretrain", data_config, tokenizer_path=tokenizer_path))
     return JobResult(workdir, _export(result, model_config, tok), result)
 
@@ -124,14 +137,18 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
             divergence: str = "tvd", temperature: float = 1.0, source: str = "corpus",
             prompt_len: int = 16, sample_temperature: float = 1.0,
             draft_init_dir: str | Path | None = None, data_parallel: bool = False,
+            mesh_shape: Mapping[str, int] | None = None,
             stop_at: int | None = None) -> JobResult:
     """Distills the target at `target_dir` (HF layout with tokenizer.json) into a draft.
 
     The draft takes the target's vocabulary size and special ids (whatever
     `draft_config` says) and is exported with the target's tokenizer.
     `draft_init_dir`: start from this HF checkpoint's params instead of random ones.
+    `mesh_shape` (see `job_mesh`): the target is loaded straight onto the mesh, split over
+    `model` with the draft; `data_parallel`: a 1-D data mesh.
     """
-    target = _load_target(target_dir, "distillation")
+    mesh = job_mesh(data_parallel, mesh_shape)
+    target = _load_target(target_dir, "distillation", mesh=mesh)
     if draft_config.vocab_size != target.config.vocab_size:
         log.info("draft vocab_size %d -> the target's %d", draft_config.vocab_size,
                  target.config.vocab_size)
@@ -150,7 +167,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                      temperature=temperature, source=source, prompt_len=prompt_len,
                      sample_temperature=sample_temperature)
     result = train(method, data, train_config, workdir, frozen=target.params, init_params=init,
-                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   mesh=mesh, stop_at=stop_at,
                    settings=_settings("distill", data_config, target_dir=str(target_dir),
                                       draft_init_dir=draft_init_dir and str(draft_init_dir)))
     return JobResult(Path(workdir).absolute(), _export(result, draft_config, target.tokenizer),
@@ -194,6 +211,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
           features_dtype: str = "float32",
           speculative: SpeculativeEval | None = SpeculativeEval(),
           expect_target: ModelConfig | None = None, data_parallel: bool = False,
+          mesh_shape: Mapping[str, int] | None = None,
           stop_at: int | None = None, **method_kwargs: Any) -> JobResult:
     """Trains Medusa heads (`MedusaConfig`) or an EAGLE head (`EagleConfig`) on the frozen
     target at `target_dir` and, when finished, writes them with `specjax.heads.save_heads`
@@ -210,7 +228,9 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
     expect_target: the target's expected config (gin: %MODEL); a target of other shapes is
       an error.
     EAGLE-3 with a reduced `draft_vocab_size`: d2t keeps the ids most frequent in the
-    training split. `method_kwargs` go to `TrainMedusa` / `TrainEagle`.
+    training split. `method_kwargs` go to `TrainMedusa` / `TrainEagle`. `mesh_shape` (see
+    `job_mesh`): the target is loaded straight onto the mesh, split over `model` with the
+    heads.
     """
     if features not in features_lib.MODES:
         raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
@@ -221,7 +241,8 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
         raise ValueError(f"jobs.heads got {unknown}, which {method_cls.__name__} does not "
                          f"take (its settings: {sorted(settings)})")
     workdir = Path(workdir).absolute()
-    target = _load_target(target_dir, "training heads", expect_target)
+    mesh = job_mesh(data_parallel, mesh_shape)
+    target = _load_target(target_dir, "training heads", expect_target, mesh=mesh)
     data = build_data(data_config, target.tokenizer, train_config.seed)
     d2t, init, layers = None, None, ()
     if isinstance(head_config, MedusaConfig):
@@ -254,7 +275,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
         else:
             frozen = {"target": features_lib.embedding_and_head(target.params), "d2t": d2t}
     result = train(method, train_data, train_config, workdir, frozen=frozen, init_params=init,
-                   mesh=data_parallel_mesh() if data_parallel else None, stop_at=stop_at,
+                   mesh=mesh, stop_at=stop_at,
                    settings=_settings(f"heads/{kind}", data_config, target_dir=str(target_dir),
                                       features=features,
                                       features_dir=features_dir and str(features_dir)))

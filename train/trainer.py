@@ -9,7 +9,15 @@ JSON lines, orbax checkpoints, and resuming.
 Resume contract: the batch of step s and the rng of step s are pure functions of
 (seed, s), so a run killed after any step and re-run with the same arguments on the
 same workdir restores the newest checkpoint and ends with bitwise the same params and
-optimizer state as an uninterrupted run (same device kind; tested on CPU).
+optimizer state as an uninterrupted run (same device kind and mesh; tested on CPU). A
+checkpoint also resumes onto another mesh (orbax reshards it on restore), equal up to
+float32 reduction order.
+
+On a mesh (`train(mesh=...)`, axes `data` and `model`) the batch is split over `data`
+and every param is laid out by specjax's rules table (specjax/sharding): the frozen
+target's and the trainable heads'/draft's attention heads, MLP and vocabulary over
+`model`, the optimizer's moments like their params (`layout`). A 1-D `data` mesh is plain
+data parallelism.
 
 Run directory:
   config.json     the run's identity (method, optimizer, data, state shapes) + settings
@@ -34,6 +42,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from specjax import sharding as shard
 from train.checkpointing import (RunCheckpoints, check_run_config, state_signature,
                                  write_run_config)
 from train.optim import OptimConfig, make_optimizer, schedule
@@ -49,7 +58,12 @@ class Method(Protocol):
     """What a training method provides. Implementations are frozen (hashable)
     dataclasses of static settings: the trainer passes them to `jax.jit` as static
     arguments. Arrays that do not train (a frozen target) are the `frozen` argument,
-    never fields, so they are jit inputs rather than baked-in constants."""
+    never fields, so they are jit inputs rather than baked-in constants.
+
+    Optional: `param_configs() -> (trainable config, frozen config or None)`, the model
+    configs whose head counts lay the two pytrees out by specjax's rules table on a mesh
+    (their param paths must be ones `specjax.sharding.PARAM_AXES` knows). A method without
+    it keeps its params replicated: data parallel only."""
 
     name: str
 
@@ -163,9 +177,57 @@ def _eval_step(method: Method, params, frozen, batch: Batch):
 # -- placement ----------------------------------------------------------------------
 
 
-def _replicated(mesh: Mesh | None):
-    return NamedSharding(mesh, P()) if mesh is not None else jax.sharding.SingleDeviceSharding(
-        jax.devices()[0])
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a run's arrays live: shardings of the train state and of the frozen tree."""
+
+    mesh: Mesh | None
+    state: Any  # {"params": ..., "opt_state": ...} shardings
+    frozen: Any  # shardings of the frozen tree (None without one)
+
+
+def layout(method: Method, optim: OptimConfig, state_shapes: Any, frozen: Any,
+           mesh: Mesh | None) -> Layout:
+    """The shardings of a run on `mesh` (one device without one).
+
+    Params, trainable and frozen, by the rules table with the head counts of
+    `method.param_configs()` (replicated for a method without it); the optimizer state's
+    copies of the params (Adam's moments) like the params, its scalars replicated.
+    """
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return Layout(None, jax.tree.map(lambda _: one, state_shapes),
+                      jax.tree.map(lambda _: one, frozen))
+    replicated = NamedSharding(mesh, P())
+    configs = getattr(method, "param_configs", None)
+    if configs is None:
+        params = jax.tree.map(lambda _: replicated, state_shapes["params"])
+        frozen = jax.tree.map(lambda _: replicated, frozen)
+    else:
+        trainable_config, frozen_config = configs()
+        params = shard.tree_shardings(state_shapes["params"], mesh, config=trainable_config)
+        frozen = None if frozen is None else shard.tree_shardings(frozen, mesh,
+                                                                  config=frozen_config)
+    opt_state = optax.tree_map_params(make_optimizer(optim, 0.0), lambda _, s: s,
+                                      state_shapes["opt_state"], params,
+                                      transform_non_params=lambda _: replicated)
+    return Layout(mesh, {"params": params, "opt_state": opt_state}, frozen)
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_init(method: Method, optim: OptimConfig, treedef, shardings: tuple):
+    """`_init_state` writing each leaf straight into its shards (no device holds it all)."""
+    return jax.jit(functools.partial(_init_state, method, optim),
+                   out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
+def _fresh_state(method: Method, optim: OptimConfig, key: jax.Array, init_params: Any,
+                 where: Layout) -> Any:
+    if where.mesh is None:
+        return jax.device_put(_init_state(method, optim, key, init_params), where.state)
+    leaves, treedef = jax.tree.flatten(where.state)
+    with shard.use_mesh(where.mesh):
+        return _sharded_init(method, optim, treedef, tuple(leaves))(key, init_params)
 
 
 def _check_mesh(mesh: Mesh | None, micro_batch: int) -> None:
@@ -180,10 +242,13 @@ def _check_mesh(mesh: Mesh | None, micro_batch: int) -> None:
 
 
 def _place_batch(batch: Batch, mesh: Mesh | None, batch_axis: int) -> Batch:
+    """Host batch -> arrays with axis `batch_axis` split over `data` (global arrays: every
+    process passes the same whole batch, as `data.train_batch` gives it)."""
     if mesh is None:
         return jax.device_put(batch)
-    spec = P(*([None] * batch_axis), DATA_AXIS)
-    return jax.device_put(batch, NamedSharding(mesh, spec))
+    return {k: shard.put(v, mesh, (None,) * batch_axis + ("batch",)
+                         + (None,) * (np.ndim(v) - batch_axis - 1), name=f"batch/{k}")
+            for k, v in batch.items()}
 
 
 def _micro_batches(batch: Batch, accum: int) -> Batch:
@@ -202,7 +267,9 @@ def evaluate(method: Method, params: Any, frozen: Any, batches: list[Batch],
         w = float(np.sum(batch["mask"]))
         if w == 0:
             continue
-        metrics = jax.device_get(_eval_step(method, params, frozen, _place_batch(batch, mesh, 0)))
+        with shard.use_mesh(mesh):
+            metrics = _eval_step(method, params, frozen, _place_batch(batch, mesh, 0))
+        metrics = jax.device_get(metrics)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + w * float(v)
         weight += w
@@ -218,16 +285,20 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsLog:
-    """`metrics.jsonl`; on resume at step s, lines after s (from the killed run) go."""
+    """`metrics.jsonl`; on resume at step s, lines after s (from the killed run) go.
+    On many hosts only process 0 writes it (every process computes the same records)."""
 
     def __init__(self, path: Path, resume_step: int):
         self.path = path
-        if path.exists():
+        self.primary = jax.process_index() == 0
+        if self.primary and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if _step_of(line) is not None and _step_of(line) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.primary:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -242,22 +313,25 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
     `train_batch` / `eval_batches` / `describe`), resuming from `workdir` if it holds
     checkpoints of the same run.
 
-    frozen: arrays the loss reads but does not train (a target's params).
+    frozen: arrays the loss reads but does not train (a target's params); placed on the
+      mesh by `layout` (already placed arrays, e.g. `specjax.load(..., mesh=)`, stay put).
     init_params: start from these trainable params instead of `method.init`.
-    mesh: data parallel over its `data` axis (batch sharded, params replicated).
+    mesh: the batch split over its `data` axis, params by the rules table over `model`
+      (see the module docstring); the checkpoint of one mesh resumes on another.
     stop_at: stop after this step without a final checkpoint, as a kill would.
     settings: extra JSON-able settings recorded in config.json (not checked on resume).
     """
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     method = method.with_compute_dtype(config.compute_dtype)
+    mesh = shard.auto_mesh(mesh) if mesh is not None else None
     _check_mesh(mesh, config.micro_batch)
     init_key, step_key = jax.random.split(jax.random.key(config.seed))
     rule = config.optim.update_rule()
-    init_state = functools.partial(_init_state, method, rule, init_key, init_params)
-    replicated = _replicated(mesh)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                            jax.eval_shape(init_state))
+    shapes = jax.eval_shape(functools.partial(_init_state, method, rule), init_key, init_params)
+    where = layout(method, rule, shapes, frozen, mesh)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, where.state)
     identity = {"method": method.describe(), "train": config.identity(),
                 "data": data.describe(), "state": state_signature(abstract),
                 "init": "method" if init_params is None else "given"}
@@ -273,12 +347,12 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
             raise
         log.info("resuming %s from step %d", workdir, start)
     else:
-        state = jax.device_put(init_state(), replicated)
-    if not has_config:
+        state = _fresh_state(method, rule, init_key, init_params, where)
+    if not has_config and jax.process_index() == 0:  # many hosts: one writer
         write_run_config(workdir, identity, {"train": dataclasses.asdict(config),
                                              **(settings or {})})
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
-    frozen = jax.device_put(frozen, replicated) if frozen is not None else None
+    frozen = jax.device_put(frozen, where.frozen) if frozen is not None else None
     eval_batches = data.eval_batches(config.micro_batch, config.eval_batches)
     lr = schedule(config.optim, config.steps)
     end = config.steps if stop_at is None else min(stop_at, config.steps)
@@ -295,8 +369,9 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
             batch = data.train_batch(step, config.batch_size)
             tokens += float(np.sum(batch["mask"]))
             batch = _place_batch(_micro_batches(batch, config.grad_accum), mesh, 1)
-            state, metrics = _train_step(method, rule, state, frozen, batch, step_key,
-                                         jnp.int32(step), jnp.float32(lr(step)))
+            with shard.use_mesh(mesh):
+                state, metrics = _train_step(method, rule, state, frozen, batch, step_key,
+                                             jnp.int32(step), jnp.float32(lr(step)))
             done = step + 1
             bar.update(1)
             if done % config.log_every == 0 or done == end:

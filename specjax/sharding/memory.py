@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.sharding.rules import RULES, cache_specs, mesh_axis, param_specs
+from specjax.sharding.rules import RULES, axis_size, cache_specs, mesh_axis, param_specs
 
 _GIB = 1 << 30
 
@@ -50,11 +50,7 @@ class MemoryPlan:
 
 
 def _shards(spec: P, mesh_shape: Mapping[str, int]) -> int:
-    n = 1
-    for entry in spec:
-        for axis in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
-            n *= mesh_shape[axis]
-    return n
+    return math.prod(axis_size(mesh_shape, entry) for entry in spec)
 
 
 def _bytes_per_device(shapes: Any, specs: Any, mesh_shape, itemsize=None) -> int:
@@ -102,8 +98,9 @@ def plan_memory(
     dtype: of params, cache and activations (default: the config's compute dtype).
     params: every param's elements / its shard count × itemsize (rules as in `load`).
     kv_cache: K and V pages [L, K, P, Z, H] with P = batch × ceil(max_len / page_size),
-      Z = page_size, K split over `model` when the rules shard it (pages are shared by all
-      rows, so not split over `data`), plus the int32 page table and lengths.
+      Z = page_size, K split over `model` when the rules shard it and P over `data` when
+      the rows are (each data shard owns its rows' pages), plus the int32 page table and
+      lengths (rows over `data`).
     draft_*: the same for `draft_config` (a `DraftModel`) with the same batch and length.
     activations (one layer live at a time, a prefill chunk of C = min(prefill_chunk,
       max_len) tokens, b = rows per data shard, N', K', F', V' = per-shard counts,

@@ -1,21 +1,50 @@
-"""Paged attention per shard under `shard_map`: the hook the attention entry point uses.
+"""Paged-cache ops per shard under `shard_map`: the hooks attention and the cache use.
 
 Attention needs no communication when each device holds whole KV heads with their query
 groups: queries [B, T, N, H] are split over N, pages [K, P, Z, H] over K (contiguous
 blocks, so query head n = k * G + g stays with its KV head k), rows over `batch`. The
-kernel (Pallas, or the jnp reference) then sees an ordinary, smaller problem. When the
-rules replicate `kv_heads` (K not divisible by the model axis) every model shard runs
-all heads; when they replicate `batch`, every data shard runs all rows.
+pages are split over `data` with the rows (`rules.page_axis`): a data shard's page table
+holds ids local to its own block of pages, so the gather in the kernel (Pallas, or the
+jnp reference) and the cache writes and moves see an ordinary, smaller problem and stay
+on the device. When the rules replicate `kv_heads` (K not divisible by the model axis)
+every model shard runs all heads; when they replicate `batch`, every data shard runs all
+rows against one replicated pool.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from specjax.sharding.rules import RULES, mesh_axis
+from specjax.sharding.rules import CACHE_AXES, RULES, Logical, mesh_axis, page_axis
+
+PAGES = CACHE_AXES["k_pages"]  # [L, K, P, Z, H]
+
+
+def _spec(logical: Logical, axes: dict) -> P:
+    return P(*(None if a is None else axes.get(a) for a in logical))
+
+
+def per_shard_pages(fn: Callable, mesh, args: Sequence, in_logical: Sequence[Logical],
+                    out_logical, *, kv_heads: int, batch: int, rules=RULES):
+    """`fn(*args)` once per shard for an op that writes pages (a cache write or move).
+
+    Each argument is split by its logical axes: `kv_heads` over the model axis, `pages`
+    and the rows (`batch`) that own them over the page axis, so every data shard updates
+    only its own pages (with rows replicated, every shard applies all rows to its copy of
+    the one pool, and the copies stay equal). `out_logical`: one logical tuple, or a tuple
+    of them for several outputs.
+    """
+    pages = page_axis(batch, mesh, rules=rules)
+    axes = {"kv_heads": mesh_axis("kv_heads", kv_heads, mesh, rules=rules),
+            "batch": pages, "pages": pages}
+    single = not out_logical or not isinstance(out_logical[0], tuple)
+    out_specs = _spec(out_logical, axes) if single else tuple(_spec(o, axes)
+                                                              for o in out_logical)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(_spec(l, axes) for l in in_logical),
+                         out_specs=out_specs, check_vma=False)(*args)
 
 
 def per_shard_attention(
@@ -24,7 +53,7 @@ def per_shard_attention(
     q: jax.Array,  # [B, T, N, H]
     k_pages: jax.Array,  # [K, P, Z, H]
     v_pages: jax.Array,  # [K, P, Z, H]
-    page_table: jax.Array,  # [B, M] int32
+    page_table: jax.Array,  # [B, M] int32, ids local to the row's data shard
     kv_lens: jax.Array,  # [B] int32
     q_lens: jax.Array,  # [B] int32
     mask: jax.Array | None,  # [B, T, T] bool
@@ -33,15 +62,18 @@ def per_shard_attention(
     **kwargs,
 ) -> jax.Array:  # [B, T, N, H]
     """`fn(q, k_pages, ..., mask, **kwargs)` run once per shard of `mesh` (Mesh or AbstractMesh)."""
-    heads = mesh_axis("kv_heads", k_pages.shape[0], mesh, rules=rules)
-    rows = mesh_axis("batch", q.shape[0], mesh, rules=rules)
-    q_spec = P(rows, None, heads, None)
-    page_spec = P(heads, None, None, None)
+    b = q.shape[0]
+    axes = {"kv_heads": mesh_axis("kv_heads", k_pages.shape[0], mesh, rules=rules),
+            "batch": mesh_axis("batch", b, mesh, rules=rules),
+            "pages": page_axis(b, mesh, rules=rules)}
+    q_spec = _spec(("batch", None, "kv_heads", None), axes)  # query heads go with their K
+    page_spec = _spec(PAGES[1:], axes)
     args = [q, k_pages, v_pages, page_table, kv_lens, q_lens]
-    specs = [q_spec, page_spec, page_spec, P(rows, None), P(rows), P(rows)]
+    specs = [q_spec, page_spec, page_spec, _spec(("batch", None), axes),
+             _spec(("batch",), axes), _spec(("batch",), axes)]
     if mask is not None:
         args.append(mask)
-        specs.append(P(rows, None, None))
+        specs.append(_spec(("batch", None, None), axes))
 
     def local(q, k_pages, v_pages, page_table, kv_lens, q_lens, *maybe_mask):
         return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens,

@@ -13,7 +13,9 @@ A mapping that cannot hold raises `ShardingError` naming the array and the sizes
 for the axes in `REPLICATE_IF_INDIVISIBLE` (`kv_heads`, `batch`), which fall back to
 replication: a GQA model with 8 KV heads still runs on a model axis of 16 (its K/V
 projections and KV cache are then copied on every model shard), and a batch of 3 still
-runs on a data axis of 2. See docs/sharding.md.
+runs on a data axis of 2. The KV page pool goes with the rows: when `batch` is split over
+`data`, so is `pages` (`page_axis`), and each data shard owns its own block of pages,
+named by shard-local ids in the page table. See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),  # the residual stream stays whole on every device
     ("layers", None),  # the scanned layer axis
     ("head_dim", None),
-    ("pages", None),  # the page pool is shared by all rows (see docs: per-shard pools)
+    ("pages", "data"),  # each data shard owns the pages of its rows (ids shard-local)
 )
 
 # Logical axes that are replicated, not refused, when their size does not divide.
@@ -257,8 +259,53 @@ def param_shardings(config: ModelConfig, mesh: Mesh, *, rules=RULES) -> Any:
     return named(mesh, param_specs(config, mesh, rules=rules))
 
 
+def tree_shardings(tree: Any, mesh: Mesh, *, config: ModelConfig | None = None,
+                   rules=RULES) -> Any:
+    """`NamedSharding`s of a params pytree (arrays or shape structs) on `mesh` by the rules."""
+    return named(mesh, tree_specs(tree, mesh, config=config, rules=rules))
+
+
+def page_axis(batch: int, mesh: Mesh | MeshShape | None, *, rules=RULES):
+    """The mesh axis the KV page pool of `batch` rows is split over, or None (one pool).
+
+    Pages go with the rows: split over the rows' axis when the rules split both `batch`
+    (divisible) and `pages`, so each data shard holds the pages of its own rows and page
+    tables name them by shard-local ids. A batch replicated over `data` (indivisible)
+    shares one replicated pool.
+    """
+    if mesh is None:
+        return None
+    table = dict(rules)
+    rows = mesh_axis("batch", batch, mesh, rules=rules)
+    if rows is None or table.get("pages") is None:
+        return None
+    if table["pages"] != table.get("batch"):
+        raise ShardingError(f"rules map 'pages' to {table['pages']!r} but 'batch' to "
+                            f"{table.get('batch')!r}; a shard's pages must go with its rows")
+    return rows
+
+
+def axis_size(mesh: Mesh | MeshShape, entry) -> int:
+    """Devices along a PartitionSpec entry (None, an axis name or a tuple of them)."""
+    sizes = mesh_shape(mesh)
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(sizes[a] for a in names)
+
+
+def page_shards(batch: int, mesh: Mesh | MeshShape | None, *, rules=RULES) -> int:
+    """How many page pools `batch` rows use on `mesh`: the data shards, or 1 (no split)."""
+    axis = page_axis(batch, mesh, rules=rules)
+    return 1 if axis is None else axis_size(mesh, axis)
+
+
 def cache_specs(cache_or_shapes: Any, mesh: Mesh | MeshShape, *, rules=RULES) -> Any:
-    """PartitionSpecs of a `PagedKVCache` (or one of shape structs), field by field."""
+    """PartitionSpecs of a `PagedKVCache` (or one of shape structs), field by field.
+
+    The page axis follows `page_axis` (split with the rows, or not at all); a pool that
+    does not divide the data shards raises `ShardingError` naming its size.
+    """
+    pages = page_axis(cache_or_shapes.page_table.shape[0], mesh, rules=rules)
+    rules = tuple((a, pages if a == "pages" else t) for a, t in rules)
     return type(cache_or_shapes)(**{
         f: partition_spec(CACHE_AXES[f], getattr(cache_or_shapes, f).shape, mesh,
                           name=f"cache.{f}", rules=rules) for f in CACHE_AXES})
@@ -293,6 +340,20 @@ def constrain_cache(cache, *, rules=RULES):
     specs = cache_specs(cache, mesh, rules=rules)
     return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
                         cache, specs)
+
+
+def constrain_caches(tree: Any, *, rules=RULES) -> Any:
+    """`tree` (loop state) with every `PagedKVCache` in it laid out by `CACHE_AXES`.
+
+    Pins the layout of loop carries (prefill and decode) so that the per-shard page pools
+    never depend on what XLA's sharding propagation picks for a while-loop carry.
+    """
+    from specjax.cache import PagedKVCache
+
+    if active_mesh() is None:
+        return tree
+    return jax.tree.map(lambda x: constrain_cache(x, rules=rules) if isinstance(
+        x, PagedKVCache) else x, tree, is_leaf=lambda x: isinstance(x, PagedKVCache))
 
 
 def put(x, mesh: Mesh | None, logical: Logical, *, name: str = "array", rules=RULES):
@@ -352,8 +413,7 @@ def shard_params(params: Any, mesh: Mesh, *, config: ModelConfig | None = None,
                  rules=RULES) -> Any:
     """`params` moved onto `mesh` by the rules (`jax.device_put`, shard by shard)."""
     mesh = auto_mesh(mesh)
-    return jax.device_put(params, named(mesh, tree_specs(params, mesh, config=config,
-                                                         rules=rules)))
+    return jax.device_put(params, tree_shardings(params, mesh, config=config, rules=rules))
 
 
 def shard_model(model, mesh: Mesh, *, rules=RULES):

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
@@ -115,9 +114,7 @@ class DraftModel(Speculator):
     def init(self, target_config: ModelConfig, batch: int, capacity: int) -> DraftState:
         extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
         m = -(-(capacity + extra) // self.page_size)
-        table = np.arange(batch * m, dtype=np.int32).reshape(batch, m)
-        cache = PagedKVCache.create(self.config, table, num_pages=batch * m,
-                                    page_size=self.page_size)
+        cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size)
         return DraftState(cache, jnp.zeros((batch, self.k + 1), jnp.int32),
                           jnp.zeros((batch,), jnp.int32))
 

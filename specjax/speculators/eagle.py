@@ -180,9 +180,7 @@ class Eagle(Speculator):
     # -- protocol ----------------------------------------------------------------------
     def init(self, target_config: ModelConfig, batch: int, capacity: int) -> EagleState:
         m = -(-(capacity + self._extra_slots) // self.page_size)
-        table = np.arange(batch * m, dtype=np.int32).reshape(batch, m)
-        cache = PagedKVCache.create(layer_config(target_config), table, num_pages=batch * m,
-                                    page_size=self.page_size)
+        cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size)
         q = self.max_depth + 1
         d = target_config.hidden_size
         dt = jnp.dtype(target_config.dtype)

@@ -93,6 +93,10 @@ class Distill:
         fields.update(draft=self.draft.to_hf_dict(), target=self.target.to_hf_dict())
         return {"name": self.name, **fields}
 
+    def param_configs(self) -> tuple[ModelConfig, ModelConfig]:
+        """Sharding (trainer `layout`): the draft by its head counts, the target by its own."""
+        return self.draft, self.target
+
     def with_compute_dtype(self, dtype: str) -> "Distill":
         return dataclasses.replace(self, draft=self.draft.replace(dtype=dtype),
                                    target=self.target.replace(dtype=dtype))

@@ -148,6 +148,10 @@ class TrainEagle:
         loss, out = self._losses(params, frozen, batch, None)
         return dict(out, loss=loss)
 
+    def param_configs(self) -> tuple[ModelConfig, ModelConfig]:
+        """Sharding (trainer `layout`): the head's decoder layer has the target's heads."""
+        return self.target, self.target
+
     def describe(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(target=self.target.to_hf_dict(), head=dataclasses.asdict(self.head))

@@ -91,6 +91,11 @@ class TrainMedusa:
         loss, out = self._losses(trainable, frozen, batch)
         return dict(out, loss=loss)
 
+    def param_configs(self) -> tuple[ModelConfig, ModelConfig]:
+        """Sharding (trainer `layout`): heads (and a joint target) and the frozen target
+        by the target's head counts; the heads' LM heads go vocab-parallel."""
+        return self.target, self.target
+
     def head_params(self, trainable) -> Any:
         """The heads' params (what `specjax.heads.save_heads` writes)."""
         return trainable["heads"] if self.joint else trainable

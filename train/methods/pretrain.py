@@ -45,5 +45,8 @@ class Pretrain:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.config.to_hf_dict()}
 
+    def param_configs(self) -> tuple[ModelConfig, None]:
+        return self.config, None
+
     def with_compute_dtype(self, dtype: str) -> "Pretrain":
         return dataclasses.replace(self, config=self.config.replace(dtype=dtype))
