@@ -14,6 +14,7 @@ every row advances by its own count (DESIGN decisions 4-6).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -481,7 +482,10 @@ def generate(
 
 # Compiled programs by (function, static args, argument shapes and shardings): jit's own
 # cache would compile on first call, which would put compile time into TTFT.
-_COMPILED: dict = {}
+# Least recently used programs are dropped past _MAX_COMPILED, so a long session (a
+# notebook, a test run, a benchmark sweep) does not keep every executable alive.
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_MAX_COMPILED = 32
 
 
 def _dyn(args):
@@ -498,4 +502,7 @@ def _compiled(fn, args, kwargs, mesh=None):
     if sig not in _COMPILED:
         with shard.use_mesh(mesh):  # traced under the mesh: attention runs per shard
             _COMPILED[sig] = fn.lower(cfg, *rest, **kwargs).compile()
+        while len(_COMPILED) > _MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(sig)
     return _COMPILED[sig]
