@@ -365,6 +365,7 @@ def generate(
     speculator: Speculator | None = None,
     adaptive: bool = True,
     verify_cost_slope: float | None = None,
+    layer_layout: str = "auto",
     page_size: int = 16,
     num_pages: int | None = None,
     prefill_chunk: int = 128,
@@ -381,6 +382,9 @@ def generate(
     verify_cost_slope: a verify forward of T tokens costs 1 + slope·log2(T) one-token
       target steps; used by the adaptive rule and the analytical speedup. None takes this
       backend's entry of `specjax.stats.VERIFY_COST_SLOPE`.
+    layer_layout: "auto" (unrolled layers on CPU, where XLA's layer scan copies every
+      layer's weights each step; scanned elsewhere), "scan" or "unrolled"
+      (`specjax.model.decode_params`).
     num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
       whose `data` axis splits the rows, split evenly between the data shards.
     """
@@ -405,7 +409,7 @@ def generate(
     if mesh is not None and speculator is not None:
         speculator = shard.shard_speculator(speculator, mesh)
     elif speculator is not None:
-        speculator = speculator.for_decoding()
+        speculator = speculator.for_decoding(layer_layout)
     if ignore_eos:
         eos = ()
     elif eos_id is None:
@@ -440,7 +444,7 @@ def generate(
         raise ValueError(f"verify_cost_slope={verify_cost_slope!r} must be a finite number >= 0")
     plens = shard.put(np.asarray(lens, np.int32), mesh, ("batch",), name="prompt_lens")
 
-    params = decode_params(cfg, model.params)
+    params = decode_params(cfg, model.params, layer_layout)
     pre_args = (cfg, params, speculator, cache,
                 shard.put(buf, mesh, ("batch", None), name="tokens"), plens, sampling, key,
                 max_new, eos_arr)

@@ -67,12 +67,24 @@ def unstack_layers(params: Any) -> Any:
 _DECODE_PARAMS: dict = {}
 
 
-def decode_params(config: ModelConfig, params: Any) -> Any:
-    """`params` in the layout decoding is fastest in on this backend (see
-    `unstack_layers`), converted once per params object and kept while it lives."""
+LAYER_LAYOUTS = ("auto", "scan", "unrolled")
+
+
+def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
+    """`params` in the layer layout to decode with, converted once per params object and
+    kept while it lives. "auto": unrolled on CPU off-mesh (see `unstack_layers`), else
+    the stored, scanned layout; "scan" / "unrolled" force one (not on a mesh)."""
     from specjax.sharding.rules import mesh_of
 
-    if jax.default_backend() != "cpu" or mesh_of(params) is not None or "layers" not in params:
+    if layout not in LAYER_LAYOUTS:
+        raise ValueError(f"layer_layout={layout!r} must be one of {LAYER_LAYOUTS}")
+    on_mesh = mesh_of(params) is not None
+    if layout == "unrolled" and on_mesh:
+        raise ValueError("layer_layout='unrolled' is for single-device params; these are on "
+                         "a mesh (the sharding rules name the stacked layout)")
+    if layout == "auto":
+        layout = "unrolled" if jax.default_backend() == "cpu" and not on_mesh else "scan"
+    if layout == "scan" or "layers" not in params:
         return params
     key = id(params["layers"])
     hit = _DECODE_PARAMS.get(key)

@@ -9,7 +9,7 @@ import pytest
 from specjax.bench import decode
 
 RESULT = {"params": 31_990_272, "threads": 2, "rows": [
-    dict(batch=1, specjax_ms=10.0, hf_ms=40.0, hf1_ms=20.0, speedup=2.0, ttft_ms=50.0,
+    dict(batch=1, specjax_ms=10.0, scan_ms=15.0, hf_ms=40.0, hf1_ms=20.0, speedup=2.0, ttft_ms=50.0,
          tpot_ms=9.0, same=True)]}
 ARGS = argparse.Namespace(new_tokens=64, prompt_len=32, repeats=3)
 
@@ -22,7 +22,7 @@ def test_write_section_replaces_only_its_own_section(tmp_path):
     decode.write_section(doc, decode.markdown(again, ARGS, "python -m specjax.bench.decode"))
     text = doc.read_text()
     assert text.count(decode.START) == 1 and text.count(decode.END) == 1
-    assert "keep me" in text and "| 1 | 5.00 | 40.00 | 20.00 | 4.00x |" in text
+    assert "keep me" in text and "| 1 | 5.00 | 15.00 | 40.00 | 20.00 | 4.00x |" in text
     for needle in ("- date: ", "- machine: ", "- versions: jax ", "torch ", "transformers ",
                    "- command: `python -m specjax.bench.decode`", "31,990,272 params"):
         assert needle in text

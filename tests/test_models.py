@@ -164,3 +164,18 @@ def test_unrolled_decode_layout_matches_scanned():
     np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=1e-6)
     assert decode_params(cfg, params) is decode_params(cfg, params)
     assert "layers_0" in decode_params(cfg, params)  # this suite runs on CPU
+
+
+def test_layer_layout_choice_is_checked():
+    from specjax.model import decode_params
+
+    cfg = specjax.config.tiny_llama(num_layers=2)
+    params = specjax.init_params(cfg, 0)
+    assert decode_params(cfg, params, "scan") is params
+    assert "layers_1" in decode_params(cfg, params, "unrolled")
+    with pytest.raises(ValueError, match="layer_layout='stacked'"):
+        decode_params(cfg, params, "stacked")
+    model = specjax.Model(cfg, params)
+    a = specjax.generate(model, [[1, 2, 3]], max_new_tokens=6, layer_layout="scan")
+    b = specjax.generate(model, [[1, 2, 3]], max_new_tokens=6, layer_layout="unrolled")
+    assert a.tokens == b.tokens

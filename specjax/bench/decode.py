@@ -60,8 +60,9 @@ def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) 
         prompts = _prompts(b, prompt_len, config.vocab_size)
         ids = torch.tensor(prompts)
 
-        def ours():
-            return specjax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True)
+        def ours(layout="auto"):
+            return specjax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                                    layer_layout=layout)
 
         def theirs(threads, n=new_tokens):
             torch.set_num_threads(threads)
@@ -70,15 +71,19 @@ def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) 
                                    max_new_tokens=n, min_new_tokens=n)
 
         ours()  # warm-up: specjax compiles here; torch warms its allocator and threads
+        ours("scan")
         for threads in (default_threads, 1):
             theirs(threads, n=2)
         # Interleaved rounds, so both libraries see the same load on a shared machine.
-        times = {"specjax": [], default_threads: [], 1: []}
+        times = {"specjax": [], "scan": [], default_threads: [], 1: []}
         ttft, tpot = [], []
         for _ in range(repeats):
             for name in times:
                 t0 = time.perf_counter()
-                got = ours() if name == "specjax" else theirs(name)
+                if name in ("specjax", "scan"):
+                    got = ours("auto" if name == "specjax" else "scan")
+                else:
+                    got = theirs(name)
                 times[name].append(time.perf_counter() - t0)
                 if name == "specjax":
                     out = got
@@ -88,15 +93,18 @@ def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) 
                     hf_out = got
         torch.set_num_threads(default_threads)
         t_ours = statistics.median(times["specjax"])
+        t_scan = statistics.median(times.pop("scan"))
         t_hf = {k: statistics.median(v) for k, v in times.items() if k != "specjax"}
         same = out.tokens == hf_out[:, prompt_len:].tolist()
         row = dict(batch=b, specjax_ms=1e3 * t_ours / new_tokens,
+                   scan_ms=1e3 * t_scan / new_tokens,
                    hf_ms=1e3 * t_hf[default_threads] / new_tokens,
                    hf1_ms=1e3 * t_hf[1] / new_tokens, ttft_ms=1e3 * statistics.median(ttft),
                    tpot_ms=1e3 * statistics.median(tpot), same=same)
         row["speedup"] = min(row["hf_ms"], row["hf1_ms"]) / row["specjax_ms"]
         rows.append(row)
-        print(f"batch {b}: specjax {row['specjax_ms']:.2f} ms/token (TTFT "
+        print(f"batch {b}: specjax {row['specjax_ms']:.2f} ms/token ({row['scan_ms']:.2f} with "
+              f"the scanned layer layout; TTFT "
               f"{row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms) | transformers "
               f"{row['hf_ms']:.2f} ms/token ({default_threads} threads), {row['hf1_ms']:.2f} "
               f"(1 thread) | best transformers / specjax = {row['speedup']:.2f}x | "
@@ -134,16 +142,21 @@ def markdown(result: dict, args, command: str) -> str:
         f"- {args.prompt_len}-token prompts, {args.new_tokens} new tokens per row, greedy; "
         f"median of {args.repeats} interleaved rounds after a warm-up",
         "- ms/token = wall time of one `generate` call / new tokens per row (prefill included)",
+        "- specjax decodes with `layer_layout='auto'` (unrolled layers on CPU); the scan column "
+        "is the same run with `layer_layout='scan'` (XLA:CPU copies each layer's weights out "
+        "of the stack every step, docs/speculators.md)",
         f"- transformers timed with torch's default {result['threads']} thread(s) and with 1; "
         "the ratio uses the faster",
         "",
-        f"| batch | specjax ms/token | transformers ms/token ({result['threads']} thr) "
+        "| batch | specjax ms/token | specjax, scan layout "
+        f"| transformers ms/token ({result['threads']} thr) "
         "| transformers ms/token (1 thr) | best transformers / specjax "
         "| specjax TTFT ms | specjax TPOT ms | same tokens |",
-        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['specjax_ms']:.2f} | {r['hf_ms']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['specjax_ms']:.2f} | {r['scan_ms']:.2f} | "
+                     f"{r['hf_ms']:.2f} | "
                      f"{r['hf1_ms']:.2f} | {r['speedup']:.2f}x | {r['ttft_ms']:.1f} | "
                      f"{r['tpot_ms']:.2f} | {'yes' if r['same'] else 'no'} |")
     lines.append(END)

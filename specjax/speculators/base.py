@@ -90,9 +90,9 @@ class Speculator:
         step). The default knows nothing of the layout: all nodes, or none."""
         return (0,) + (self.num_nodes,) * self.max_depth
 
-    def for_decoding(self) -> "Speculator":
-        """This speculator with its weights in the layout decoding is fastest in on this
-        backend (`specjax.model.decode_params`); `generate` calls it off-mesh."""
+    def for_decoding(self, layout: str = "auto") -> "Speculator":
+        """This speculator with its weights in the layer layout `generate` decodes with
+        (`specjax.model.decode_params`); `generate` calls it off-mesh."""
         return self
 
     def check_target(self, target_config: ModelConfig) -> None:

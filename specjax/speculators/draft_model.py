@@ -89,8 +89,8 @@ class DraftModel(Speculator):
     def max_depth(self) -> int:
         return self.k
 
-    def for_decoding(self) -> "DraftModel":
-        return self.replace(params=decode_params(self.config, self.params))
+    def for_decoding(self, layout: str = "auto") -> "DraftModel":
+        return self.replace(params=decode_params(self.config, self.params, layout))
 
     @property
     def depth_widths(self) -> tuple[int, ...]:
