@@ -66,12 +66,16 @@ def head_speculator(heads_dir: str | Path, target: specjax.Model,
 
 
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,
-                    temperature: float = 0.0, seed: int = 0
+                    temperature: float = 0.0, seed: int = 0, adaptive: bool = False
                     ) -> tuple[list[list[int]], dict[str, Any]]:
     """(generated tokens, record) of one `specjax.generate` run: α, τ, mean k, tokens/s,
-    TTFT/TPOT, the accepted-length histogram and compile time."""
+    TTFT/TPOT, the accepted-length histogram and compile time.
+
+    Full depth every step by default, so α and τ measure the drafts themselves: the
+    adaptive rule would turn drafting off wherever it does not pay on this machine
+    (on CPU most small trees; docs/speculators.md), and τ would then measure the rule."""
     out = specjax.generate(target, prompts, max_new_tokens=new_tokens, temperature=temperature,
-                           seed=seed, ignore_eos=True, speculator=speculator)
+                           seed=seed, ignore_eos=True, speculator=speculator, adaptive=adaptive)
     s = out.stats
     return out.tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
                             cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
