@@ -140,6 +140,14 @@ def test_repetitive_prompt_is_a_block_then_a_renamed_copy():
     assert '"""Grow the box.' in renamed  # strings are not code
 
 
+def test_lines_are_counted_as_the_parser_counts_them():
+    """A form feed (stdlib files have them) is no line break for Python's parser."""
+    src = "def f(a):\n    \"\"\"Doc.\x0c\"\"\"\n    x = a\x0c + 1\n    y = x\n    return y\n"
+    fn = P.functions(src)[0]
+    assert P.docstring_text(src, fn) == 'def f(a):\n    """Doc.\x0c"""\n'
+    assert P.completion_text(src, fn, np.random.default_rng(0)) == src.rsplit("    return", 1)[0]
+
+
 def test_prompt_sets_have_their_lengths_and_properties(heldout):
     docs, tok = heldout
     sets = {c: P.build_prompts(c, docs, tok, 3, 64, seed=0) for c in P.CATEGORIES}
@@ -182,7 +190,8 @@ def finished(workdir, tmp_path_factory):
     out = tmp_path_factory.mktemp("docs")
     (out / "benchmarks.md").write_text("# Benchmarks\n\nkeep me\n")
     argv = ["--workdir", str(workdir), *TINY, "--out", str(out / "benchmarks.md"),
-            "--figures", str(out / "figures"), "--json", str(out / "suite.json")]
+            "--figures", str(out / "figures"), "--json", str(out / "suite.json"),
+            "--note", "a tiny test run"]
     code = suite.main(argv)
     return code, out, json.loads((out / "suite.json").read_text())
 
@@ -213,7 +222,7 @@ def test_suite_writes_its_section_and_plots(finished):
     section = text[text.index(suite.START):]
     for needle in ("- date: ", "- machine: ", "- versions: jax ", "transformers ",
                    "- command: `python -m specjax.bench.suite --workdir ", "--new 4",
-                   "![suite_speedup](figures/suite_speedup.png)"):
+                   "- note: a tiny test run", "![suite_speedup](figures/suite_speedup.png)"):
         assert needle in section
     for c in P.CATEGORIES:
         assert f"### {c}" in section
@@ -223,6 +232,22 @@ def test_suite_writes_its_section_and_plots(finished):
     assert "| 1 | 1 | hf_prompt_lookup | – | – | – |" in section  # no α, τ, k for transformers
     for name in suite.FIGURES:
         assert (out / "figures" / name).stat().st_size > 1000
+
+
+def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
+    """--no-adaptive turns generate's adaptive draft length off (no recompile: a flag)."""
+    _, out, adaptive = finished
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            "draft", "--temperatures", "0", "--out", "", "--figures", "",
+            "--json", str(out / "fixed.json"), "--no-adaptive"]
+    assert suite.main(argv) == 0
+    fixed = json.loads((out / "fixed.json").read_text())
+    k = {r["method"]: r["k"] for r in fixed["rows"]}
+    assert fixed["settings"]["adaptive"] is False and k == {"autoregressive": 0, "draft": 2}
+    before = next(r for r in adaptive["rows"] if r["method"] == "draft" and
+                  r["category"] == "completion" and r["temperature"] == 0)
+    assert before["k"] < 2  # a random draft: the adaptive rule drafts less
+    assert all(r["identical"] for r in fixed["rows"])
 
 
 def test_merged_stats_add_up(workdir, finished):

@@ -53,10 +53,15 @@ def functions(source: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return sorted(found, key=lambda n: n.lineno)
 
 
+def _split(source: str) -> list[str]:
+    """Lines as the parser and `tokenize` count them (str.splitlines would also split at
+    form feeds and other separators Python source may hold), newlines kept."""
+    return io.StringIO(source).readlines()
+
+
 def _lines(source: str, first: int, last: int) -> str:
     """Lines first..last (1-based, inclusive) of `source`, each ending in a newline."""
-    return "".join(line.rstrip("\r\n") + "\n"
-                   for line in source.splitlines()[first - 1:last])
+    return "".join(line.rstrip("\n") + "\n" for line in _split(source)[first - 1:last])
 
 
 def _body_start(fn) -> int:
@@ -104,7 +109,7 @@ def local_names(fn) -> list[str]:
 def rename_identifiers(source: str, names: dict[str, str]) -> str:
     """`source` with every NAME token in `names` replaced (not attributes after a dot,
     not text in strings or comments). Layout is kept."""
-    lines = source.splitlines(keepends=True)
+    lines = _split(source)
     edits, prev = [], None
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.NAME and tok.string in names and not (
@@ -141,7 +146,7 @@ def repetitive_text(source: str, fn, rng: np.random.Generator) -> str | None:
     cut = _cut(fn, rng, 1 / 4, 1 / 2)
     if cut is None or copy == block:
         return None
-    return block + "\n" + "".join(copy.splitlines(keepends=True)[:cut - fn.lineno + 1])
+    return block + "\n" + "".join(_split(copy)[:cut - fn.lineno + 1])
 
 
 def _band(category: str, max_tokens: int) -> tuple[int, int]:

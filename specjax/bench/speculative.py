@@ -73,7 +73,7 @@ def measured_cost_ratio(target: specjax.Model, draft: specjax.Model, repeats: in
 
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
-                 batch: int, temperature: float = 0.0, seed: int = 0):
+                 batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
     the calls). Call `i` samples with seed `seed + i`."""
@@ -84,7 +84,7 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
     for i in range(0, len(prompts), batch):
         out = specjax.generate(target, prompts[i:i + batch], max_new_tokens=new,
                                temperature=temperature, seed=seed + i // batch,
-                               ignore_eos=True, speculator=speculator)
+                               ignore_eos=True, speculator=speculator, adaptive=adaptive)
         tokens += out.tokens
         parts.append(out.stats)
     return tokens, merge_stats(parts), time.perf_counter() - t0

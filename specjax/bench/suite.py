@@ -7,6 +7,7 @@ temperature and batch size, on a trained quickstart run, in one run.
       [--temperatures 0,1] [--new 64] [--repeats 3] [--prompts N] [--methods LIST]
       [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 1024] [--seed 0]
       [--torch-threads N] [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
+      [--no-adaptive] [--note TEXT]
 
 The workdir holds what the quickstart trained (`specjax run
 configs/experiments/quickstart.gin`): target/export (with its tokenizer), draft/export,
@@ -122,12 +123,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="repetitive-edit prompts: (N/2, N] tokens")
     ap.add_argument("--long-tokens", type=int, default=1024, help="long prompts: N tokens")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
+    ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                    help="draft the full k / tree every step (generate's adaptive=False)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch threads for transformers (0: torch's default)")
     ap.add_argument("--out", default="docs/benchmarks.md",
                     help="markdown file to write the section into ('' = don't write)")
     ap.add_argument("--figures", default="docs/figures", help="plots directory ('' = none)")
     ap.add_argument("--json", default="", help="also write every row as JSON here")
+    ap.add_argument("--note", default="", help="a line to print in the section, e.g. why "
+                    "the run is small")
     args = ap.parse_args(argv)
     args.categories = tuple(dict.fromkeys(args.categories.split(",")))
     bad = [c for c in args.categories if c not in CATEGORIES]
@@ -176,8 +181,8 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None) -> dict
 
 
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
-        temperatures, new: int, repeats: int, seed: int = 0, hf=None, hf_methods=None,
-        log=print) -> list[dict]:
+        temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
+        hf_methods=None, log=print) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
@@ -190,15 +195,17 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
         ids = [p.ids for p in prompts]
         for temp in temperatures:
             run_kw = dict(new=new, temperature=temp, seed=seed)
+            spec_kw = dict(run_kw, adaptive=adaptive)
             reference = {}  # batch -> (autoregressive tokens, tokens/s)
             for b in batches:
                 for spec in speculators.values():  # warm-up: compiles, one call
-                    specjax_pass(target, spec, ids[:b], batch=b, **run_kw)
+                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw)
                 walls = {name: [] for name in speculators}
                 last = {}
                 for _ in range(repeats):
                     for name, spec in speculators.items():
-                        tokens, stats, wall = specjax_pass(target, spec, ids, batch=b, **run_kw)
+                        tokens, stats, wall = specjax_pass(target, spec, ids, batch=b,
+                                                           **spec_kw)
                         walls[name].append(wall)
                         last[name] = tokens, stats
                 for name, (tokens, stats) in last.items():
@@ -246,8 +253,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['temperature']:g} | {r['batch']} | {r['method']} | "
             f"{_fmt(r.get('alpha'), '.3f')} | {_fmt(r.get('tau'), '.2f')} | "
-            f"{_fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '.2f')}× | "
-            f"{_fmt(r.get('analytical'), '.2f')}× | "
+            f"{_fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | "
+            f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r.get('analytical'), '.2f')}× | "
             f"{_fmt(r.get('analytical_free_verify'), '.2f')}× | "
             f"{_fmt(r.get('cost_ratio'), '.3f')} | {_fmt(r['identical'])} |")
     return "\n".join(lines).replace("–×", "–")
@@ -273,6 +280,7 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
              "", f"- date: {result['date']}", f"- machine: {_machine()}",
              f"- versions: {_versions()}; torch threads: {result['torch_threads']}",
              f"- command: `{command}`",
+             *([f"- note: {result['note']}"] if result["note"] else []),
              f"- models (the workdir's): {result['models']}",
              f"- prompts: {s['prompts']} per category from the held-out split of "
              f"`{result['corpus']}` ({result['heldout_docs']} documents), tokenized with the "
@@ -281,8 +289,9 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         lines.append(f"  - {category}: {_DESCRIBE[category]}; {info['min']}–{info['max']} "
                      f"tokens (mean {info['mean']:.0f})")
     lines += [
-        f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}; median of "
-        f"{s['repeats']} interleaved rounds after a warm-up call that compiles",
+        f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}, adaptive draft "
+        f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}; "
+        f"median of {s['repeats']} interleaved rounds after a warm-up call that compiles",
         "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included); "
         "speedup (measured) = tokens/s / specjax autoregressive's at the same category, "
         "temperature and batch, in this run",
@@ -390,10 +399,11 @@ def suite(args, command: str, log=print) -> dict:
                                     lengths, args.seed)
     need_draft = {"draft", "hf_assistant"} & set(args.methods)
     draft = specjax.load(paths.draft, dtype="float32") if need_draft else None
-    speculators = build_speculators(
+    speculators = {m: spec for m, spec in build_speculators(
         target, draft=draft if "draft" in args.methods else None, k=args.k,
         medusa=paths.medusa if "medusa" in args.methods else None,
-        eagle=paths.eagle if "eagle" in args.methods else None)
+        eagle=paths.eagle if "eagle" in args.methods else None).items()
+        if m in args.methods}
     hf, hf_methods, threads = None, {}, None
     if set(HF_METHODS) & set(args.methods):
         import torch
@@ -407,13 +417,14 @@ def suite(args, command: str, log=print) -> dict:
             if m in args.methods}
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
-               seed=args.seed, hf=hf, hf_methods=hf_methods, log=log)
+               seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods, log=log)
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
-                                              "methods", "k", "seed")}
+                                              "methods", "k", "seed", "adaptive")}
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
+        note=args.note,
         corpus=corpus, heldout_docs=len(docs), models=_models(target, draft, speculators),
         torch_threads=threads if threads is not None else "–",
         prompt_sets={c: dict(min=min(v), max=max(v), mean=sum(v) / len(v))
