@@ -349,9 +349,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_title(f"T={t:g}, batch {b}")
             if j == 0:
-                ax.set_ylabel("speedup vs autoregressive")
-    axes[0, -1].legend(fontsize=7)
-    fig.tight_layout()
+                ax.set_ylabel("measured speedup vs autoregressive")
+    _legend(fig, axes)
     fig.savefig(out / FIGURES[0])
     plt.close(fig)
 
@@ -363,11 +362,18 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         bars(ax, [r for r in rows if r["temperature"] == t and r["batch"] == batches[0]],
              spec, "tau")
         ax.set_title(f"τ (tokens per target call), T={t:g}, batch {batches[0]}")
-    axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
+    _legend(fig, axes)
     fig.savefig(out / FIGURES[1])
     plt.close(fig)
     return [out / f for f in FIGURES]
+
+
+def _legend(fig, axes) -> None:
+    """One legend for all panels, below them (inside a panel it hides bars)."""
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
 
 
 def _models(target, draft, speculators) -> str:
@@ -383,7 +389,11 @@ def _models(target, draft, speculators) -> str:
     return "; ".join(parts)
 
 
-def suite(args, command: str, log=print) -> dict:
+def _log(line: str) -> None:
+    print(line, flush=True)  # a long run shows its progress even when piped
+
+
+def suite(args, command: str, log=_log) -> dict:
     """Loads the workdir, builds the prompts, runs everything; the results dict."""
     import specjax
     from specjax.bench.speculative import build_speculators, hf_variants, load_hf
