@@ -113,7 +113,8 @@ def main(argv=None) -> int:
                    help="extra binding, e.g. 'target/trainer.TrainConfig.steps = 10'")
     r.add_argument("--workdir", default=None,
                    help="run directory (default runs/<config name>); re-running resumes")
-    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)")
+    # No -h of its own: `specjax bench suite --help` shows the benchmark's flags.
+    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False)
     b.add_argument("what", choices=["decode", "speculative", "suite"])
     args, rest = parser.parse_known_args(argv)
     try:

@@ -291,6 +291,12 @@ def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     assert err.value.code == 2 and match in capsys.readouterr().err
 
 
+def test_help_through_the_cli_shows_the_suites_flags(capsys):
+    with pytest.raises(SystemExit) as err:
+        cli(["bench", "suite", "--help"])
+    assert err.value.code == 0 and "--long-tokens" in capsys.readouterr().out
+
+
 def test_missing_workdir_files_are_named(workdir, tmp_path, capsys):
     assert cli(["bench", "suite", "--workdir", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
