@@ -4,6 +4,7 @@
   specjax generate [--model DIR] [--prompt TEXT | --ids 1,2,3] [--speculator ngram|draft|none]
   specjax bench decode [...]
   specjax bench speculative [...]
+  specjax bench suite --workdir RUN [...]
 
 Errors in arguments exit non-zero with a one-line message naming the value.
 """
@@ -85,6 +86,9 @@ def _bench(args, rest) -> int:
     if args.what == "speculative":
         from specjax.bench import speculative
         return speculative.main(rest)
+    if args.what == "suite":
+        from specjax.bench import suite
+        return suite.main(rest)
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
@@ -109,8 +113,9 @@ def main(argv=None) -> int:
                    help="extra binding, e.g. 'target/trainer.TrainConfig.steps = 10'")
     r.add_argument("--workdir", default=None,
                    help="run directory (default runs/<config name>); re-running resumes")
-    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)")
-    b.add_argument("what", choices=["decode", "speculative"])
+    # No -h of its own: `specjax bench suite --help` shows the benchmark's flags.
+    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False)
+    b.add_argument("what", choices=["decode", "speculative", "suite"])
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command in ("generate", "run") and rest:

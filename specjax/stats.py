@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -120,6 +120,34 @@ def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, his
     total["tpot_s"] = float(np.mean([r["tpot_s"] for r in rows])) if rows else 0.0
     return GenerationStats(**total, compile_s=compile_s,
                            accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows)
+
+
+def merge_stats(parts: Sequence[GenerationStats],
+                verify_slope: float | None = None) -> GenerationStats:
+    """One `GenerationStats` for `generate` calls run one after another (a prompt set in
+    batches): counters and wall times add up, so α, τ and tokens/s are over all of them;
+    `ttft_s` is the mean per call, `tpot_s` the mean per row; per-row entries are kept.
+
+    verify_slope: the slope the calls ran with (None: this backend's default, which is
+    what `generate` uses unless told otherwise)."""
+    if not parts:
+        raise ValueError("merge_stats needs at least one GenerationStats")
+    rows = [r for p in parts for r in p.rows]
+    field = lambda name: [r[name] for r in rows]
+    hist = np.zeros(max(len(p.accepted_hist) for p in parts), np.int64)
+    for p in parts:
+        hist[:len(p.accepted_hist)] += p.accepted_hist
+    ttft = sum(p.ttft_s for p in parts)
+    merged = build_stats(
+        new_tokens=field("new_tokens"), target_calls=field("target_calls"),
+        draft_calls=field("draft_calls"), drafted=field("drafted"), accepted=field("accepted"),
+        hist=hist[None], cost_ratio=parts[0].cost_ratio, ttft_s=ttft,
+        decode_s=sum(p.wall_s for p in parts) - ttft,
+        compile_s=sum(p.compile_s for p in parts),
+        verified=[round(r["mean_verified"] * r["target_calls"]) for r in rows],
+        verify_slope=default_verify_slope() if verify_slope is None else verify_slope)
+    return dataclasses.replace(merged, ttft_s=ttft / len(parts), rows=rows,
+                               tpot_s=float(np.mean(field("tpot_s"))) if rows else 0.0)
 
 
 def _row(new, calls, dcalls, drafted, accepted, verified, c, slope, ttft_s, decode_s,

@@ -72,22 +72,39 @@ def measured_cost_ratio(target: specjax.Model, draft: specjax.Model, repeats: in
     return one(draft) / one(target)
 
 
+def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
+                 batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True):
+    """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
+    `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
+    the calls). Call `i` samples with seed `seed + i`."""
+    from specjax.stats import merge_stats
+
+    tokens, parts = [], []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        out = specjax.generate(target, prompts[i:i + batch], max_new_tokens=new,
+                               temperature=temperature, seed=seed + i // batch,
+                               ignore_eos=True, speculator=speculator, adaptive=adaptive)
+        tokens += out.tokens
+        parts.append(out.stats)
+    return tokens, merge_stats(parts), time.perf_counter() - t0
+
+
 def run_specjax(target, prompts, new, speculators: dict, repeats: int) -> list[dict]:
     rows = []
     base_tps = None
     for name, spec in speculators.items():
         def gen(spec=spec):
-            return specjax.generate(target, prompts, max_new_tokens=new, ignore_eos=True,
-                                    speculator=spec)
+            return specjax_pass(target, spec, prompts, new=new, batch=len(prompts))
         _, out = _time(gen, 1)
         tps = []
         for _ in range(repeats):
             out = gen()
-            tps.append(out.stats.tokens_per_s)
-        s = out.stats
+            tps.append(out[1].tokens_per_s)
+        tokens, s, _ = out
         row = dict(method=name, alpha=s.acceptance_rate, tau=s.mean_accepted_length,
                    k=s.mean_k, tokens_per_s=statistics.median(tps), ttft_ms=s.ttft_s * 1e3,
-                   tpot_ms=s.tpot_s * 1e3, cost_ratio=s.cost_ratio, tokens=out.tokens)
+                   tpot_ms=s.tpot_s * 1e3, cost_ratio=s.cost_ratio, tokens=tokens)
         if base_tps is None:
             base_tps = row["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / base_tps
@@ -97,37 +114,86 @@ def run_specjax(target, prompts, new, speculators: dict, repeats: int) -> list[d
     return rows
 
 
-def run_transformers(target, draft, prompts, new, k: int, repeats: int) -> list[dict]:
+def load_hf(model: specjax.Model):
+    """`model`'s weights in transformers' `LlamaForCausalLM` (float32), exported with
+    `specjax.save_hf`; it generates exactly `max_new_tokens` (no stop at EOS, as
+    specjax's `ignore_eos=True`)."""
     import torch
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        specjax.save_hf(target, Path(tmp) / "target")
-        hf_t = LlamaForCausalLM.from_pretrained(Path(tmp) / "target").eval()
-        hf_d = None
-        if draft is not None:
-            specjax.save_hf(draft, Path(tmp) / "draft")
-            hf_d = LlamaForCausalLM.from_pretrained(Path(tmp) / "draft").eval()
-    variants = {"hf generate": {}, "hf prompt_lookup": {"prompt_lookup_num_tokens": k}}
-    if hf_d is not None:
-        variants["hf assistant_model"] = {"assistant_model": hf_d}
+        specjax.save_hf(model, tmp)
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def hf_variants(hf_draft, k: int) -> dict[str, dict]:
+    """transformers' `generate` arguments per method: plain, prompt lookup (k tokens) and,
+    with a draft, assisted generation (its default number of assistant tokens)."""
+    variants = {"hf_generate": {}, "hf_prompt_lookup": {"prompt_lookup_num_tokens": k}}
+    if hf_draft is not None:
+        variants["hf_assistant"] = {"assistant_model": hf_draft}
+    return variants
+
+
+def hf_pass(hf, prompts: list[list[int]], *, new: int, temperature: float = 0.0,
+            seed: int = 0, **extra) -> tuple[list[list[int]], float]:
+    """transformers' `generate` prompt by prompt (assisted generation and prompt lookup
+    are batch 1 only), exactly `new` tokens each, sampling at `temperature` with no
+    top-k/top-p (like specjax): (tokens per prompt, wall seconds)."""
+    import torch
+
+    torch.manual_seed(seed)
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                if temperature > 0 else dict(do_sample=False))
+    outs = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            o = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                            **sampling, **extra)
+        outs.append(o[0, len(p):].tolist())
+    return outs, time.perf_counter() - t0
+
+
+def run_transformers(target, draft, prompts, new, k: int, repeats: int) -> list[dict]:
+    hf_t = load_hf(target)
+    hf_d = load_hf(draft) if draft is not None else None
     rows, base = [], None
-    for name, extra in variants.items():
-        def gen(extra=extra):
-            outs = []
-            for p in prompts:  # assisted generation is batch-1 only
-                ids = torch.tensor([p])
-                with torch.no_grad():
-                    o = hf_t.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new, min_new_tokens=new, **extra)
-                outs.append(o[0, len(p):].tolist())
-            return outs
-        t, outs = _time(gen, repeats)
+    for name, extra in hf_variants(hf_d, k).items():
+        t, (outs, _) = _time(lambda extra=extra: hf_pass(hf_t, prompts, new=new, **extra),
+                             repeats)
         tps = len(prompts) * new / t
         base = base or tps
         rows.append(dict(method=name, tokens_per_s=tps, speedup=tps / base, tokens=outs))
     return rows
+
+
+def workdir_paths(workdir: str | Path) -> dict[str, Path]:
+    """Where a quickstart run directory keeps what the benchmarks load."""
+    w = Path(workdir)
+    return {"target": w / "target" / "export", "draft": w / "draft" / "export",
+            "medusa": w / "medusa" / "heads", "eagle": w / "eagle" / "heads"}
+
+
+def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = None,
+                      medusa=None, eagle=None, k: int = 4,
+                      eagle_tree: tuple[int, int, int] = (4, 4, 16)) -> dict:
+    """Every method that has what it needs, by name ("autoregressive" is None): n-gram and
+    draft chains of k, Medusa's default tree cut to its heads, an EAGLE-2 dynamic tree
+    of `eagle_tree` (top_k, depth, total_tokens); heads are directories."""
+    from specjax.speculators import DraftModel, NGram
+    from train.speculation import head_speculator
+
+    specs = {"autoregressive": None, "ngram": NGram(k=k)}
+    if draft is not None:
+        specs["draft"] = DraftModel(model=draft, k=k, target=target)
+    for name, heads in (("medusa", medusa), ("eagle", eagle)):
+        if heads:
+            specs[name] = head_speculator(heads, target, eagle_tree)
+    return specs
 
 
 def main(argv=None) -> int:
@@ -146,25 +212,14 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", action="store_true", help="also time transformers on the same weights")
     ap.add_argument("--out", help="write results as JSON")
     args = ap.parse_args(argv)
-    from specjax.speculators import DraftModel, Eagle, Medusa, NGram
-
     if args.workdir:
-        w = Path(args.workdir)
-        args.target = args.target or str(w / "target" / "export")
-        args.draft = args.draft or str(w / "draft" / "export")
-        args.medusa = args.medusa or str(w / "medusa" / "heads")
-        args.eagle = args.eagle or str(w / "eagle" / "heads")
+        for name, path in workdir_paths(args.workdir).items():
+            setattr(args, name, getattr(args, name) or str(path))
     target = specjax.load(args.target) if args.target else specjax.init_model(BENCH_25M, 0)
     draft = specjax.load(args.draft) if args.draft else None
     prompts = _prompts(args, target.config.vocab_size)
-    specs = {"autoregressive": None, "ngram": NGram(k=args.k)}
-    if draft is not None:
-        specs["draft"] = DraftModel(model=draft, k=args.k, target=target)
-    if args.medusa:
-        specs["medusa"] = Medusa(heads=args.medusa, target=target)
-    if args.eagle:
-        specs["eagle"] = Eagle(heads=args.eagle, target=target, top_k=4, depth=4,
-                               total_tokens=16)
+    specs = build_speculators(target, draft=draft, medusa=args.medusa, eagle=args.eagle,
+                              k=args.k)
     rows = run_specjax(target, prompts, args.new, specs, args.repeats)
     if draft is not None:
         c = measured_cost_ratio(target, draft)

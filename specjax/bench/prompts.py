@@ -1,0 +1,213 @@
+"""Benchmark prompts from held-out Python source, in four categories.
+
+- completion: a held-out function cut mid-body (at a line boundary in the middle third
+  of its body): the model finishes the function.
+- docstring: the `def` line(s) and docstring of a held-out function: the model writes
+  the body.
+- repetitive: a held-out function, a blank line, then the start of a near-copy with its
+  name, parameters and local variables renamed (the edit a programmer makes when
+  copying a block): the continuation is mostly in the prompt, the case prompt lookup and
+  other copy-friendly drafts are built for.
+- long: `long_tokens` consecutive tokens from one held-out file (long-context
+  continuation).
+
+Every prompt's length in tokens lies in one band per category, (max/2, max] (`long`:
+exactly max), so all prompts of a category prefill in the same number of chunks and
+compile once per method and batch size. Candidates are collected from every held-out
+document in order and `num` of them drawn with a seeded generator: the same corpus,
+tokenizer and seed give the same prompts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import io
+import tokenize
+from typing import Sequence
+
+import numpy as np
+
+CATEGORIES = ("completion", "docstring", "repetitive", "long")
+# Names given to renamed identifiers, in a seeded order (then numbered when used up).
+_NEW_NAMES = ("item", "value", "entry", "record", "node", "result", "source", "target",
+              "buffer", "state", "handle", "count", "index", "payload", "current", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    category: str
+    ids: list[int]
+    text: str
+    origin: str  # where it comes from: held-out document index, function and line
+
+
+def functions(source: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every function and method defined in `source` (nested ones too), in source
+    order; [] if it does not parse as Python."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    found = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return sorted(found, key=lambda n: n.lineno)
+
+
+def _split(source: str) -> list[str]:
+    """Lines as the parser and `tokenize` count them (str.splitlines would also split at
+    form feeds and other separators Python source may hold), newlines kept."""
+    return io.StringIO(source).readlines()
+
+
+def _lines(source: str, first: int, last: int) -> str:
+    """Lines first..last (1-based, inclusive) of `source`, each ending in a newline."""
+    return "".join(line.rstrip("\n") + "\n" for line in _split(source)[first - 1:last])
+
+
+def _body_start(fn) -> int:
+    """First line of the body after the docstring (or of the body if there is none)."""
+    body = fn.body[1:] if ast.get_docstring(fn, clean=False) is not None else fn.body
+    return body[0].lineno if body else fn.end_lineno + 1
+
+
+def _cut(fn, rng: np.random.Generator, lo: float, hi: float) -> int | None:
+    """A line of the body (after any docstring) between fractions lo and hi of it, so
+    that at least one body line stays before and after the cut; None if too short."""
+    first, last = _body_start(fn), fn.end_lineno
+    n = last - first + 1
+    if n < 3:
+        return None
+    a = first + max(int(lo * n), 0)
+    b = min(first + int(hi * n), last - 1)
+    return int(rng.integers(a, b + 1)) if a <= b else None
+
+
+def completion_text(source: str, fn, rng: np.random.Generator) -> str | None:
+    """The function from its `def` line to a line in the middle third of its body."""
+    cut = _cut(fn, rng, 1 / 3, 2 / 3)
+    return None if cut is None else _lines(source, fn.lineno, cut)
+
+
+def docstring_text(source: str, fn) -> str | None:
+    """The `def` line(s) and docstring, ending right after the docstring; None if the
+    function has no docstring or nothing after it."""
+    if ast.get_docstring(fn, clean=False) is None or len(fn.body) < 2:
+        return None
+    return _lines(source, fn.lineno, fn.body[0].end_lineno)
+
+
+def local_names(fn) -> list[str]:
+    """The function's name, parameters (not self/cls) and assigned local names."""
+    a = fn.args
+    params = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+              if p is not None]
+    stored = [n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Store)]
+    return [x for x in dict.fromkeys([fn.name, *params, *stored]) if x not in ("self", "cls")]
+
+
+def rename_identifiers(source: str, names: dict[str, str]) -> str:
+    """`source` with every NAME token in `names` replaced (not attributes after a dot,
+    not text in strings or comments). Layout is kept."""
+    lines = _split(source)
+    edits, prev = [], None
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.NAME and tok.string in names and not (
+                prev is not None and prev.type == tokenize.OP and prev.string == "."):
+            edits.append(tok)
+        if tok.type not in (tokenize.NL, tokenize.COMMENT):
+            prev = tok
+    for tok in reversed(edits):  # right to left, so earlier columns stay valid
+        (row, c0), (_, c1) = tok.start, tok.end
+        lines[row - 1] = lines[row - 1][:c0] + names[tok.string] + lines[row - 1][c1:]
+    return "".join(lines)
+
+
+def repetitive_text(source: str, fn, rng: np.random.Generator) -> str | None:
+    """The function, a blank line, then its renamed copy up to a line in the first half
+    of the copy's body; None if nothing can be renamed or the body is too short."""
+    block = _lines(source, fn.lineno, fn.end_lineno)
+    try:
+        taken = {t.string for t in tokenize.generate_tokens(io.StringIO(block).readline)
+                 if t.type == tokenize.NAME}
+        old = local_names(fn)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    if not old:
+        return None
+    pool = [_NEW_NAMES[i] for i in rng.permutation(len(_NEW_NAMES))]
+    pool += [f"{w}{i}" for i in range(2, 2 + len(old)) for w in _NEW_NAMES]
+    fresh = iter(w for w in pool if w not in taken)
+    names = {o: next(fresh) for o in old}
+    try:
+        copy = rename_identifiers(block, names)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    cut = _cut(fn, rng, 1 / 4, 1 / 2)
+    if cut is None or copy == block:
+        return None
+    return block + "\n" + "".join(_split(copy)[:cut - fn.lineno + 1])
+
+
+def _band(category: str, max_tokens: int) -> tuple[int, int]:
+    if max_tokens < 2:
+        raise ValueError(f"{category} prompts: max_tokens={max_tokens} must be >= 2")
+    return (max_tokens - 1, max_tokens) if category == "long" else (max_tokens // 2,
+                                                                     max_tokens)
+
+
+def build_prompts(category: str, docs: Sequence[str], tokenizer, num: int, max_tokens: int,
+                  seed: int) -> list[Prompt]:
+    """`num` prompts of `category` from the held-out documents `docs`, each with
+    max_tokens/2 < length <= max_tokens tokens (`long`: exactly max_tokens)."""
+    if category not in CATEGORIES:
+        raise ValueError(f"category={category!r} must be one of {CATEGORIES}")
+    if num < 1:
+        raise ValueError(f"num={num} must be >= 1")
+    lo, hi = _band(category, max_tokens)
+    rng = np.random.default_rng([seed, CATEGORIES.index(category)])
+    if category == "long":
+        return _long_prompts(docs, tokenizer, num, hi, rng)
+    texts, origins = [], []
+    for d, source in enumerate(docs):
+        for fn in functions(source):
+            if category == "completion":
+                text = completion_text(source, fn, rng)
+            elif category == "docstring":
+                text = docstring_text(source, fn)
+            else:
+                text = repetitive_text(source, fn, rng)
+            if text is not None:
+                texts.append(text)
+                origins.append(f"held-out doc {d}, {fn.name}() at line {fn.lineno}")
+    ids = [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
+    fits = [i for i, x in enumerate(ids) if lo < len(x) <= hi]
+    if len(fits) < num:
+        raise ValueError(
+            f"only {len(fits)} held-out functions give {category} prompts of {lo + 1}.."
+            f"{hi} tokens ({len(texts)} candidates in {len(docs)} held-out documents); "
+            f"{num} needed: ask for fewer prompts or change the length")
+    pick = sorted(rng.choice(len(fits), size=num, replace=False).tolist())
+    return [Prompt(category, ids[fits[i]], texts[fits[i]], origins[fits[i]]) for i in pick]
+
+
+def _long_prompts(docs, tokenizer, num, length, rng) -> list[Prompt]:
+    """`num` of the non-overlapping `length`-token windows of the held-out documents
+    (each document tiled from a seeded offset)."""
+    ids = [e.ids for e in tokenizer.encode_batch(list(docs))]
+    windows = []
+    for d, x in enumerate(ids):
+        if len(x) >= length:
+            offset = int(rng.integers(0, len(x) % length + 1))
+            windows += [(d, s) for s in range(offset, len(x) - length + 1, length)]
+    if len(windows) < num:
+        raise ValueError(f"the held-out documents hold only {len(windows)} windows of "
+                         f"{length} tokens; {num} long prompts needed: ask for fewer "
+                         f"prompts or a shorter length")
+    out = []
+    for w in sorted(rng.choice(len(windows), size=num, replace=False).tolist()):
+        d, start = windows[w]
+        window = ids[d][start:start + length]
+        out.append(Prompt("long", window, tokenizer.decode(window),
+                          f"held-out doc {d}, tokens {start}..{start + length}"))
+    return out

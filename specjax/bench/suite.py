@@ -1,0 +1,485 @@
+"""The benchmark suite: every specjax method beside transformers, by prompt category,
+temperature and batch size, on a trained quickstart run, in one run.
+
+  specjax bench suite --workdir runs/quickstart
+  python -m specjax.bench.suite --workdir runs/quickstart
+      [--categories completion,docstring,repetitive,long] [--batches 1,4,16]
+      [--temperatures 0,1] [--new 64] [--repeats 3] [--prompts N] [--methods LIST]
+      [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 1024] [--seed 0]
+      [--torch-threads N] [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
+      [--no-adaptive] [--note TEXT]
+
+The workdir holds what the quickstart trained (`specjax run
+configs/experiments/quickstart.gin`): target/export (with its tokenizer), draft/export,
+medusa/heads, eagle/heads, and target/DONE.json, whose corpus settings give the
+held-out split the prompts come from (`specjax.bench.prompts`: completion, docstring →
+body, repetitive edits, long-context continuation). The same prompts go through
+autoregressive, n-gram, draft-model, Medusa and EAGLE decoding at every batch size and
+temperature, and through transformers' `generate`, assisted generation
+(`assistant_model`) and prompt lookup (`prompt_lookup_num_tokens`) on the same weights
+(`specjax.save_hf`), prompt by prompt (transformers' assisted generation is batch 1
+only). Per (category, temperature, batch, method): α, τ, tokens/s, the measured speedup
+over specjax autoregressive decoding in the same run, the analytical speedup
+(`GenerationStats.expected_speedup`, and `expected_speedup_free_verify`) and, greedy,
+whether the tokens equal autoregressive decoding's. The tables and plots go into
+docs/benchmarks.md (between this benchmark's markers) and docs/figures/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+from specjax.bench.prompts import CATEGORIES, Prompt, build_prompts
+
+START, END = "<!-- bench:suite:start -->", "<!-- bench:suite:end -->"
+SPECJAX_METHODS = ("autoregressive", "ngram", "draft", "medusa", "eagle")
+HF_METHODS = ("hf_generate", "hf_assistant", "hf_prompt_lookup")
+FIGURES = ("suite_speedup.png", "suite_tau.png")
+# Which workdir files each method needs (besides the target, always needed).
+_NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "medusa": ("medusa",),
+          "eagle": ("eagle",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workdir:
+    """The paths of a quickstart run directory that the suite reads."""
+
+    target: Path
+    draft: Path
+    medusa: Path
+    eagle: Path
+    done: Path  # target/DONE.json: the stage settings, corpus included
+
+    @classmethod
+    def check(cls, workdir: str | Path, methods) -> "Workdir":
+        """Raises FileNotFoundError naming every missing file the `methods` need."""
+        from specjax.bench.speculative import workdir_paths
+
+        w = Path(workdir)
+        if not w.is_dir():
+            raise FileNotFoundError(f"--workdir {str(w)!r} is not a directory (a quickstart "
+                                    "run: specjax run configs/experiments/quickstart.gin)")
+        paths = cls(**workdir_paths(w), done=w / "target" / "DONE.json")
+        need = [paths.target / "config.json", paths.target / "tokenizer.json", paths.done]
+        for method in methods:
+            for part in _NEEDS.get(method, ()):
+                d = getattr(paths, part)
+                need.append(d / ("config.json" if part == "draft" else "heads.json"))
+        missing = list(dict.fromkeys(str(p) for p in need if not p.exists()))
+        if missing:
+            raise FileNotFoundError(f"--workdir {str(w)!r} lacks {', '.join(missing)} (needed "
+                                    f"by --methods {','.join(methods)})")
+        return paths
+
+    def heldout_documents(self) -> tuple[list[str], str]:
+        """The held-out documents of the corpus the target trained on, and its config."""
+        from train.corpus import CorpusConfig, load_corpus
+
+        try:
+            corpus = json.loads(self.done.read_text())["settings"]["data"]["corpus"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.done}: no settings.data.corpus ({e!r})") from e
+        config = CorpusConfig(**corpus)
+        return list(load_corpus(config).eval), repr(config)
+
+
+def _ints(text: str, flag: str, ap) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ap.error(f"{flag}={text!r} must be comma-separated integers")
+    if min(values) < 1:
+        ap.error(f"{flag}={text!r}: every value must be >= 1")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="specjax bench suite", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="a quickstart run directory")
+    ap.add_argument("--categories", default=",".join(CATEGORIES))
+    ap.add_argument("--batches", default="1,4,16", help="batch sizes (rows per generate call)")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (the median counts)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts per category (default: the largest batch); a multiple of "
+                         "every batch size")
+    ap.add_argument("--methods", default=",".join(SPECJAX_METHODS + HF_METHODS),
+                    help="autoregressive always runs (the baseline)")
+    ap.add_argument("--k", type=int, default=4, help="draft length of n-gram, draft and "
+                    "transformers' prompt lookup")
+    ap.add_argument("--short-tokens", type=int, default=128,
+                    help="completion and docstring prompts: (N/2, N] tokens")
+    ap.add_argument("--edit-tokens", type=int, default=256,
+                    help="repetitive-edit prompts: (N/2, N] tokens")
+    ap.add_argument("--long-tokens", type=int, default=1024, help="long prompts: N tokens")
+    ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
+    ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                    help="draft the full k / tree every step (generate's adaptive=False)")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch threads for transformers (0: torch's default)")
+    ap.add_argument("--out", default="docs/benchmarks.md",
+                    help="markdown file to write the section into ('' = don't write)")
+    ap.add_argument("--figures", default="docs/figures", help="plots directory ('' = none)")
+    ap.add_argument("--json", default="", help="also write every row as JSON here")
+    ap.add_argument("--note", default="", help="a line to print in the section, e.g. why "
+                    "the run is small")
+    args = ap.parse_args(argv)
+    args.categories = tuple(dict.fromkeys(args.categories.split(",")))
+    bad = [c for c in args.categories if c not in CATEGORIES]
+    if bad:
+        ap.error(f"--categories: unknown {bad}; choose from {','.join(CATEGORIES)}")
+    methods = tuple(dict.fromkeys(args.methods.split(",")))
+    bad = [m for m in methods if m not in SPECJAX_METHODS + HF_METHODS]
+    if bad:
+        ap.error(f"--methods: unknown {bad}; choose from "
+                 f"{','.join(SPECJAX_METHODS + HF_METHODS)}")
+    args.methods = tuple(m for m in SPECJAX_METHODS + HF_METHODS
+                         if m in methods or m == "autoregressive")
+    args.batches = tuple(sorted(set(_ints(args.batches, "--batches", ap))))
+    try:
+        args.temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",")))
+    except ValueError:
+        ap.error(f"--temperatures={args.temperatures!r} must be comma-separated numbers")
+    if min(args.temperatures) < 0:
+        ap.error(f"--temperatures={args.temperatures}: must be >= 0")
+    for name in ("new", "repeats", "k", "short_tokens", "edit_tokens", "long_tokens"):
+        if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
+    args.prompts = args.prompts or max(args.batches)
+    uneven = [b for b in args.batches if args.prompts % b]
+    if args.prompts < 1 or uneven:
+        ap.error(f"--prompts={args.prompts} must be a positive multiple of every batch size "
+                 f"(not of {uneven})")
+    return args
+
+
+def build_prompt_sets(categories, docs, tokenizer, num: int, lengths: dict[str, int],
+                      seed: int) -> dict[str, list[Prompt]]:
+    """The prompts of every category, the same for every method."""
+    return {c: build_prompts(c, docs, tokenizer, num, lengths[c], seed) for c in categories}
+
+
+def _row(category, temperature, batch, method, tokens_per_s, stats=None) -> dict:
+    row = dict(category=category, temperature=temperature, batch=batch, method=method,
+               tokens_per_s=tokens_per_s)
+    if stats is not None:
+        row.update(alpha=stats.acceptance_rate, tau=stats.mean_accepted_length, k=stats.mean_k,
+                   cost_ratio=stats.cost_ratio, analytical=stats.expected_speedup,
+                   analytical_free_verify=stats.expected_speedup_free_verify,
+                   ttft_ms=stats.ttft_s * 1e3, tpot_ms=stats.tpot_s * 1e3)
+    return row
+
+
+def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
+        temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
+        hf_methods=None, log=print) -> list[dict]:
+    """Every (category, temperature, batch, method): one warm-up (compiles) per method,
+    then `repeats` interleaved timed rounds over all the category's prompts.
+
+    hf: transformers' target model, hf_methods: {name: generate arguments}; they run
+    prompt by prompt and are reported at batch 1."""
+    from specjax.bench.speculative import hf_pass, specjax_pass
+
+    rows = []
+    for category, prompts in prompt_sets.items():
+        ids = [p.ids for p in prompts]
+        for temp in temperatures:
+            run_kw = dict(new=new, temperature=temp, seed=seed)
+            spec_kw = dict(run_kw, adaptive=adaptive)
+            reference = {}  # batch -> (autoregressive tokens, tokens/s)
+            for b in batches:
+                for spec in speculators.values():  # warm-up: compiles, one call
+                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw)
+                walls = {name: [] for name in speculators}
+                last = {}
+                for _ in range(repeats):
+                    for name, spec in speculators.items():
+                        tokens, stats, wall = specjax_pass(target, spec, ids, batch=b,
+                                                           **spec_kw)
+                        walls[name].append(wall)
+                        last[name] = tokens, stats
+                for name, (tokens, stats) in last.items():
+                    row = _row(category, temp, b, name,
+                               len(ids) * new / statistics.median(walls[name]), stats)
+                    reference.setdefault(b, (tokens, row["tokens_per_s"]))
+                    rows.append(_finish(row, tokens, reference[b], log))
+            for name, extra in (hf_methods or {}).items():
+                hf_pass(hf, ids[:1], **dict(run_kw, new=min(new, 4)), **extra)  # warm-up
+                walls, tokens = [], None
+                for _ in range(repeats):
+                    tokens, wall = hf_pass(hf, ids, **run_kw, **extra)
+                    walls.append(wall)
+                row = _row(category, temp, 1, name, len(ids) * new / statistics.median(walls))
+                rows.append(_finish(row, tokens, reference.get(1), log))
+    return rows
+
+
+def _finish(row: dict, tokens, reference, log) -> dict:
+    """Speedup over autoregressive (same category, temperature, batch) and, greedy,
+    whether the tokens are its tokens; logs the row."""
+    row["speedup"] = row["tokens_per_s"] / reference[1] if reference else None
+    row["identical"] = (tokens == reference[0] if reference else None) if (
+        row["temperature"] == 0) else None
+    log(f"{row['category']:>10} T={row['temperature']:g} batch={row['batch']:<3} "
+        f"{row['method']:<16} τ={_fmt(row.get('tau'), '.2f')} "
+        f"{row['tokens_per_s']:8.1f} tok/s  speedup {_fmt(row['speedup'], '.2f')}×  "
+        f"identical {_fmt(row['identical'])}")
+    return row
+
+
+def _fmt(x, spec: str = "") -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| T | batch | method | α | τ | mean k | tokens/s | speedup (measured) "
+             "| speedup (analytical) | analytical, free verify | c | greedy identical |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['temperature']:g} | {r['batch']} | {r['method']} | "
+            f"{_fmt(r.get('alpha'), '.3f')} | {_fmt(r.get('tau'), '.2f')} | "
+            f"{_fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | "
+            f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r.get('analytical'), '.2f')}× | "
+            f"{_fmt(r.get('analytical_free_verify'), '.2f')}× | "
+            f"{_fmt(r.get('cost_ratio'), '.3f')} | {_fmt(r['identical'])} |")
+    return "\n".join(lines).replace("–×", "–")
+
+
+_DESCRIBE = {
+    "completion": "a held-out function cut mid-body (at a line in the middle third of "
+                  "its body)",
+    "docstring": "the `def` line and docstring of a held-out function (the model writes "
+                 "the body)",
+    "repetitive": "a held-out function, then the start of a copy with its name, "
+                  "parameters and locals renamed",
+    "long": "consecutive tokens from one held-out file (long-context continuation)",
+}
+
+
+def markdown(result: dict, command: str, figures: list[str]) -> str:
+    from specjax.bench.decode import _machine, _versions
+    from specjax.stats import default_verify_slope
+
+    s = result["settings"]
+    lines = [START, "## Benchmark suite: every method by prompt category, temperature and batch",
+             "", f"- date: {result['date']}", f"- machine: {_machine()}",
+             f"- versions: {_versions()}; torch threads: {result['torch_threads']}",
+             f"- command: `{command}`",
+             *([f"- note: {result['note']}"] if result["note"] else []),
+             f"- models (the workdir's): {result['models']}",
+             f"- prompts: {s['prompts']} per category from the held-out split of "
+             f"`{result['corpus']}` ({result['heldout_docs']} documents), tokenized with the "
+             f"run's tokenizer, seed {s['seed']}; the same prompts for every method:"]
+    for category, info in result["prompt_sets"].items():
+        lines.append(f"  - {category}: {_DESCRIBE[category]}; {info['min']}–{info['max']} "
+                     f"tokens (mean {info['mean']:.0f})")
+    lines += [
+        f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}, adaptive draft "
+        f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}; "
+        f"median of {s['repeats']} interleaved rounds after a warm-up call that compiles",
+        "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included); "
+        "speedup (measured) = tokens/s / specjax autoregressive's at the same category, "
+        "temperature and batch, in this run",
+        "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al. from "
+        "α, the mean k (drafted positions per target call; the adaptive rule picks it) "
+        "and the speculator's estimated draft/target cost ratio c, with the "
+        f"verify forward's cost (slope {default_verify_slope():g} per extra token on this "
+        "backend); free verify = `expected_speedup_free_verify` (the paper's v = 1)",
+        "- `hf_*`: transformers on the same weights (`specjax.save_hf` → `LlamaForCausalLM`, "
+        "float32), prompt by prompt — assisted generation is batch 1 only — so shown at "
+        "batch 1 and compared with specjax autoregressive at batch 1; `hf_assistant` uses "
+        "the draft with transformers' default assistant settings, `hf_prompt_lookup` "
+        f"`prompt_lookup_num_tokens={s['k']}`; sampling with top_k=0, top_p=1; α and τ "
+        "are not reported for them",
+        "- greedy identical: the tokens equal specjax autoregressive's at the same batch "
+        "(`hf_*`: at batch 1), token for token", ""]
+    lines += [f"![{Path(f).stem}]({f})" for f in figures]
+    for category in result["prompt_sets"]:
+        lines += ["", f"### {category}", "",
+                  table([r for r in result["rows"] if r["category"] == category])]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    """Measured speedup by category and method (one panel per temperature and batch) and
+    τ by category and method (smallest batch) -> PNG files in `out`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    temps = sorted({r["temperature"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    x = np.arange(len(categories))
+
+    def bars(ax, sub, methods, key):
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            vals = [next((r[key] for r in sub if r["method"] == m and r["category"] == c
+                          and r.get(key) is not None), np.nan) for c in categories]
+            ax.bar(x + j * width - 0.4 + width / 2, vals, width, label=m)
+        ax.set_xticks(x, categories, rotation=15)
+
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "autoregressive"]
+    fig, axes = plt.subplots(len(temps), len(batches), squeeze=False,
+                             figsize=(4.2 * len(batches), 3.2 * len(temps)), sharey=True)
+    for i, t in enumerate(temps):
+        for j, b in enumerate(batches):
+            ax = axes[i, j]
+            bars(ax, [r for r in rows if r["temperature"] == t and r["batch"] == b], methods,
+                 "speedup")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_title(f"T={t:g}, batch {b}")
+            if j == 0:
+                ax.set_ylabel("measured speedup vs autoregressive")
+    _legend(fig, axes)
+    fig.savefig(out / FIGURES[0])
+    plt.close(fig)
+
+    spec = [m for m in methods if m in SPECJAX_METHODS]
+    fig, axes = plt.subplots(1, len(temps), squeeze=False, figsize=(4.8 * len(temps), 3.2),
+                             sharey=True)
+    for i, t in enumerate(temps):
+        ax = axes[0, i]
+        bars(ax, [r for r in rows if r["temperature"] == t and r["batch"] == batches[0]],
+             spec, "tau")
+        ax.set_title(f"τ (tokens per target call), T={t:g}, batch {batches[0]}")
+    _legend(fig, axes)
+    fig.savefig(out / FIGURES[1])
+    plt.close(fig)
+    return [out / f for f in FIGURES]
+
+
+def _legend(fig, axes) -> None:
+    """One legend for all panels, below them (inside a panel it hides bars)."""
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+
+
+def _models(target, draft, speculators) -> str:
+    parts = [f"target {target.num_params():,} params"]
+    if draft is not None:
+        parts.append(f"draft {draft.num_params():,} params")
+    if "medusa" in speculators:
+        parts.append(f"Medusa {speculators['medusa'].config.num_heads} heads")
+    if "eagle" in speculators:
+        e = speculators["eagle"]
+        parts.append(f"EAGLE-{e.config.version} head (dynamic tree top_k {e.top_k}, depth "
+                     f"{e.max_depth}, {e.total_tokens} nodes)")
+    return "; ".join(parts)
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)  # a long run shows its progress even when piped
+
+
+def suite(args, command: str, log=_log) -> dict:
+    """Loads the workdir, builds the prompts, runs everything; the results dict."""
+    import specjax
+    from specjax.bench.speculative import build_speculators, hf_variants, load_hf
+
+    paths = Workdir.check(args.workdir, args.methods)
+    docs, corpus = paths.heldout_documents()
+    target = specjax.load(paths.target, dtype="float32")
+    if target.tokenizer is None:
+        raise FileNotFoundError(f"{paths.target}: no tokenizer.json")
+    lengths = dict(completion=args.short_tokens, docstring=args.short_tokens,
+                   repetitive=args.edit_tokens, long=args.long_tokens)
+    prompt_sets = build_prompt_sets(args.categories, docs, target.tokenizer, args.prompts,
+                                    lengths, args.seed)
+    need_draft = {"draft", "hf_assistant"} & set(args.methods)
+    draft = specjax.load(paths.draft, dtype="float32") if need_draft else None
+    speculators = {m: spec for m, spec in build_speculators(
+        target, draft=draft if "draft" in args.methods else None, k=args.k,
+        medusa=paths.medusa if "medusa" in args.methods else None,
+        eagle=paths.eagle if "eagle" in args.methods else None).items()
+        if m in args.methods}
+    hf, hf_methods, threads = None, {}, None
+    if set(HF_METHODS) & set(args.methods):
+        import torch
+
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        threads = torch.get_num_threads()
+        hf = load_hf(target)
+        hf_methods = {m: extra for m, extra in hf_variants(
+            load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
+            if m in args.methods}
+    rows = run(target, speculators, prompt_sets, batches=args.batches,
+               temperatures=args.temperatures, new=args.new, repeats=args.repeats,
+               seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods, log=log)
+    lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
+    settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
+                                              "temperatures", "new", "repeats", "prompts",
+                                              "methods", "k", "seed", "adaptive")}
+    return dict(
+        date=datetime.date.today().isoformat(), command=command, settings=settings,
+        note=args.note,
+        corpus=corpus, heldout_docs=len(docs), models=_models(target, draft, speculators),
+        torch_threads=threads if threads is not None else "–",
+        prompt_sets={c: dict(min=min(v), max=max(v), mean=sum(v) / len(v))
+                     for c, v in lens.items()},
+        prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
+                 for ps in prompt_sets.values() for p in ps],
+        rows=rows)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    command = shlex.join(["python", "-m", "specjax.bench.suite", *argv])
+    try:
+        result = suite(args, command)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specjax bench suite: error: {e}", file=sys.stderr)
+        return 2
+    figures = []
+    if args.figures:
+        figures = plots(result["rows"], Path(args.figures))
+        for f in figures:
+            print(f"wrote {f}")
+    for category in result["prompt_sets"]:
+        print(f"\n{category}\n" + table([r for r in result["rows"]
+                                          if r["category"] == category]))
+    if args.out:
+        from specjax.bench.decode import write_section
+
+        out = Path(args.out)
+        rel = [os.path.relpath(f, out.parent) for f in figures]
+        write_section(out, markdown(result, command, rel), START, END)
+        print(f"wrote {out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    differs = [r for r in result["rows"] if r["identical"] is False
+               and r["method"] in SPECJAX_METHODS]
+    if differs:
+        print("greedy outputs differ from autoregressive decoding: "
+              + ", ".join(f"{r['method']} ({r['category']}, batch {r['batch']})"
+                          for r in differs), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

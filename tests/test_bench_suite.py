@@ -1,0 +1,314 @@
+"""The benchmark suite: its prompt categories have the properties they claim, it runs end
+to end on a tiny fake quickstart workdir (random models, random heads, a tokenizer
+trained here) and writes a section with every method and category, and bad input is a
+clear error with a non-zero exit."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import io
+import json
+import re
+import textwrap
+import tokenize
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.bench import prompts as P
+from specjax.bench import suite
+from specjax.cli import main as cli
+from specjax.config import tiny_llama
+from specjax.speculators import Eagle, Medusa
+from train.corpus import CorpusConfig, load_corpus
+from train.tokenizer import train_bpe
+
+VOCAB = 320
+WORDS = ("alpha", "beta", "gamma", "delta", "total", "scale", "offset", "limit")
+# Every category in one length band (33..64 tokens): one compiled program per method.
+# One torch thread: two spin badly on a shared 2-core machine (see docs/benchmarks.md).
+TINY = ["--batches", "1", "--prompts", "2", "--new", "4", "--repeats", "1", "--k", "2",
+        "--short-tokens", "64", "--edit-tokens", "64", "--long-tokens", "64",
+        "--torch-threads", "1"]
+
+
+def write_corpus(root: Path, files: int = 12) -> None:
+    """Small Python modules: functions with docstrings, short ones without, a long table."""
+    rng = np.random.default_rng(0)
+    for i in range(files):
+        parts = [f'"""Module {i}: small helpers."""\n\nimport math\n\n\n']
+        for j in range(6):
+            a, b = rng.choice(WORDS, 2, replace=False)
+            parts.append(f'def f{i}_{j}({a}, {b}):\n    """Combine {a} and {b}.\n\n'
+                         f'    Step {j} of module {i}, {b} first.\n    """\n'
+                         f"    x = {a} + {b}\n    y = x * {j + 1}\n    return y - {a}\n\n\n")
+            parts.append(f"def g{i}_{j}({a}):\n    x = {a} + {j}\n    y = x * x\n"
+                         f"    return y\n\n\n")
+        parts.append("TABLE = [\n" + "".join(f"    ({k}, {k * i}),\n" for k in range(60)) + "]\n")
+        (root / f"mod{i:02d}.py").write_text("".join(parts))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A finished quickstart run in miniature: target/draft exports with the tokenizer,
+    random Medusa and EAGLE heads, and target/DONE.json naming the corpus."""
+    root = tmp_path_factory.mktemp("suite")
+    (root / "corpus").mkdir()
+    write_corpus(root / "corpus")
+    corpus = CorpusConfig(source=str(root / "corpus"), eval_fraction=0.5)
+    tok = train_bpe(load_corpus(corpus).train, VOCAB)
+    w = root / "run"
+    ids = dict(bos_token_id=0, eos_token_id=1)
+    target = specjax.init_model(tiny_llama(VOCAB, num_layers=1, **ids), seed=0)
+    target = dataclasses.replace(target, tokenizer=tok)
+    draft = specjax.init_model(tiny_llama(VOCAB, num_layers=1, hidden_size=32,
+                                          intermediate_size=64, num_heads=2, num_kv_heads=1,
+                                          **ids), seed=1)
+    specjax.save_hf(target, w / "target" / "export")
+    specjax.save_hf(dataclasses.replace(draft, tokenizer=tok), w / "draft" / "export")
+    Medusa.random(target, num_heads=2, tree=[[0], [0, 0]]).save(w / "medusa" / "heads")
+    Eagle.random(target, top_k=2, depth=2, total_tokens=3).save(w / "eagle" / "heads")
+    settings = {"data": {"corpus": dataclasses.asdict(corpus), "seq_len": 64}, "seed": 0}
+    (w / "target" / "DONE.json").write_text(json.dumps({"settings": settings}))
+    return w
+
+
+@pytest.fixture(scope="module")
+def heldout(workdir):
+    docs, _ = suite.Workdir.check(workdir, ["autoregressive"]).heldout_documents()
+    return docs, specjax.load(workdir / "target" / "export").tokenizer
+
+
+# ---- prompt categories ---------------------------------------------------------------
+SOURCE = textwrap.dedent('''\
+    class Box:
+        def grow(self, amount, *, factor=2):
+            """Grow the box.
+
+            By amount times factor.
+            """
+            size = self.size + amount
+            size = size * factor
+            self.size = size  # keep
+            return size
+''')
+
+
+def test_docstring_prompt_ends_right_after_the_docstring():
+    fn = P.functions(SOURCE)[0]
+    text = P.docstring_text(SOURCE, fn)
+    assert text.endswith('    """\n') and "size" not in text
+    tree = ast.parse(textwrap.dedent(text + "        pass\n"))
+    fn2 = tree.body[0]
+    assert ast.get_docstring(fn2) == ast.get_docstring(fn)
+    assert [type(s) for s in fn2.body] == [ast.Expr, ast.Pass]  # the docstring, nothing else
+
+
+def test_completion_prompt_cuts_the_body_in_the_middle():
+    fn = P.functions(SOURCE)[0]
+    whole = "".join(SOURCE.splitlines(keepends=True)[fn.lineno - 1:fn.end_lineno])
+    cuts = {P.completion_text(SOURCE, fn, np.random.default_rng(s)) for s in range(20)}
+    for text in cuts:
+        assert whole.startswith(text) and text.endswith("\n")
+        body_lines = text.count("\n") - 5  # def line + four docstring lines
+        assert 2 <= body_lines <= 3 and whole[len(text):].strip()  # some body left
+    assert len(cuts) > 1  # the cut point is drawn
+
+
+def _shape(line: str) -> str:
+    return re.sub(r"\w+", "w", line)
+
+
+def test_repetitive_prompt_is_a_block_then_a_renamed_copy():
+    fn = P.functions(SOURCE)[0]
+    text = P.repetitive_text(SOURCE, fn, np.random.default_rng(0))
+    block = "".join(SOURCE.splitlines(keepends=True)[fn.lineno - 1:fn.end_lineno])
+    assert text.startswith(block + "\n")
+    copy = text[len(block) + 1:].splitlines()
+    assert 7 <= len(copy) < len(block.splitlines())  # the copy's start, into the body
+    assert [_shape(x) for x in copy] == [_shape(x) for x in block.splitlines()[:len(copy)]]
+    toks = list(tokenize.generate_tokens(io.StringIO(textwrap.dedent("\n".join(copy))).readline))
+    names = {t.string for t, before in zip(toks[1:], toks) if t.type == tokenize.NAME
+             and before.string != "."}  # not attributes
+    assert P.local_names(fn) == ["grow", "amount", "factor", "size"]
+    assert not names & set(P.local_names(fn)) and "self" in names  # all renamed, self kept
+    renamed = P.rename_identifiers(block, dict.fromkeys(P.local_names(fn), "z"))
+    assert "def z(self, z, *, z=2)" in renamed and "self.size = z  # keep" in renamed
+    assert '"""Grow the box.' in renamed  # strings are not code
+
+
+def test_lines_are_counted_as_the_parser_counts_them():
+    """A form feed (stdlib files have them) is no line break for Python's parser."""
+    src = "def f(a):\n    \"\"\"Doc.\x0c\"\"\"\n    x = a\x0c + 1\n    y = x\n    return y\n"
+    fn = P.functions(src)[0]
+    assert P.docstring_text(src, fn) == 'def f(a):\n    """Doc.\x0c"""\n'
+    assert P.completion_text(src, fn, np.random.default_rng(0)) == src.rsplit("    return", 1)[0]
+
+
+def test_prompt_sets_have_their_lengths_and_properties(heldout):
+    docs, tok = heldout
+    sets = {c: P.build_prompts(c, docs, tok, 3, 64, seed=0) for c in P.CATEGORIES}
+    for c, ps in sets.items():
+        assert len(ps) == 3 and all(p.category == c for p in ps)
+        for p in ps:
+            assert (len(p.ids) == 64) if c == "long" else (32 < len(p.ids) <= 64)
+            assert tok.encode(p.text).ids == p.ids or c == "long"
+    for p in sets["docstring"]:
+        assert p.text.rstrip().endswith('"""') and p.text.startswith("def ")
+    for p in sets["repetitive"]:
+        lines = p.text.splitlines()
+        blank = lines.index("")
+        block, copy = lines[:blank], lines[blank + 1:]
+        assert 2 <= len(copy) < len(block) and copy[0] != block[0]
+        assert [_shape(x) for x in copy] == [_shape(x) for x in block[:len(copy)]]
+    for p in sets["completion"]:
+        doc = next(d for d in docs if p.text in d)
+        rest = doc[doc.index(p.text) + len(p.text):].split("\n")[0]
+        assert p.text.startswith("def ") and rest.startswith("    ") and rest.strip()
+    long = sets["long"][0]
+    assert any(tok.decode(long.ids) in d for d in docs)  # one file's consecutive tokens
+    again = P.build_prompts("completion", docs, tok, 3, 64, seed=0)
+    assert [p.ids for p in again] == [p.ids for p in sets["completion"]]
+    other = P.build_prompts("completion", docs, tok, 3, 64, seed=1)
+    assert [p.ids for p in other] != [p.ids for p in again]
+
+
+def test_too_few_prompts_is_a_clear_error(heldout):
+    docs, tok = heldout
+    with pytest.raises(ValueError, match="docstring prompts of 5..8 tokens"):
+        P.build_prompts("docstring", docs, tok, 2, 8, seed=0)
+    with pytest.raises(ValueError, match="windows of 100000 tokens"):
+        P.build_prompts("long", docs, tok, 1, 100000, seed=0)
+
+
+# ---- the suite end to end -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished(workdir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("docs")
+    (out / "benchmarks.md").write_text("# Benchmarks\n\nkeep me\n")
+    argv = ["--workdir", str(workdir), *TINY, "--out", str(out / "benchmarks.md"),
+            "--figures", str(out / "figures"), "--json", str(out / "suite.json"),
+            "--note", "a tiny test run"]
+    code = suite.main(argv)
+    return code, out, json.loads((out / "suite.json").read_text())
+
+
+def test_suite_compares_every_method_on_every_category(finished):
+    code, out, result = finished
+    assert code == 0
+    rows = result["rows"]
+    cells = {(r["category"], r["temperature"], r["method"]) for r in rows}
+    methods = suite.SPECJAX_METHODS + suite.HF_METHODS
+    assert cells == {(c, t, m) for c in P.CATEGORIES for t in (0.0, 1.0) for m in methods}
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+        if r["method"] in suite.SPECJAX_METHODS:
+            assert r["tau"] >= 1.0 and 0 <= r["alpha"] <= 1
+            assert r["analytical"] > 0 and r["analytical_free_verify"] >= r["analytical"]
+    greedy = [r for r in rows if r["temperature"] == 0 and r["method"] in suite.SPECJAX_METHODS]
+    assert all(r["identical"] is True for r in greedy)
+    assert all(r["identical"] is None for r in rows if r["temperature"] == 1)
+    auto = [r for r in rows if r["method"] == "autoregressive"]
+    assert all(r["speedup"] == 1.0 and r["tau"] == 1.0 for r in auto)
+
+
+def test_suite_writes_its_section_and_plots(finished):
+    _, out, _ = finished
+    text = (out / "benchmarks.md").read_text()
+    assert "keep me" in text and text.count(suite.START) == text.count(suite.END) == 1
+    section = text[text.index(suite.START):]
+    for needle in ("- date: ", "- machine: ", "- versions: jax ", "transformers ",
+                   "- command: `python -m specjax.bench.suite --workdir ", "--new 4",
+                   "- note: a tiny test run", "![suite_speedup](figures/suite_speedup.png)"):
+        assert needle in section
+    for c in P.CATEGORIES:
+        assert f"### {c}" in section
+    for m in suite.SPECJAX_METHODS + suite.HF_METHODS:
+        assert f"| {m} |" in section
+    assert "| 0 | 1 | eagle | 0." in section
+    assert "| 1 | 1 | hf_prompt_lookup | – | – | – |" in section  # no α, τ, k for transformers
+    for name in suite.FIGURES:
+        assert (out / "figures" / name).stat().st_size > 1000
+
+
+def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
+    """--no-adaptive turns generate's adaptive draft length off (no recompile: a flag)."""
+    _, out, adaptive = finished
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            "draft", "--temperatures", "0", "--out", "", "--figures", "",
+            "--json", str(out / "fixed.json"), "--no-adaptive"]
+    assert suite.main(argv) == 0
+    fixed = json.loads((out / "fixed.json").read_text())
+    k = {r["method"]: r["k"] for r in fixed["rows"]}
+    assert fixed["settings"]["adaptive"] is False and k == {"autoregressive": 0, "draft": 2}
+    before = next(r for r in adaptive["rows"] if r["method"] == "draft" and
+                  r["category"] == "completion" and r["temperature"] == 0)
+    assert before["k"] < 2  # a random draft: the adaptive rule drafts less
+    assert all(r["identical"] for r in fixed["rows"])
+
+
+def test_merged_stats_add_up(workdir, finished):
+    """The stats of a prompt set run in batches are those of its calls added up (prompt
+    shapes as in the suite run, whose compiled programs this reuses)."""
+    from specjax.bench.speculative import build_speculators, specjax_pass
+    from specjax.stats import merge_stats
+
+    target = specjax.load(workdir / "target" / "export")
+    draft = specjax.load(workdir / "draft" / "export")
+    spec = build_speculators(target, draft=draft, k=2)["draft"]
+    prompts = [[5, 6, 7] * 13, [9, 8] * 20]
+    tokens, merged, wall = specjax_pass(target, spec, prompts, new=4, batch=1)
+    parts = [specjax.generate(target, [p], max_new_tokens=4, seed=i, ignore_eos=True,
+                              speculator=spec) for i, p in enumerate(prompts)]
+    assert tokens == [t for o in parts for t in o.tokens]
+    assert merged.drafted == sum(o.stats.drafted for o in parts) > 0
+    assert merged.acceptance_rate == pytest.approx(
+        sum(o.stats.accepted for o in parts) / sum(o.stats.drafted for o in parts))
+    assert merged.mean_accepted_length == pytest.approx(
+        6 / sum(o.stats.target_calls for o in parts))  # 2 x (4 - 1) decode tokens
+    assert len(merged.rows) == 2 and wall > 0
+    one = merge_stats([parts[0].stats])
+    assert (one.expected_speedup, one.tokens_per_s, one.verify_cost) == pytest.approx(
+        (parts[0].stats.expected_speedup, parts[0].stats.tokens_per_s,
+         parts[0].stats.verify_cost))
+
+
+# ---- bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, match", [
+    (["--batches", "1,x"], "--batches='1,x'"),
+    (["--categories", "completion,poetry"], "unknown ['poetry']"),
+    (["--methods", "ngram,lookahead"], "unknown ['lookahead']"),
+    (["--batches", "4", "--prompts", "6"], "--prompts=6 must be a positive multiple"),
+    (["--new", "0"], "--new=0"),
+    (["--temperatures", "0,-1"], "must be >= 0"),
+])
+def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
+    with pytest.raises(SystemExit) as err:
+        suite.main(["--workdir", str(tmp_path), *argv])
+    assert err.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_help_through_the_cli_shows_the_suites_flags(capsys):
+    with pytest.raises(SystemExit) as err:
+        cli(["bench", "suite", "--help"])
+    assert err.value.code == 0 and "--long-tokens" in capsys.readouterr().out
+
+
+def test_missing_workdir_files_are_named(workdir, tmp_path, capsys):
+    assert cli(["bench", "suite", "--workdir", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "target" / "export").mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / "target" / "export" / name).write_bytes(
+            (workdir / "target" / "export" / name).read_bytes())
+    assert cli(["bench", "suite", "--workdir", str(tmp_path), "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert "DONE.json" in err and str(Path("draft", "export", "config.json")) in err
+    assert str(Path("eagle", "heads", "heads.json")) in err
+    # a method subset needs only its own files
+    with pytest.raises(FileNotFoundError) as e:
+        suite.Workdir.check(tmp_path, ("autoregressive", "medusa"))
+    assert "medusa" in str(e.value) and "draft" not in str(e.value)
