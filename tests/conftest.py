@@ -40,3 +40,16 @@ def greedy_reference(model, prompt, n):
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10] * 20, [3, 4, 5, 3, 4, 5, 3, 4]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Drops every compiled program after each test module. One pytest process compiles
+    hundreds of programs; keeping them all alive (jax's caches and `generate`'s) grew
+    XLA:CPU's state until a late compile crashed in the full run (never in isolation)."""
+    yield
+    import jax
+    from specjax import generation
+
+    generation._COMPILED.clear()
+    jax.clear_caches()
