@@ -29,8 +29,10 @@ import numpy as np
 START, END = "<!-- bench:verify_cost:start -->", "<!-- bench:verify_cost:end -->"
 
 
-def measure(tokens: list[int], batch: int, repeats: int, context: int = 128) -> dict:
-    """Median seconds per step at each T, and the fitted slope."""
+def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
+            config=None) -> dict:
+    """Median seconds per step at each T, and the fitted slope (`config`: the model to
+    time; default the ~25M benchmark Llama)."""
     import specjax
     from specjax.bench.decode import BENCH_CONFIG
     from specjax.cache import PagedKVCache
@@ -38,7 +40,7 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128) -> 
     from specjax.model import decode_params
     from specjax.tree import ancestor_mask, chain
 
-    config = ModelConfig(**BENCH_CONFIG)
+    config = config or ModelConfig(**BENCH_CONFIG)
     model = specjax.init_model(config, seed=0)
     params = decode_params(config, model.params)  # the layout `generate` decodes with
     page = 16

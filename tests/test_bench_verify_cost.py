@@ -1,0 +1,39 @@
+"""specjax.bench.verify_cost: the measurement on a tiny model, its fit, its docs section
+and its argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax.bench import verify_cost
+from specjax.config import tiny_llama
+
+
+def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
+    result = verify_cost.measure([1, 2, 5], batch=2, repeats=2, context=20,
+                                 config=tiny_llama(vocab_size=64))
+    assert set(result["seconds"]) == {1, 2, 5} and min(result["seconds"].values()) > 0
+    assert result["ratio"][1] == 1.0
+    x = np.log2([1, 2, 5])
+    y = np.asarray([result["ratio"][t] - 1 for t in (1, 2, 5)])
+    assert result["slope"] == pytest.approx(float(x @ y / (x @ x)))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nkeep me\n")
+    text = verify_cost.markdown(result, 2, 2, "python -m specjax.bench.verify_cost")
+    from specjax.bench.decode import write_section
+
+    write_section(doc, text, verify_cost.START, verify_cost.END)
+    out = doc.read_text()
+    assert "keep me" in out and out.count(verify_cost.START) == 1
+    assert f"**{result['slope']:.3f}**" in out and "| 5 |" in out
+    assert "- command: `python -m specjax.bench.verify_cost`" in out
+
+
+@pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),
+                                         (["--tokens", "1,x"], "--tokens='1,x'"),
+                                         (["--repeats", "0"], "--repeats=0")])
+def test_bad_arguments_exit_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        verify_cost.main(argv + ["--out", ""])
+    assert e.value.code == 2 and match in capsys.readouterr().err
