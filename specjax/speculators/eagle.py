@@ -247,10 +247,9 @@ class Eagle(Speculator):
             return tree, grown
 
         def skip():  # no row drafts this step: the queue call above was all it needed
-            shape = jax.eval_shape(grow)[0]
-            full = lambda v: jnp.full(shape.tokens.shape, v, jnp.int32)
-            return shape.replace(tokens=full(0), parents=full(-1), depth=full(1),
-                                 valid=jnp.zeros(shape.tokens.shape, bool)), cache
+            full = lambda v: jnp.full((b, self.num_nodes), v, jnp.int32)
+            return DraftTree(full(0), full(-1), full(1), jnp.zeros((b, self.num_nodes), bool),
+                             None, max_depth=self.max_depth), cache
 
         tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
