@@ -32,8 +32,8 @@ from specjax.model import Model, decode_params, module_for, step, validate_token
 from specjax.models.transformer import Hidden, Transformer
 from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
-from specjax.stats import (GenerationStats, build_stats, default_verify_slope,
-                           leviathan_optimal_k)
+from specjax.stats import (GenerationStats, batch_verify_bucket, build_stats,
+                           default_verify_slope, leviathan_optimal_k)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.verify import verify
 
@@ -251,8 +251,17 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
         raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
                          f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
     tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))  # limit 0: inactive
-    deepest = jnp.max(jnp.where(tree.valid, tree.depth, 0))  # over the whole batch
-    which = jnp.sum(jnp.asarray([d for d, _ in buckets]) < deepest)
+    row_depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # [B]
+    depths = [d for d, _ in buckets]
+    covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))  # verifies every draft
+    # Adaptive: the width that pays off for the batch as a whole; probe steps verify
+    # every draft so that rows sitting at k = 0 keep measuring their acceptance.
+    bucket_cost = 1.0 + verify_slope * jnp.asarray(
+        np.log2([w + 1 for _, w in buckets]), jnp.float32)
+    best = batch_verify_bucket(alpha, row_depth, active, depths, bucket_cost)
+    which = jnp.where(adaptive & ~probe, jnp.minimum(best, covering), covering)
+    cut = jnp.asarray(depths, jnp.int32)[which]
+    tree = tree.replace(valid=tree.valid & (tree.depth <= cut))
     branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
                                   k_ver, backend) for _, w in buckets]
     res, kept, kept_hidden, cache = jax.lax.switch(which, branches)

@@ -64,6 +64,36 @@ def leviathan_optimal_k(alpha: np.ndarray, cost_ratio: float, k_max: int,
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
+def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[int],
+                        bucket_cost):
+    """Which verify width the whole batch should run, once every row has drafted.
+
+    The target forward is one batched call whose width is set by the deepest node
+    verified in any row, so a row that drafts deep makes every row pay for that width.
+    Per-row rules (`leviathan_optimal_k`) cannot see this: at batch 8 one row with an
+    n-gram match made the other seven verify 5 tokens for nothing (1.5x slower than
+    plain decoding on CPU). After drafting, the draft cost is spent; what is left is
+    the batch's expected tokens per unit of verify cost,
+        score(b) = sum_r E_r[tokens | depth <= D_b] / v_b,
+    with E_r = 1 + α_r + ... + α_r^min(D_b, drafted_r) (a chain's expectation; a tree
+    accepts at least as much). This mirrors vLLM/SGLang turning speculation off as
+    the batch grows, but per step and from measured acceptance.
+
+    alpha: [B] per-row acceptance estimate; drafted_depth: [B] deepest valid node per
+    row; active: [B] bool; bucket_depths: [NB] static depths D_b, rising;
+    bucket_cost: [NB] the verify forward's cost at each bucket (one-token step = 1).
+    Returns the bucket index (int32 scalar); ties go to the cheaper bucket.
+    """
+    import jax.numpy as jnp
+
+    d = jnp.asarray(bucket_depths, jnp.float32)[None, :]  # [1, NB]
+    reach = jnp.minimum(drafted_depth.astype(jnp.float32)[:, None], d)  # [B, NB]
+    a = jnp.clip(alpha, 0.0, 0.999)[:, None]
+    tokens = (1 - a ** (reach + 1)) / (1 - a)  # [B, NB]
+    total = jnp.sum(jnp.where(active[:, None], tokens, 0.0), axis=0)
+    return jnp.argmax(total / jnp.asarray(bucket_cost, jnp.float32)).astype(jnp.int32)
+
+
 @dataclasses.dataclass
 class GenerationStats:
     """Totals as attributes; `rows` holds the same fields per row."""

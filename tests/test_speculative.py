@@ -158,3 +158,51 @@ def test_mixed_buckets_in_one_batch_stay_lossless(tiny_target, greedy_ref):
                            speculator=NGram(k=4), verify_cost_slope=0.0)
     assert out.tokens == greedy_ref
     assert 1.0 < out.stats.mean_verified < 5.0
+
+
+def test_batch_verify_bucket_weighs_the_whole_batch():
+    """One row with a deep draft does not make a batch of idle rows verify 5 tokens;
+    alone, or with company that also drafts, it does."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.stats import batch_verify_bucket
+
+    depths = [0, 2, 4]
+    cost = 1.0 + 0.75 * np.log2([1, 3, 5])
+    one = lambda n, alpha, deep: batch_verify_bucket(  # noqa: E731
+        jnp.full((n,), alpha), jnp.asarray([deep] + [0] * (n - 1)), jnp.ones((n,), bool),
+        depths, cost)
+    assert int(one(8, 0.9, 4)) == 0  # 7 idle rows: 8 + 3.1 tokens cannot pay 2.7x
+    assert int(one(1, 0.9, 4)) == 2  # alone: 4.1 tokens for 2.7x
+    assert int(one(1, 0.2, 4)) == 0  # poor acceptance never pays
+    all_deep = batch_verify_bucket(jnp.full((8,), 0.9), jnp.full((8,), 4), jnp.ones((8,), bool),
+                                   depths, cost)
+    assert int(all_deep) == 2
+    # inactive rows do not count; a free verify always covers the deepest draft
+    inactive = batch_verify_bucket(jnp.full((8,), 0.9), jnp.asarray([4] + [0] * 7),
+                                   jnp.asarray([True] + [False] * 7), depths, cost)
+    assert int(inactive) == 2
+    free = batch_verify_bucket(jnp.full((8,), 0.5), jnp.asarray([2] + [0] * 7),
+                               jnp.ones((8,), bool), depths, np.ones(3))
+    assert int(free) == 1
+
+
+def test_batch_rule_spares_idle_rows(tiny_target):
+    """A ragged batch where one row repeats itself (n-gram matches) and the others do
+    not: with a costly verify the batch rule verifies far fewer inputs than drafting at
+    full depth would, and the output stays target-only greedy."""
+    prompts = [[5, 6, 7, 8] * 6] + [[int(x) for x in jax.random.permutation(
+        jax.random.key(i), 128)[:24]] for i in range(7)]
+    ref = specjax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True).tokens
+    runs = {a: specjax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True,
+                                speculator=NGram(k=4, n_min=2), adaptive=a,
+                                verify_cost_slope=0.75)
+            for a in (False, True)}
+    assert runs[False].tokens == ref and runs[True].tokens == ref
+    assert runs[False].stats.mean_verified > 2.0  # the repeating row drafts every step
+    assert runs[True].stats.mean_verified < 0.75 * runs[False].stats.mean_verified
+    # the same row alone pays for its own verify, so it keeps drafting
+    alone = specjax.generate(tiny_target, prompts[:1], max_new_tokens=24, ignore_eos=True,
+                             speculator=NGram(k=4, n_min=2), verify_cost_slope=0.75)
+    assert alone.tokens == ref[:1] and alone.stats.mean_verified > 2.0
