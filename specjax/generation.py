@@ -373,6 +373,7 @@ def generate(
     ignore_eos: bool = False,
     speculator: Speculator | None = None,
     adaptive: bool = True,
+    cost_ratio: float | None = None,
     verify_cost_slope: float | None = None,
     layer_layout: str = "auto",
     page_size: int = 16,
@@ -388,6 +389,11 @@ def generate(
     speculator: a `specjax.speculators` instance; output is identical to target-only
       greedy decoding at temperature 0 and distributed as the target at any temperature.
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
+    cost_ratio: one draft call's cost relative to a one-token target step, for the
+      adaptive rule and the analytical speedup; None takes `speculator.cost_ratio`
+      (parameter counts). Small drafts cost more than their parameter share (fixed
+      per-call work), so pass a measured one (`specjax.bench.speculative
+      .measured_cost_ratio`) where it matters.
     verify_cost_slope: a verify forward of T tokens costs 1 + slope·log2(T) one-token
       target steps; used by the adaptive rule and the analytical speedup. None takes this
       backend's entry of `specjax.stats.VERIFY_COST_SLOPE`.
@@ -447,7 +453,12 @@ def generate(
     sampling, key, max_new, eos_arr = shard.replicate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jax.random.key(seed),
          jnp.int32(max_new_tokens), jnp.asarray(eos_list, jnp.int32)), mesh)
-    cost = float(speculator.cost_ratio(cfg)) if speculator is not None else 0.0
+    if cost_ratio is not None and not (np.isfinite(cost_ratio) and cost_ratio >= 0):
+        raise ValueError(f"cost_ratio={cost_ratio!r} must be a finite number >= 0")
+    if speculator is None:
+        cost = 0.0
+    else:
+        cost = float(speculator.cost_ratio(cfg) if cost_ratio is None else cost_ratio)
     slope = default_verify_slope() if verify_cost_slope is None else float(verify_cost_slope)
     if not np.isfinite(slope) or slope < 0:
         raise ValueError(f"verify_cost_slope={verify_cost_slope!r} must be a finite number >= 0")

@@ -206,3 +206,20 @@ def test_batch_rule_spares_idle_rows(tiny_target):
     alone = specjax.generate(tiny_target, prompts[:1], max_new_tokens=24, ignore_eos=True,
                              speculator=NGram(k=4, n_min=2), verify_cost_slope=0.75)
     assert alone.tokens == ref[:1] and alone.stats.mean_verified > 2.0
+
+
+def test_cost_ratio_override_drives_the_rule(tiny_target, tiny_draft, greedy_ref):
+    """generate(cost_ratio=) replaces the parameter-count estimate: a draft said to cost
+    as much as the target never drafts, a free one does; bad values are refused."""
+    spec = DraftModel(model=tiny_draft, k=3)
+    runs = {c: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                                speculator=spec, cost_ratio=c, verify_cost_slope=0.0)
+            for c in (0.0, 1.0)}
+    assert runs[0.0].tokens == greedy_ref and runs[1.0].tokens == greedy_ref
+    assert runs[1.0].stats.cost_ratio == 1.0 and runs[0.0].stats.cost_ratio == 0.0
+    assert runs[1.0].stats.drafted <= len(PROMPTS)  # probe steps at most
+    assert runs[0.0].stats.drafted > 4 * len(PROMPTS)
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="cost_ratio="):
+            specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
+                             cost_ratio=bad)

@@ -32,7 +32,6 @@ import numpy as np
 
 import specjax
 from specjax.config import ModelConfig
-from specjax.stats import leviathan_speedup
 
 BENCH_25M = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408,
                         num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048)
@@ -73,10 +72,12 @@ def measured_cost_ratio(target: specjax.Model, draft: specjax.Model, repeats: in
 
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
-                 batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True):
+                 batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
+                 cost_ratio: float | None = None):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
-    the calls). Call `i` samples with seed `seed + i`."""
+    the calls). Call `i` samples with seed `seed + i`; `cost_ratio` goes to generate
+    (None: the speculator's parameter-count estimate)."""
     from specjax.stats import merge_stats
 
     tokens, parts = [], []
@@ -84,18 +85,24 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
     for i in range(0, len(prompts), batch):
         out = specjax.generate(target, prompts[i:i + batch], max_new_tokens=new,
                                temperature=temperature, seed=seed + i // batch,
-                               ignore_eos=True, speculator=speculator, adaptive=adaptive)
+                               ignore_eos=True, speculator=speculator, adaptive=adaptive,
+                               cost_ratio=None if speculator is None else cost_ratio)
         tokens += out.tokens
         parts.append(out.stats)
     return tokens, merge_stats(parts), time.perf_counter() - t0
 
 
-def run_specjax(target, prompts, new, speculators: dict, repeats: int) -> list[dict]:
+def run_specjax(target, prompts, new, speculators: dict, repeats: int,
+                cost_ratios: dict | None = None) -> list[dict]:
+    """cost_ratios: measured draft/target cost per method name (the adaptive rule and the
+    analytical speedup use it); methods not named use their parameter-count estimate."""
     rows = []
     base_tps = None
+    cost_ratios = cost_ratios or {}
     for name, spec in speculators.items():
-        def gen(spec=spec):
-            return specjax_pass(target, spec, prompts, new=new, batch=len(prompts))
+        def gen(spec=spec, c=cost_ratios.get(name)):
+            return specjax_pass(target, spec, prompts, new=new, batch=len(prompts),
+                                cost_ratio=c)
         _, out = _time(gen, 1)
         tps = []
         for _ in range(repeats):
@@ -220,13 +227,8 @@ def main(argv=None) -> int:
     prompts = _prompts(args, target.config.vocab_size)
     specs = build_speculators(target, draft=draft, medusa=args.medusa, eagle=args.eagle,
                               k=args.k)
-    rows = run_specjax(target, prompts, args.new, specs, args.repeats)
-    if draft is not None:
-        c = measured_cost_ratio(target, draft)
-        for r in rows:
-            if r["method"] == "draft":
-                r["cost_ratio_measured"] = c
-                r["analytical"] = leviathan_speedup(r["alpha"], r["k"], c, r["verify_cost"])
+    costs = {"draft": measured_cost_ratio(target, draft)} if draft is not None else {}
+    rows = run_specjax(target, prompts, args.new, specs, args.repeats, costs)
     ref = rows[0]["tokens"]
     for r in rows:
         r["identical_to_greedy"] = r["tokens"] == ref

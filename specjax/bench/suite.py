@@ -182,12 +182,13 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None) -> dict
 
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
-        hf_methods=None, log=print) -> list[dict]:
+        hf_methods=None, cost_ratios: dict | None = None, log=print) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
     hf: transformers' target model, hf_methods: {name: generate arguments}; they run
-    prompt by prompt and are reported at batch 1."""
+    prompt by prompt and are reported at batch 1. cost_ratios: measured draft/target
+    cost per method (`generate(cost_ratio=)`), else the parameter-count estimate."""
     from specjax.bench.speculative import hf_pass, specjax_pass
 
     rows = []
@@ -198,14 +199,16 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             spec_kw = dict(run_kw, adaptive=adaptive)
             reference = {}  # batch -> (autoregressive tokens, tokens/s)
             for b in batches:
-                for spec in speculators.values():  # warm-up: compiles, one call
-                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw)
+                for name, spec in speculators.items():  # warm-up: compiles, one call
+                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw,
+                                 cost_ratio=(cost_ratios or {}).get(name))
                 walls = {name: [] for name in speculators}
                 last = {}
                 for _ in range(repeats):
                     for name, spec in speculators.items():
-                        tokens, stats, wall = specjax_pass(target, spec, ids, batch=b,
-                                                           **spec_kw)
+                        tokens, stats, wall = specjax_pass(
+                            target, spec, ids, batch=b, **spec_kw,
+                            cost_ratio=(cost_ratios or {}).get(name))
                         walls[name].append(wall)
                         last[name] = tokens, stats
                 for name, (tokens, stats) in last.items():
@@ -396,7 +399,8 @@ def _log(line: str) -> None:
 def suite(args, command: str, log=_log) -> dict:
     """Loads the workdir, builds the prompts, runs everything; the results dict."""
     import specjax
-    from specjax.bench.speculative import build_speculators, hf_variants, load_hf
+    from specjax.bench.speculative import (build_speculators, hf_variants, load_hf,
+                                           measured_cost_ratio)
 
     paths = Workdir.check(args.workdir, args.methods)
     docs, corpus = paths.heldout_documents()
@@ -425,9 +429,11 @@ def suite(args, command: str, log=_log) -> dict:
         hf_methods = {m: extra for m, extra in hf_variants(
             load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
             if m in args.methods}
+    costs = {"draft": measured_cost_ratio(target, draft)} if "draft" in speculators else {}
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
-               seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods, log=log)
+               seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
+               cost_ratios=costs, log=log)
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
