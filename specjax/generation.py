@@ -35,6 +35,7 @@ from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext
 from specjax.stats import (GenerationStats, batch_verify_bucket, build_stats,
                            default_verify_slope, leviathan_optimal_k)
 from specjax.tree import ancestor_mask, check_tree
+from specjax.xla_options import compile_decode
 from specjax.verify import verify
 
 
@@ -525,7 +526,7 @@ def _compiled(fn, args, kwargs, mesh=None):
                   getattr(x, "sharding", None)) for x in leaves))
     if sig not in _COMPILED:
         with shard.use_mesh(mesh):  # traced under the mesh: attention runs per shard
-            _COMPILED[sig] = fn.lower(cfg, *rest, **kwargs).compile()
+            _COMPILED[sig] = compile_decode(fn.lower(cfg, *rest, **kwargs))
         while len(_COMPILED) > _MAX_COMPILED:
             _COMPILED.popitem(last=False)
     _COMPILED.move_to_end(sig)

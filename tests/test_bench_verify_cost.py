@@ -18,6 +18,9 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     x = np.log2([1, 2, 5])
     y = np.asarray([result["ratio"][t] - 1 for t in (1, 2, 5)])
     assert result["slope"] == pytest.approx(float(x @ y / (x @ x)))
+    # the same programs under XLA's defaults, side by side
+    assert set(result["seconds_xla_default"]) == {1, 2, 5}
+    assert result["ratio_xla_default"][1] == 1.0
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nkeep me\n")
     text = verify_cost.markdown(result, 2, 2, "python -m specjax.bench.verify_cost")
@@ -26,7 +29,7 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     write_section(doc, text, verify_cost.START, verify_cost.END)
     out = doc.read_text()
     assert "keep me" in out and out.count(verify_cost.START) == 1
-    assert f"**{result['slope']:.3f}**" in out and "| 5 |" in out
+    assert f"**{result['slope']:.3f}**" in out and "| 5 |" in out and "XLA defaults" in out
     assert "- command: `python -m specjax.bench.verify_cost`" in out
 
 

@@ -60,13 +60,16 @@ def _time(fn, repeats: int) -> tuple[float, object]:
 
 
 def measured_cost_ratio(target: specjax.Model, draft: specjax.Model, repeats: int = 20) -> float:
-    """Wall time of one single-token draft forward / one target forward (batch 1, T=1)."""
+    """Wall time of one single-token draft forward / one target forward (batch 1, T=1),
+    each in the layout and with the compiler options `generate` uses."""
     from specjax.model import decode_params
+    from specjax.xla_options import compile_decode
 
     def one(model):
-        fwd = jax.jit(lambda p, t: specjax.step(model.config, p, None, t, t * 0)[0])
         tok = jnp.zeros((1, 1), jnp.int32)
         params = decode_params(model.config, model.params)  # the layout generate uses
+        fwd = compile_decode(jax.jit(
+            lambda p, t: specjax.step(model.config, p, None, t, t * 0)[0]).lower(params, tok))
         return _time(lambda: fwd(params, tok).block_until_ready(), repeats)[0]
     return one(draft) / one(target)
 

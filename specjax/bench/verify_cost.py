@@ -32,13 +32,18 @@ START, END = "<!-- bench:verify_cost:start -->", "<!-- bench:verify_cost:end -->
 def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
             config=None) -> dict:
     """Median seconds per step at each T, and the fitted slope (`config`: the model to
-    time; default the ~25M benchmark Llama)."""
+    time; default the ~25M benchmark Llama).
+
+    Each T is compiled twice: with the options `generate` compiles with
+    (`specjax.xla_options`, the figures the slope is fitted on) and with XLA's defaults,
+    so one run shows what the options buy."""
     import specjax
     from specjax.bench.decode import BENCH_CONFIG
     from specjax.cache import PagedKVCache
     from specjax.config import ModelConfig
     from specjax.model import decode_params
     from specjax.tree import ancestor_mask, chain
+    from specjax.xla_options import compile_decode
 
     config = config or ModelConfig(**BENCH_CONFIG)
     model = specjax.init_model(config, seed=0)
@@ -53,22 +58,29 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
         ids = jnp.asarray(np.random.default_rng(t).integers(0, config.vocab_size, (batch, t)))
         pos = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
         mask = None if t == 1 else ancestor_mask(chain(ids[:, 1:]).parents, t - 1)
-        fn = jax.jit(lambda p, c, i, q, m: specjax.step(config, p, c, i, q, mask=m)[0])
-        fns[t] = (fn, (params, cache, ids, pos, mask))
-        fn(*fns[t][1]).block_until_ready()  # compile
-    times = {t: [] for t in tokens}
+        args = (params, cache, ids, pos, mask)
+        lowered = jax.jit(lambda p, c, i, q, m: specjax.step(config, p, c, i, q, mask=m)[0]
+                          ).lower(*args)
+        for variant, fn in (("generate", compile_decode(lowered)),
+                            ("xla_default", lowered.compile())):
+            fn(*args).block_until_ready()  # first run
+            fns[variant, t] = (fn, args)
+    times = {key: [] for key in fns}
     for _ in range(repeats):  # interleaved: every T sees the same machine load
-        for t, (fn, args) in fns.items():
+        for key, (fn, args) in fns.items():
             t0 = time.perf_counter()
             fn(*args).block_until_ready()
-            times[t].append(time.perf_counter() - t0)
-    med = {t: statistics.median(v) for t, v in times.items()}
-    base = med[tokens[0]]
+            times[key].append(time.perf_counter() - t0)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    out = dict(params=model.num_params())
+    for variant, suffix in (("generate", ""), ("xla_default", "_xla_default")):
+        sec = {t: med[variant, t] for t in tokens}
+        out["seconds" + suffix] = sec
+        out["ratio" + suffix] = {t: sec[t] / sec[tokens[0]] for t in tokens}
     x = np.log2(np.asarray(tokens, np.float64))
-    y = np.asarray([med[t] / base - 1 for t in tokens], np.float64)
-    slope = float(x @ y / (x @ x)) if x @ x > 0 else 0.0
-    return dict(params=model.num_params(), seconds=med, ratio={t: med[t] / base for t in tokens},
-                slope=slope)
+    y = np.asarray([out["ratio"][t] - 1 for t in tokens], np.float64)
+    out["slope"] = float(x @ y / (x @ x)) if x @ x > 0 else 0.0
+    return out
 
 
 def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
@@ -78,10 +90,16 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {_machine()}",
              f"- versions: {_versions()}", f"- command: `{command}`",
              f"- model: random Llama, {result['params']:,} params, float32, batch {batch}, "
-             f"128-token context; median of {repeats} interleaved rounds", "",
-             "| T (verified tokens) | ms per forward | cost / cost(T=1) |", "|---:|---:|---:|"]
-    for t, s in result["seconds"].items():
-        lines.append(f"| {t} | {s * 1e3:.2f} | {result['ratio'][t]:.2f} |")
+             f"128-token context; median of {repeats} interleaved rounds",
+             "- generate's options: `specjax.xla_options.DECODE_OPTIONS` (on CPU, no YNNPACK "
+             "fusions); XLA defaults: the same program compiled without them", "",
+             "| T (verified tokens) | ms, generate's options | cost / cost(T=1) "
+             "| ms, XLA defaults | cost / cost(T=1), XLA defaults |",
+             "|---:|---:|---:|---:|---:|"]
+    for t, sec in result["seconds"].items():
+        lines.append(f"| {t} | {sec * 1e3:.2f} | {result['ratio'][t]:.2f} | "
+                     f"{result['seconds_xla_default'][t] * 1e3:.2f} | "
+                     f"{result['ratio_xla_default'][t]:.2f} |")
     lines += ["", f"Least-squares slope of cost(T)/cost(1) = 1 + slope·log2(T): "
               f"**{result['slope']:.3f}**.", END]
     return "\n".join(lines) + "\n"
@@ -105,7 +123,9 @@ def main(argv=None) -> int:
                  f"--repeats={args.repeats} must be >= 1")
     result = measure(tokens, args.batch, args.repeats)
     for t in tokens:
-        print(f"T={t:3d}: {result['seconds'][t] * 1e3:7.2f} ms  ({result['ratio'][t]:.2f}x T=1)")
+        print(f"T={t:3d}: {result['seconds'][t] * 1e3:7.2f} ms  ({result['ratio'][t]:.2f}x T=1)"
+              f"   XLA defaults {result['seconds_xla_default'][t] * 1e3:7.2f} ms  "
+              f"({result['ratio_xla_default'][t]:.2f}x)")
     print(f"slope {result['slope']:.3f}")
     command = " ".join(["python -m specjax.bench.verify_cost",
                         *(argv if argv is not None else sys.argv[1:])])

@@ -1,0 +1,41 @@
+"""specjax.xla_options: generate's decode programs compile with the per-backend options,
+numerics unchanged, and an XLA that refuses an option falls back to its defaults."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import xla_options
+
+
+def _lowered():
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 96)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 64)), jnp.float32)
+    return jax.jit(lambda x, w: x @ w).lower(x, w), (x, w)
+
+
+def test_cpu_decode_programs_compile_without_ynnpack_fusions():
+    assert xla_options.decode_options("cpu") == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert xla_options.decode_options("tpu") == {}
+    lowered, args = _lowered()
+    compiled = xla_options.compile_decode(lowered, "cpu")
+    # same numbers as XLA's defaults (a 5-row matmul: YNNPACK's shape by default)
+    np.testing.assert_allclose(compiled(*args), lowered.compile()(*args), rtol=1e-5,
+                               atol=1e-5)
+    # the option reached XLA: YNNPACK's fusion is gone from the optimized program
+    assert "__ynn_fusion" in lowered.compile().as_text()
+    assert "__ynn_fusion" not in compiled.as_text()
+
+
+def test_refused_options_fall_back_with_a_warning(monkeypatch):
+    monkeypatch.setitem(xla_options.DECODE_OPTIONS, "cpu",
+                        {"xla_cpu_no_such_option_for_the_test": True})
+    monkeypatch.setattr(xla_options, "_UNSUPPORTED", set())
+    lowered, args = _lowered()
+    with pytest.warns(RuntimeWarning, match="xla_cpu_no_such_option_for_the_test"):
+        compiled = xla_options.compile_decode(lowered, "cpu")
+    np.testing.assert_allclose(compiled(*args), lowered.compile()(*args), rtol=1e-6)
+    assert xla_options.decode_options("cpu") == {}  # asked once, not on every compile
