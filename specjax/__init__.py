@@ -6,7 +6,7 @@ from specjax.config import ModelConfig
 from specjax.generation import GenerationResult, generate
 from specjax.model import Model, forward, init_model, init_params, param_shapes, step
 from specjax.sampling import Sampling
-from specjax.stats import GenerationStats
+from specjax.stats import GenerationStats, VerifyCost
 from specjax.tree import DraftTree
 from specjax import heads, sharding, speculators
 from specjax.sharding import check_fits, make_mesh, plan_memory, shard_model
@@ -14,7 +14,7 @@ from specjax.sharding import check_fits, make_mesh, plan_memory, shard_model
 __version__ = "0.1.0"
 
 __all__ = [
-    "DraftTree", "GenerationResult", "GenerationStats", "Model", "ModelConfig", "OutOfPagesError", "PagePool", "PagedKVCache", "forward",
+    "DraftTree", "GenerationResult", "GenerationStats", "Model", "ModelConfig", "OutOfPagesError", "PagePool", "PagedKVCache", "VerifyCost", "forward",
     "init_model", "init_params", "load", "param_shapes", "restore_orbax", "save_hf",
     "Sampling", "save_orbax", "speculators", "step", "generate",
     "check_fits", "make_mesh", "plan_memory", "shard_model", "sharding", "heads",

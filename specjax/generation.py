@@ -32,8 +32,8 @@ from specjax.model import Model, decode_params, module_for, step, validate_token
 from specjax.models.transformer import Hidden, Transformer
 from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
-from specjax.stats import (GenerationStats, batch_verify_bucket, build_stats,
-                           default_verify_slope, leviathan_optimal_k)
+from specjax.stats import (GenerationStats, VerifyCost, batch_verify_bucket, build_stats,
+                           default_verify_cost, leviathan_optimal_k)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.xla_options import compile_decode
 from specjax.verify import verify
@@ -61,6 +61,7 @@ class LoopState:
     accepted: jax.Array  # [B] accepted draft tokens
     hist: jax.Array  # [B, Dm+1] steps that accepted 0..Dm drafts
     verified: jax.Array  # [B] target inputs fed while active (1 per plain step)
+    verify_cost: jax.Array  # [B] float32: modelled cost of those forwards (VerifyCost)
     steps: jax.Array  # [] loop iterations
 
 
@@ -138,7 +139,7 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
     zeros = jnp.zeros((b,), jnp.int32)
     return shard.constrain_caches(LoopState(
         cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros, zeros, zeros,
-        jnp.zeros((b, dm + 1), jnp.int32), zeros, jnp.int32(0)))
+        jnp.zeros((b, dm + 1), jnp.int32), zeros, jnp.zeros((b,), jnp.float32), jnp.int32(0)))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -155,7 +156,8 @@ def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend)
     hist = st.hist.at[:, 0].add(active)
     return st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
                       target_calls=st.target_calls + active, hist=hist,
-                      verified=st.verified + active, steps=st.steps + 1)
+                      verified=st.verified + active, verify_cost=st.verify_cost + active,
+                      steps=st.steps + 1)
 
 
 @struct.dataclass
@@ -225,7 +227,7 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
 
 def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
                     cost_ratio: jax.Array, adaptive: jax.Array,
-                    verify_slope: jax.Array) -> Speculation:
+                    vcost: VerifyCost) -> Speculation:
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
@@ -239,8 +241,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     # (Leviathan et al.'s rule, with the verify forward's cost growing with its width).
     alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
-    vcost = 1.0 + verify_slope * jnp.asarray(np.log2(inputs), jnp.float32)
-    limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost)
+    limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost(inputs))
     probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
     limit = jnp.where((limit == 0) & probe, 1, limit)
     limit = jnp.where(adaptive & active, limit, jnp.where(active, dm, 0))
@@ -257,8 +258,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))  # verifies every draft
     # Adaptive: the width that pays off for the batch as a whole; probe steps verify
     # every draft so that rows sitting at k = 0 keep measuring their acceptance.
-    bucket_cost = 1.0 + verify_slope * jnp.asarray(
-        np.log2([w + 1 for _, w in buckets]), jnp.float32)
+    bucket_cost = vcost(np.asarray([w + 1 for _, w in buckets]))
     best = batch_verify_bucket(alpha, row_depth, active, depths, bucket_cost)
     which = jnp.where(adaptive & ~probe, jnp.minimum(best, covering), covering)
     cut = jnp.asarray(depths, jnp.int32)[which]
@@ -272,12 +272,12 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
                backend, cost_ratio: jax.Array, adaptive: jax.Array,
-               verify_slope: jax.Array) -> LoopState:
+               vcost: VerifyCost) -> LoopState:
     b = st.tokens.shape[0]
     dm = spec.max_depth
     active = ~st.done
     sp = _propose_verify(config, params, spec, st, sampling, backend, cost_ratio, adaptive,
-                         verify_slope)
+                         vcost)
     tree, res, cache = sp.tree, sp.result, sp.cache
     spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
     base = (st.lengths - 1)[:, None]
@@ -315,12 +315,12 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
                                                           jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, verified=st.verified + active * (sp.width + 1),
-        steps=st.steps + 1)
+        verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))
 def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
-            sampling, max_new, eos_ids, cost_ratio, adaptive, verify_slope, *, backend):
+            sampling, max_new, eos_ids, cost_ratio, adaptive, vcost, *, backend):
     def cond(st):
         return jnp.any(~st.done) & (st.steps < max_new)
 
@@ -329,7 +329,7 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
             st = _ar_step(config, params, st, sampling, max_new, eos_ids, backend)
         else:
             st = _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                            cost_ratio, adaptive, verify_slope)
+                            cost_ratio, adaptive, vcost)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
 
     return jax.lax.while_loop(cond, body, state)
@@ -375,7 +375,7 @@ def generate(
     speculator: Speculator | None = None,
     adaptive: bool = True,
     cost_ratio: float | None = None,
-    verify_cost_slope: float | None = None,
+    verify_cost: VerifyCost | None = None,
     layer_layout: str = "auto",
     page_size: int = 16,
     num_pages: int | None = None,
@@ -395,9 +395,10 @@ def generate(
       (parameter counts). Small drafts cost more than their parameter share (fixed
       per-call work), so pass a measured one (`specjax.bench.speculative
       .measured_cost_ratio`) where it matters.
-    verify_cost_slope: a verify forward of T tokens costs 1 + slope·log2(T) one-token
-      target steps; used by the adaptive rule and the analytical speedup. None takes this
-      backend's entry of `specjax.stats.VERIFY_COST_SLOPE`.
+    verify_cost: `specjax.VerifyCost(jump, slope)`: a verify forward of T tokens costs
+      1 + jump·[T > 1] + slope·log2(T) one-token target steps; used by the adaptive rule
+      and the analytical speedup. None takes this backend's `specjax.stats.VERIFY_COST`;
+      `VerifyCost()` is Leviathan et al.'s free verify.
     layer_layout: "auto" (unrolled layers on CPU, where XLA's layer scan copies every
       layer's weights each step; scanned elsewhere), "scan" or "unrolled"
       (`specjax.model.decode_params`).
@@ -460,9 +461,9 @@ def generate(
         cost = 0.0
     else:
         cost = float(speculator.cost_ratio(cfg) if cost_ratio is None else cost_ratio)
-    slope = default_verify_slope() if verify_cost_slope is None else float(verify_cost_slope)
-    if not np.isfinite(slope) or slope < 0:
-        raise ValueError(f"verify_cost_slope={verify_cost_slope!r} must be a finite number >= 0")
+    if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
+        raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
+    vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
     plens = shard.put(np.asarray(lens, np.int32), mesh, ("batch",), name="prompt_lens")
 
     params = decode_params(cfg, model.params, layer_layout)
@@ -474,7 +475,7 @@ def generate(
     pre = _compiled(_prefill, pre_args, pre_kw, mesh)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
     dec_args = tuple(shard.replicate((jnp.float32(cost), jnp.bool_(adaptive),
-                                      jnp.float32(slope)), mesh))
+                                      jax.tree.map(jnp.float32, vcost)), mesh))
     dec_kw = dict(backend=attention_backend)
     dec = _compiled(_decode, (cfg, params, speculator, state_shape, sampling, max_new,
                               eos_arr) + dec_args, dec_kw, mesh)
@@ -500,7 +501,7 @@ def generate(
         new_tokens=[len(g) for g in gen], target_calls=shard.to_host(state.target_calls),
         draft_calls=shard.to_host(state.draft_calls), drafted=shard.to_host(state.drafted),
         accepted=shard.to_host(state.accepted), hist=shard.to_host(state.hist), cost_ratio=cost,
-        verified=shard.to_host(state.verified), verify_slope=slope,
+        verified=shard.to_host(state.verified), verify_cost=shard.to_host(state.verify_cost),
         ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
     return GenerationResult(gen, text, stats)
 

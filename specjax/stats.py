@@ -5,8 +5,8 @@
 - mean_accepted_length τ = tokens emitted per target forward in decoding, bonus included.
 - expected_speedup: Leviathan et al.'s (1 - α^(k+1)) / ((1 - α)(k c + v)) from the
   measured α, the mean k, the draft/target cost ratio c and the verify forward's cost v
-  relative to a one-token step (v = 1 + slope · log2(mean verified inputs), see
-  `VERIFY_COST_SLOPE`; the paper's v = 1 is `expected_speedup_free_verify`). Print it
+  relative to a one-token step (the mean over the decode forwards of `VerifyCost`'s
+  v(T), see `VERIFY_COST`; the paper's v = 1 is `expected_speedup_free_verify`). Print it
   beside the measured speedup (which needs an autoregressive run of the same prompts).
 """
 
@@ -16,24 +16,57 @@ import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
+from flax import struct
 
 
-# Cost of a verify forward of T tokens relative to a one-token target step, modelled as
-# v(T) = 1 + slope · log2(T): the extra cost per doubling of the verified tokens.
-# Leviathan et al. assume verification is free (slope 0), which holds while the forward
-# is memory-bound. XLA:CPU's small-M matmuls are compute-bound and leave the one-token
-# GEMV path at T = 2, so the measured cost rises steeply at first, then flattens, which
-# log2 fits (`python -m specjax.bench.verify_cost`, table in docs/benchmarks.md). The
-# GPU/TPU entries are not measured: they are the memory-bound regime, the kernel issue's
-# target of 64 nodes for <= 1.3x one token. Override per call with
-# `generate(..., verify_cost_slope=...)`.
-VERIFY_COST_SLOPE = {"cpu": 0.75, "gpu": 0.05, "tpu": 0.05}
+@struct.dataclass
+class VerifyCost:
+    """The cost of a verify forward over T inputs relative to a one-token target step:
+        v(T) = 1 + jump · [T > 1] + slope · log2(T).
+
+    Leviathan et al. assume verification is free (v = 1), which holds while the forward
+    is memory-bound (GPU/TPU decode at small T). On XLA:CPU one token runs the weights
+    through a memory-bound GEMV; two or more run a GEMM that repacks the weights every
+    call, so the cost jumps at T = 2 and then grows slowly with T
+    (`python -m specjax.bench.verify_cost` fits both numbers; table in docs/benchmarks.md).
+    The jump is why a CPU either verifies deep drafts or none. A pytree, so the loop
+    takes it as traced numbers (`generate(verify_cost=VerifyCost(...))`).
+    """
+
+    jump: Any = 0.0
+    slope: Any = 0.0
+
+    def __call__(self, tokens):
+        """v at `tokens` verified inputs (numpy or jax arrays, or a float >= 1)."""
+        import jax.numpy as jnp
+
+        t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+        return 1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t)
+
+    def describe(self) -> str:
+        return f"v(T) = 1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
+
+    def validated(self) -> "VerifyCost":
+        """Host-side check, naming the bad value; returns float32 leaves."""
+        for name in ("jump", "slope"):
+            x = getattr(self, name)
+            if not (isinstance(x, (int, float, np.floating, np.integer)) and np.isfinite(x)
+                    and x >= 0):
+                raise ValueError(f"VerifyCost {name}={x!r} must be a finite number >= 0")
+        return VerifyCost(np.float32(self.jump), np.float32(self.slope))
 
 
-def default_verify_slope() -> float:
+# Per backend. CPU: fitted by `python -m specjax.bench.verify_cost` on the 25M benchmark
+# Llama (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
+# (the kernel issue's target is 64 nodes for <= 1.3x one token).
+VERIFY_COST = {"cpu": VerifyCost(jump=0.85, slope=0.1), "gpu": VerifyCost(slope=0.05),
+               "tpu": VerifyCost(slope=0.05)}
+
+
+def default_verify_cost() -> VerifyCost:
     import jax
 
-    return VERIFY_COST_SLOPE.get(jax.default_backend(), VERIFY_COST_SLOPE['gpu'])
+    return VERIFY_COST.get(jax.default_backend(), VERIFY_COST["gpu"])
 
 
 def leviathan_speedup(alpha: float, k: float, cost_ratio: float,
@@ -131,19 +164,22 @@ class GenerationStats:
 
 def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, hist,
                 cost_ratio, ttft_s, decode_s, compile_s, verified=None,
-                verify_slope: float = 0.0) -> GenerationStats:
-    """From per-row numpy counters (decode phase) and timings."""
+                verify_cost=None) -> GenerationStats:
+    """From per-row numpy counters (decode phase) and timings. verify_cost: per row, the
+    summed modelled cost of its decode forwards (`VerifyCost`; None: 1 per forward)."""
     new_tokens = np.asarray(new_tokens)
     if verified is None:
         verified = np.asarray(target_calls)
+    if verify_cost is None:
+        verify_cost = np.asarray(target_calls, np.float64)
     rows = []
     for b in range(len(new_tokens)):
         rows.append(_row(int(new_tokens[b]), int(target_calls[b]), int(draft_calls[b]),
                          int(drafted[b]), int(accepted[b]), int(verified[b]), cost_ratio,
-                         verify_slope, ttft_s, decode_s))
+                         float(verify_cost[b]), ttft_s, decode_s))
     total = _row(int(new_tokens.sum()), int(np.sum(target_calls)), int(np.sum(draft_calls)),
                  int(np.sum(drafted)), int(np.sum(accepted)), int(np.sum(verified)),
-                 cost_ratio, verify_slope, ttft_s, decode_s,
+                 cost_ratio, float(np.sum(verify_cost)), ttft_s, decode_s,
                  decode_tokens=int(np.maximum(new_tokens - 1, 0).sum()))
     wall = ttft_s + decode_s
     total["tokens_per_s"] = float(new_tokens.sum() / wall) if wall > 0 else 0.0
@@ -152,14 +188,10 @@ def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, his
                            accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows)
 
 
-def merge_stats(parts: Sequence[GenerationStats],
-                verify_slope: float | None = None) -> GenerationStats:
+def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
     """One `GenerationStats` for `generate` calls run one after another (a prompt set in
     batches): counters and wall times add up, so α, τ and tokens/s are over all of them;
-    `ttft_s` is the mean per call, `tpot_s` the mean per row; per-row entries are kept.
-
-    verify_slope: the slope the calls ran with (None: this backend's default, which is
-    what `generate` uses unless told otherwise)."""
+    `ttft_s` is the mean per call, `tpot_s` the mean per row; per-row entries are kept."""
     if not parts:
         raise ValueError("merge_stats needs at least one GenerationStats")
     rows = [r for p in parts for r in p.rows]
@@ -175,12 +207,12 @@ def merge_stats(parts: Sequence[GenerationStats],
         decode_s=sum(p.wall_s for p in parts) - ttft,
         compile_s=sum(p.compile_s for p in parts),
         verified=[round(r["mean_verified"] * r["target_calls"]) for r in rows],
-        verify_slope=default_verify_slope() if verify_slope is None else verify_slope)
+        verify_cost=[r["verify_cost"] * r["target_calls"] for r in rows])
     return dataclasses.replace(merged, ttft_s=ttft / len(parts), rows=rows,
                                tpot_s=float(np.mean(field("tpot_s"))) if rows else 0.0)
 
 
-def _row(new, calls, dcalls, drafted, accepted, verified, c, slope, ttft_s, decode_s,
+def _row(new, calls, dcalls, drafted, accepted, verified, c, vsum, ttft_s, decode_s,
          decode_tokens: int | None = None) -> dict:
     alpha = accepted / drafted if drafted else 0.0
     if decode_tokens is None:
@@ -188,7 +220,7 @@ def _row(new, calls, dcalls, drafted, accepted, verified, c, slope, ttft_s, deco
     tau = decode_tokens / calls if calls else 0.0
     k = drafted / calls if calls else 0.0
     mean_verified = verified / calls if calls else 1.0
-    v = 1.0 + slope * float(np.log2(max(mean_verified, 1.0)))
+    v = vsum / calls if calls else 1.0  # mean modelled cost of one decode forward
     wall = ttft_s + decode_s
     return dict(new_tokens=new, target_calls=calls, draft_calls=dcalls, drafted=drafted,
                 accepted=accepted, acceptance_rate=alpha, mean_accepted_length=tau, mean_k=k,

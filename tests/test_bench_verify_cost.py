@@ -15,9 +15,7 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
                                  config=tiny_llama(vocab_size=64))
     assert set(result["seconds"]) == {1, 2, 5} and min(result["seconds"].values()) > 0
     assert result["ratio"][1] == 1.0
-    x = np.log2([1, 2, 5])
-    y = np.asarray([result["ratio"][t] - 1 for t in (1, 2, 5)])
-    assert result["slope"] == pytest.approx(float(x @ y / (x @ x)))
+    assert (result["jump"], result["slope"]) == verify_cost.fit(result["ratio"])
     # the same programs under XLA's defaults, side by side
     assert set(result["seconds_xla_default"]) == {1, 2, 5}
     assert result["ratio_xla_default"][1] == 1.0
@@ -29,8 +27,18 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     write_section(doc, text, verify_cost.START, verify_cost.END)
     out = doc.read_text()
     assert "keep me" in out and out.count(verify_cost.START) == 1
-    assert f"**{result['slope']:.3f}**" in out and "| 5 |" in out and "XLA defaults" in out
+    assert f"slope {result['slope']:.3f}**" in out and "| 5 |" in out and "XLA defaults" in out
     assert "- command: `python -m specjax.bench.verify_cost`" in out
+
+
+def test_fit_recovers_jump_and_slope():
+    true = {t: 1 + (0.8 + 0.1 * np.log2(t) if t > 1 else 0) for t in (1, 2, 3, 5, 9, 17)}
+    jump, slope = verify_cost.fit(true)
+    assert jump == pytest.approx(0.8) and slope == pytest.approx(0.1)
+    # a falling curve is a pure jump; a curve through 1 a pure slope; T = 1 alone: free
+    assert verify_cost.fit({1: 1.0, 2: 2.0, 4: 1.8}) == (pytest.approx(0.9), 0.0)
+    assert verify_cost.fit({1: 1.0, 2: 1.3, 4: 1.6}) == (0.0, pytest.approx(0.3))
+    assert verify_cost.fit({1: 1.0}) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),

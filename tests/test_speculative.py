@@ -6,6 +6,7 @@ import pytest
 import specjax
 from specjax.config import tiny_llama
 from specjax.speculators import DraftModel, NGram
+from specjax.stats import VerifyCost
 from tests.conftest import PROMPTS
 from tests.stat_utils import assert_same_distribution, exact_joint
 
@@ -133,9 +134,9 @@ def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
     the stats count the inputs each forward fed."""
     spec = NGram(k=4)
     costly = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                              speculator=spec, verify_cost_slope=50.0)
+                              speculator=spec, verify_cost=VerifyCost(slope=50.0))
     free = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                            speculator=spec, verify_cost_slope=0.0)
+                            speculator=spec, verify_cost=VerifyCost())
     assert costly.tokens == greedy_ref and free.tokens == greedy_ref
     # k = 0 but for the probe step every 16 (rows re-measure with k = 1)
     assert costly.stats.mean_verified < 1.2 and costly.stats.mean_accepted_length < 1.2
@@ -144,18 +145,20 @@ def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
     # a draft as costly as the target never pays, whatever the verify costs
     selfish = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                                speculator=DraftModel(model=tiny_target, k=4),
-                               verify_cost_slope=0.0)
+                               verify_cost=VerifyCost())
     assert selfish.tokens == greedy_ref and selfish.stats.drafted <= 4
-    with pytest.raises(ValueError, match="verify_cost_slope=-1"):
-        specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
-                         verify_cost_slope=-1)
+    for bad, match in ((VerifyCost(slope=-1.0), "slope=-1"),
+                       (VerifyCost(jump=float("inf")), "jump=inf"), (0.5, "verify_cost=0.5")):
+        with pytest.raises(ValueError, match=match):
+            specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
+                             verify_cost=bad)
 
 
 def test_mixed_buckets_in_one_batch_stay_lossless(tiny_target, greedy_ref):
     """n-gram finds matches in some rows and steps, none in others: steps run the plain,
     half-depth and full-depth forwards, and the output is still target-only greedy."""
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                           speculator=NGram(k=4), verify_cost_slope=0.0)
+                           speculator=NGram(k=4), verify_cost=VerifyCost())
     assert out.tokens == greedy_ref
     assert 1.0 < out.stats.mean_verified < 5.0
 
@@ -197,14 +200,15 @@ def test_batch_rule_spares_idle_rows(tiny_target):
     ref = specjax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True).tokens
     runs = {a: specjax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True,
                                 speculator=NGram(k=4, n_min=2), adaptive=a,
-                                verify_cost_slope=0.75)
+                                verify_cost=VerifyCost(slope=0.75))
             for a in (False, True)}
     assert runs[False].tokens == ref and runs[True].tokens == ref
     assert runs[False].stats.mean_verified > 2.0  # the repeating row drafts every step
     assert runs[True].stats.mean_verified < 0.75 * runs[False].stats.mean_verified
     # the same row alone pays for its own verify, so it keeps drafting
     alone = specjax.generate(tiny_target, prompts[:1], max_new_tokens=24, ignore_eos=True,
-                             speculator=NGram(k=4, n_min=2), verify_cost_slope=0.75)
+                             speculator=NGram(k=4, n_min=2),
+                             verify_cost=VerifyCost(slope=0.75))
     assert alone.tokens == ref[:1] and alone.stats.mean_verified > 2.0
 
 
@@ -213,7 +217,7 @@ def test_cost_ratio_override_drives_the_rule(tiny_target, tiny_draft, greedy_ref
     as much as the target never drafts, a free one does; bad values are refused."""
     spec = DraftModel(model=tiny_draft, k=3)
     runs = {c: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                                speculator=spec, cost_ratio=c, verify_cost_slope=0.0)
+                                speculator=spec, cost_ratio=c, verify_cost=VerifyCost())
             for c in (0.0, 1.0)}
     assert runs[0.0].tokens == greedy_ref and runs[1.0].tokens == greedy_ref
     assert runs[1.0].stats.cost_ratio == 1.0 and runs[0.0].stats.cost_ratio == 0.0
@@ -223,3 +227,19 @@ def test_cost_ratio_override_drives_the_rule(tiny_target, tiny_draft, greedy_ref
         with pytest.raises(ValueError, match="cost_ratio="):
             specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
                              cost_ratio=bad)
+
+
+def test_verify_cost_model_and_its_stats(tiny_target, greedy_ref):
+    """v(T) = 1 + jump·[T > 1] + slope·log2 T; the stats' verify_cost is the mean of v
+    over the decode forwards (every step verifies 5 inputs here: the target drafts for
+    itself at full depth)."""
+    import numpy as np
+
+    vc = VerifyCost(jump=0.5, slope=0.25)
+    np.testing.assert_allclose(vc(np.asarray([1, 2, 8])), [1.0, 1.75, 2.25], rtol=1e-6)
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                           speculator=DraftModel(model=tiny_target, k=4), adaptive=False,
+                           verify_cost=vc)
+    assert out.tokens == greedy_ref and out.stats.mean_verified == 5.0
+    assert out.stats.verify_cost == pytest.approx(1.5 + 0.25 * np.log2(5), rel=1e-6)
+    assert "0.5·[T > 1]" in vc.describe()

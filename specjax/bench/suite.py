@@ -276,7 +276,7 @@ _DESCRIBE = {
 
 def markdown(result: dict, command: str, figures: list[str]) -> str:
     from specjax.bench.decode import _machine, _versions
-    from specjax.stats import default_verify_slope
+    from specjax.stats import default_verify_cost
 
     s = result["settings"]
     lines = [START, "## Benchmark suite: every method by prompt category, temperature and batch",
@@ -300,9 +300,10 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         "temperature and batch, in this run",
         "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al. from "
         "α, the mean k (drafted positions per target call; the adaptive rule picks it) "
-        "and the speculator's estimated draft/target cost ratio c, with the "
-        f"verify forward's cost (slope {default_verify_slope():g} per extra token on this "
-        "backend); free verify = `expected_speedup_free_verify` (the paper's v = 1)",
+        "and the draft/target cost ratio c (measured for the draft model, estimated from "
+        "parameters for heads), with the verify forward's modelled cost "
+        f"({default_verify_cost().describe()} on this backend); free verify = "
+        "`expected_speedup_free_verify` (the paper's v = 1)",
         "- `hf_*`: transformers on the same weights (`specjax.save_hf` → `LlamaForCausalLM`, "
         "float32), prompt by prompt — assisted generation is batch 1 only — so shown at "
         "batch 1 and compared with specjax autoregressive at batch 1; `hf_assistant` uses "
