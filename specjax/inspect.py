@@ -15,12 +15,13 @@ from specjax.cache import PagedKVCache, PagePool
 from specjax.model import Model
 from specjax.sampling import Sampling
 from specjax.speculators.base import Speculator
+from specjax.stats import VerifyCost
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _one(config, params, spec, state, sampling):
     return gen._propose_verify(config, params, spec, state, sampling, None, jnp.float32(0.0),
-                               jnp.bool_(False), jnp.float32(0.0))
+                               jnp.bool_(False), VerifyCost())  # full depth, free verify
 
 
 def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
