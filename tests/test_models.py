@@ -166,6 +166,32 @@ def test_unrolled_decode_layout_matches_scanned():
     assert "layers_0" in decode_params(cfg, params)  # this suite runs on CPU
 
 
+def test_tied_decode_layout_carries_the_transposed_head():
+    """Tied embeddings: the CPU decode layout adds the embedding as [D, V] for the LM head
+    (XLA:CPU's [V, D]-contracting GEMM is ~15x slower at verify widths), with the same
+    logits; the compiled verify step then has no matmul contracting the embedding's D."""
+    from specjax.model import decode_params
+    from specjax.models.transformer import TIED_HEAD_T
+
+    cfg = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=True)
+    params = specjax.init_params(cfg, 2)
+    dec = decode_params(cfg, params, "unrolled")
+    emb = params["embed_tokens"]["embedding"]
+    np.testing.assert_array_equal(dec[TIED_HEAD_T], emb.T)
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    a = specjax.step(cfg, params, None, tokens, positions)[0]
+    b = specjax.step(cfg, dec, None, tokens, positions)[0]
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    hlo = jax.jit(lambda p, t, q: specjax.step(cfg, p, None, t, q)[0]).lower(
+        dec, tokens, positions).as_text()
+    v, d = cfg.vocab_size, cfg.hidden_size
+    heads = [ln for ln in hlo.splitlines() if "dot_general" in ln and f"x{v}xf32>" in ln]
+    assert heads and all(f"tensor<{d}x{v}xf32>" in ln and "x [0]" in ln for ln in heads)
+    untied = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=False)
+    assert TIED_HEAD_T not in decode_params(untied, specjax.init_params(untied, 0), "unrolled")
+
+
 def test_layer_layout_choice_is_checked():
     from specjax.model import decode_params
 
