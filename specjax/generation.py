@@ -33,7 +33,7 @@ from specjax.models.transformer import Hidden, Transformer
 from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
 from specjax.stats import (GenerationStats, VerifyCost, batch_verify_bucket, build_stats,
-                           default_verify_cost, leviathan_optimal_k)
+                           default_verify_cost, leviathan_optimal_k, position_acceptance)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.xla_options import compile_decode
 from specjax.verify import verify
@@ -60,6 +60,7 @@ class LoopState:
     drafted: jax.Array  # [B] speculated positions (tree depth per step)
     accepted: jax.Array  # [B] accepted draft tokens
     hist: jax.Array  # [B, Dm+1] steps that accepted 0..Dm drafts
+    tried: jax.Array  # [B, Dm] steps that verified depth d+1 with depth d accepted
     verified: jax.Array  # [B] target inputs fed while active (1 per plain step)
     verify_cost: jax.Array  # [B] float32: modelled cost of those forwards (VerifyCost)
     steps: jax.Array  # [] loop iterations
@@ -139,7 +140,8 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
     zeros = jnp.zeros((b,), jnp.int32)
     return shard.constrain_caches(LoopState(
         cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros, zeros, zeros,
-        jnp.zeros((b, dm + 1), jnp.int32), zeros, jnp.zeros((b,), jnp.float32), jnp.int32(0)))
+        jnp.zeros((b, dm + 1), jnp.int32), jnp.zeros((b, dm), jnp.int32), zeros,
+        jnp.zeros((b,), jnp.float32), jnp.int32(0)))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -239,7 +241,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     buckets = verify_buckets(widths)
     # Adaptive depth: per row, the k that maximises expected tokens per unit of cost
     # (Leviathan et al.'s rule, with the verify forward's cost growing with its width).
-    alpha = (st.accepted + 3.0) / (st.drafted + 4.0)  # prior ≈ 0.75 over 4 positions
+    alpha = position_acceptance(st.hist, st.tried)  # [B, Dm]
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
     limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost(inputs))
     probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
@@ -307,6 +309,8 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     acc = jnp.where(active, res.num_accepted, 0)  # what the verifier accepted (α), even
     # if the row's budget or an EOS then emits fewer
     hist = st.hist.at[jnp.arange(b), acc].add(active)
+    d = jnp.arange(1, dm + 1)[None, :]
+    tried = st.tried + (active[:, None] & (d <= jnp.minimum(acc + 1, depth_used)[:, None]))
     return st.replace(
         cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
         target_calls=st.target_calls + active,
@@ -314,7 +318,7 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         draft_calls=st.draft_calls + active * jnp.minimum(spec.draft_calls_per_step(),
                                                           jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
-        accepted=st.accepted + acc, hist=hist, verified=st.verified + active * (sp.width + 1),
+        accepted=st.accepted + acc, hist=hist, tried=tried, verified=st.verified + active * (sp.width + 1),
         verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1)
 
 

@@ -83,17 +83,47 @@ def leviathan_speedup(alpha: float, k: float, cost_ratio: float,
     return float(tokens / (k * cost_ratio + verify_cost))
 
 
-def leviathan_optimal_k(alpha: np.ndarray, cost_ratio: float, k_max: int,
-                        verify_cost=None) -> np.ndarray:
-    """argmax_k over 0..k_max of the expected speedup, per row (numpy or jax arrays).
+def expected_tokens(alpha):
+    """E[tokens per step] when drafting k = 0..D positions: [..., D + 1].
 
+    alpha: [..., D] acceptance per draft position, α_d = P(accept depth d | depth d-1
+    accepted), giving E(k) = 1 + Σ_{d<=k} Π_{i<=d} α_i. A constant α is Leviathan et
+    al.'s i.i.d. model, (1 - α^(k+1)) / (1 - α). Per position is what drafts do:
+    acceptance is often all-or-nothing (a draft that gets the first token right tends
+    to get the next ones right too), which one α undercounts for deep drafts.
+    """
+    import jax.numpy as jnp
+
+    a = jnp.clip(jnp.asarray(alpha, jnp.float32), 0.0, 1.0)
+    reach = jnp.cumprod(a, axis=-1)  # P(depth d accepted)
+    zero = jnp.zeros(a.shape[:-1] + (1,), jnp.float32)
+    return 1.0 + jnp.concatenate([zero, jnp.cumsum(reach, axis=-1)], axis=-1)
+
+
+def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0)):
+    """Running acceptance per draft position, α_d = P(accept depth d | depth d-1
+    accepted), from the loop's counters: hist [B, Dm+1] (steps that accepted j drafts)
+    and tried [B, Dm] (steps that verified depth d with depth d-1 accepted). A prior of
+    `prior[0]` accepts in `prior[1]` tries (0.75) stands in until a row has data."""
+    import jax.numpy as jnp
+
+    at_least = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # steps accepting >= d
+    return (at_least + prior[0]) / (tried + prior[1])
+
+
+def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None):
+    """argmax_k over 0..k_max of E[tokens](k) / (k c + v_k), per row (numpy or jax).
+
+    alpha: [B] one rate per row, or [B, k_max] per position (`expected_tokens`);
     verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free)."""
     import jax.numpy as jnp
 
+    a = jnp.asarray(alpha, jnp.float32)
+    if a.ndim == 1:
+        a = jnp.repeat(a[:, None], k_max, axis=1)
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
     v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
-    a = jnp.clip(alpha, 0.0, 0.999)[..., None]  # cost_ratio may be traced
-    gain = (1 - a ** (ks + 1)) / (1 - a) / (ks * cost_ratio + v)
+    gain = expected_tokens(a[:, :k_max]) / (ks * cost_ratio + v)  # cost_ratio may be traced
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
@@ -107,22 +137,25 @@ def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[in
     n-gram match made the other seven verify 5 tokens for nothing (1.5x slower than
     plain decoding on CPU). After drafting, the draft cost is spent; what is left is
     the batch's expected tokens per unit of verify cost,
-        score(b) = sum_r E_r[tokens | depth <= D_b] / v_b,
-    with E_r = 1 + α_r + ... + α_r^min(D_b, drafted_r) (a chain's expectation; a tree
-    accepts at least as much). This mirrors vLLM/SGLang turning speculation off as
-    the batch grows, but per step and from measured acceptance.
+        score(b) = sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b
+    (`expected_tokens`; for a tree, a lower bound). This mirrors vLLM/SGLang turning
+    speculation off as the batch grows, but per step and from measured acceptance.
 
-    alpha: [B] per-row acceptance estimate; drafted_depth: [B] deepest valid node per
-    row; active: [B] bool; bucket_depths: [NB] static depths D_b, rising;
-    bucket_cost: [NB] the verify forward's cost at each bucket (one-token step = 1).
-    Returns the bucket index (int32 scalar); ties go to the cheaper bucket.
+    alpha: [B] per-row acceptance, or [B, Dm] per position (Dm >= the deepest bucket);
+    drafted_depth: [B] deepest valid node per row; active: [B] bool; bucket_depths:
+    [NB] static depths D_b, rising; bucket_cost: [NB] the verify forward's cost at each
+    bucket (one-token step = 1). Returns the bucket index (int32 scalar); ties go to
+    the cheaper bucket.
     """
     import jax.numpy as jnp
 
-    d = jnp.asarray(bucket_depths, jnp.float32)[None, :]  # [1, NB]
-    reach = jnp.minimum(drafted_depth.astype(jnp.float32)[:, None], d)  # [B, NB]
-    a = jnp.clip(alpha, 0.0, 0.999)[:, None]
-    tokens = (1 - a ** (reach + 1)) / (1 - a)  # [B, NB]
+    a = jnp.asarray(alpha, jnp.float32)
+    if a.ndim == 1:
+        a = jnp.repeat(a[:, None], max(bucket_depths), axis=1)
+    e = expected_tokens(a)  # [B, Dm+1]
+    d = jnp.asarray(bucket_depths, jnp.int32)[None, :]  # [1, NB]
+    reach = jnp.minimum(drafted_depth.astype(jnp.int32)[:, None], d)  # [B, NB]
+    tokens = jnp.take_along_axis(e, reach, axis=1)
     total = jnp.sum(jnp.where(active[:, None], tokens, 0.0), axis=0)
     return jnp.argmax(total / jnp.asarray(bucket_cost, jnp.float32)).astype(jnp.int32)
 

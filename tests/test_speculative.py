@@ -243,3 +243,31 @@ def test_verify_cost_model_and_its_stats(tiny_target, greedy_ref):
     assert out.tokens == greedy_ref and out.stats.mean_verified == 5.0
     assert out.stats.verify_cost == pytest.approx(1.5 + 0.25 * np.log2(5), rel=1e-6)
     assert "0.5·[T > 1]" in vc.describe()
+
+
+def test_per_position_acceptance_model():
+    """E[tokens] from per-position acceptance: a constant α is Leviathan's closed form;
+    all-or-nothing drafts (α_1 low, then certain) are worth drafting deep, which one
+    averaged α would miss; the loop's counters give α_d."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.stats import expected_tokens, leviathan_optimal_k, position_acceptance
+
+    a = 0.7
+    np.testing.assert_allclose(expected_tokens(jnp.full((1, 4), a))[0],
+                               [(1 - a ** (k + 1)) / (1 - a) for k in range(5)], rtol=1e-6)
+    np.testing.assert_allclose(expected_tokens(jnp.asarray([[1.0, 0.0, 1.0]]))[0],
+                               [1, 2, 2, 2])
+    v = np.asarray([1.0, 1.7, 1.7, 1.8, 1.8])
+    bimodal = jnp.asarray([[0.4, 1.0, 1.0, 1.0]])  # E(4) = 2.6: worth 1.8
+    assert int(leviathan_optimal_k(bimodal, 0.0, 4, v)[0]) == 4
+    # the same steps as one α = accepted / drafted = 0.4 · 4 / 4: E(4) = 1.66, not worth it
+    assert int(leviathan_optimal_k(jnp.asarray([0.4]), 0.0, 4, v)[0]) == 0
+    # hist: 6 steps accepted 0, 4 accepted all 4 (of 10 that tried depth 1)
+    hist = jnp.asarray([[6, 0, 0, 0, 4]])
+    tried = jnp.asarray([[10, 4, 4, 4]])
+    np.testing.assert_allclose(position_acceptance(hist, tried, prior=(0.0, 0.0))[0],
+                               [0.4, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(position_acceptance(jnp.zeros((1, 3)), jnp.zeros((1, 2)))[0],
+                               [0.75, 0.75])

@@ -134,10 +134,12 @@ class DraftModel(Speculator):
         start = ctx.lengths - 1 - c
         pos = start[:, None] + jnp.arange(q + 1)[None, :]
         act = ctx.active.astype(jnp.int32)
-        logits, _, cache = step(self.config, self.params, state.cache, inp, pos,
-                                q_lens=(c + 1) * act)
+        # Logits at the root only: the queue's other positions need none, and the LM head
+        # over all Q + 1 positions was the costliest matmul of a non-drafting step.
+        _, hidden, cache = step(self.config, self.params, state.cache, inp, pos,
+                                q_lens=(c + 1) * act, return_logits=False)
         keys = jax.random.split(ctx.key, self.k)
-        first = logits[rows, c]  # [B, V] draft logits after the root
+        first = self._logits(hidden.final[rows, c])  # [B, V] draft logits after the root
         if self.tree_top_k:
             return self._tree(state, ctx, cache, first, act)
         tok = sampling_lib.sample(keys[0], first, ctx.sampling)
@@ -170,9 +172,7 @@ class DraftModel(Speculator):
             _, hidden, cache = step(self.config, self.params, cache.replace(lengths=base),
                                     nodes.tokens, pos, mask=nodes.mask,
                                     q_lens=nodes.count * act, return_logits=False)
-            h = jnp.take(hidden.final, nodes.query, axis=1)
-            logits = module_for(self.config).apply({"params": self.params}, h,
-                                                   method=Transformer.logits)
+            logits = self._logits(jnp.take(hidden.final, nodes.query, axis=1))
             return jax.nn.log_softmax(logits, axis=-1), cache
 
         levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
@@ -180,6 +180,11 @@ class DraftModel(Speculator):
                                    top_k=self.tree_top_k, depth=self.k,
                                    total_tokens=self.total_tokens, levels=levels)
         return tree, state.replace(cache=cache.replace(lengths=base))
+
+    def _logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed draft hidden [..., D] -> float32 logits [..., V]."""
+        return module_for(self.config).apply({"params": self.params}, h,
+                                             method=Transformer.logits)
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
         cache, (pending,), count = requeue(ctx, state.cache, (state.pending,),
