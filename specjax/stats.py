@@ -59,7 +59,7 @@ class VerifyCost:
 # Per backend. CPU: fitted by `python -m specjax.bench.verify_cost` on the 25M benchmark
 # Llama (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
 # (the kernel issue's target is 64 nodes for <= 1.3x one token).
-VERIFY_COST = {"cpu": VerifyCost(jump=0.55, slope=0.1), "gpu": VerifyCost(slope=0.05),
+VERIFY_COST = {"cpu": VerifyCost(jump=0.49, slope=0.17), "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 
 
