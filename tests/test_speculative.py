@@ -271,3 +271,18 @@ def test_per_position_acceptance_model():
                                [0.4, 1.0, 1.0, 1.0])
     np.testing.assert_allclose(position_acceptance(jnp.zeros((1, 3)), jnp.zeros((1, 2)))[0],
                                [0.75, 0.75])
+
+
+def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
+    """With verification priced out, rows draft only on probe steps: the draft makes no
+    call in between and its queue grows (forced calls when it fills). The target as its
+    own draft must still accept every probe draft, so the draft's cache stayed exact."""
+    ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
+    never = VerifyCost(jump=100.0)
+    own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
+                           speculator=DraftModel(model=tiny_target, k=4), verify_cost=never)
+    assert own.tokens == ref
+    assert own.stats.drafted > 0 and own.stats.accepted == own.stats.drafted
+    other = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
+                             speculator=DraftModel(model=tiny_draft, k=3), verify_cost=never)
+    assert other.tokens == ref

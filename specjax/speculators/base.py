@@ -121,25 +121,37 @@ class Speculator:
 
 
 def requeue(ctx: CommitContext, cache, queue: tuple, count: jax.Array,
-            kept: tuple) -> tuple[Any, tuple, jax.Array]:
+            kept: tuple, append: jax.Array | bool = False) -> tuple[Any, tuple, jax.Array]:
     """The pending queue of a speculator with its own cache (draft model, EAGLE head).
 
     After a commit, a row's kept pairs (root and accepted nodes, `kept` arrays [B, J, ...])
     become its queue ([B, Q, ...], zero-padded), and its cache rolls back to the old
     root's position: what the draft wrote for tree nodes is dropped, and the next
     `propose` feeds queue + new root in one call. Rows without pairs keep everything.
+
+    append ([] bool): the last propose made no draft call, so nothing was consumed: the
+    kept pairs go after the queue and the cache stays where it is.
     Returns (cache, queue, count).
     """
     act = ctx.num_pairs > 0
+    b, q = count.shape[0], queue[0].shape[1]
+    j = jnp.arange(kept[0].shape[1])[None, :]
+    slot = jnp.where(j < ctx.num_pairs[:, None], count[:, None] + j, q)  # past Q: dropped
+    rows = jnp.arange(b)[:, None]
 
     def put(old, new):
+        new = new.astype(old.dtype)
         pad = [(0, 0), (0, old.shape[1] - new.shape[1])] + [(0, 0)] * (new.ndim - 2)
         sel = act.reshape((-1,) + (1,) * (old.ndim - 1))
-        return jnp.where(sel, jnp.pad(new.astype(old.dtype), pad), old)
+        replaced = jnp.where(sel, jnp.pad(new, pad), old)
+        appended = old.at[rows, slot].set(new, mode="drop")
+        return jnp.where(append, appended, replaced)
 
-    lengths = jnp.where(act, ctx.positions[:, 0], cache.lengths)
+    rolled = jnp.where(act, ctx.positions[:, 0], cache.lengths)
+    lengths = jnp.where(append, cache.lengths, rolled)
+    new_count = jnp.where(act, ctx.num_pairs + jnp.where(append, count, 0), count)
     return (cache.replace(lengths=lengths), tuple(put(o, n) for o, n in zip(queue, kept)),
-            jnp.where(act, ctx.num_pairs, count))
+            new_count)
 
 
 def set_fields(obj: Speculator, **fields) -> None:

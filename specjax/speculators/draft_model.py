@@ -34,11 +34,18 @@ from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
 from specjax.tree import DraftTree, chain
 
 
+# Queue slots beyond k + 1: while no row drafts, the draft skips its queue call and the
+# kept inputs pile up, to be consumed in one call (a GEMM of Q + 1 rows costs about what
+# 2 do on CPU) when a row drafts again or the queue is full.
+QUEUE_SLACK = 8
+
+
 @struct.dataclass
 class DraftState:
     cache: PagedKVCache
     pending: jax.Array  # [B, Q] kept target inputs the draft has not consumed yet
     pending_count: jax.Array  # [B]
+    skipped: jax.Array  # [] bool: the last propose made no draft call (queue appends)
 
 
 @struct.dataclass
@@ -115,8 +122,8 @@ class DraftModel(Speculator):
         extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
         m = -(-(capacity + extra) // self.page_size)
         cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size)
-        return DraftState(cache, jnp.zeros((batch, self.k + 1), jnp.int32),
-                          jnp.zeros((batch,), jnp.int32))
+        return DraftState(cache, jnp.zeros((batch, self.k + 1 + QUEUE_SLACK), jnp.int32),
+                          jnp.zeros((batch,), jnp.int32), jnp.bool_(False))
 
     def prefill(self, state: DraftState, chunk: PrefillChunk, target_params) -> DraftState:
         _, _, cache = step(self.config, self.params, state.cache, chunk.tokens, chunk.positions,
@@ -125,6 +132,30 @@ class DraftModel(Speculator):
 
     def propose(self, state: DraftState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, DraftState]:
+        """Drafts; when no row drafts this step and every queue has room for one more
+        pair, makes no draft call at all (the queue keeps growing, `commit` appends)."""
+        b, q = state.pending.shape
+        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
+        room = jnp.all(state.pending_count + 1 < q)
+
+        def skip():
+            full = lambda v: jnp.full((b, self.num_nodes), v, jnp.int32)  # noqa: E731
+            none = jnp.zeros((b, self.num_nodes), bool)
+            if self.tree_top_k:
+                tree = DraftTree(full(0), full(-1), full(1), none, None,
+                                 max_depth=self.max_depth)
+            else:
+                tree = chain(full(0), valid=none, draft_probs=jnp.zeros(
+                    (b, self.k, self.config.vocab_size), jnp.float32))
+            return tree, state.replace(skipped=jnp.bool_(True))
+
+        def run():
+            tree, new = self._propose(state, ctx)
+            return tree, new.replace(skipped=jnp.bool_(False))
+
+        return jax.lax.cond((levels == 0) & room, skip, run)
+
+    def _propose(self, state: DraftState, ctx: ProposeContext) -> tuple[DraftTree, DraftState]:
         b, q = state.pending.shape
         rows = jnp.arange(b)
         c = state.pending_count
@@ -188,7 +219,8 @@ class DraftModel(Speculator):
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
         cache, (pending,), count = requeue(ctx, state.cache, (state.pending,),
-                                           state.pending_count, (ctx.tokens,))
+                                           state.pending_count, (ctx.tokens,),
+                                           append=state.skipped)
         return state.replace(cache=cache, pending=pending, pending_count=count)
 
 
