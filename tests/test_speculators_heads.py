@@ -266,3 +266,18 @@ def test_heads_for_another_target_are_refused(tmp_path, tiny_target):
 def test_bad_settings_are_named(tiny_target, make, match):
     with pytest.raises(ValueError, match=match):
         make(tiny_target)
+
+
+@pytest.mark.parametrize("name", ["eagle2", "eagle3", "draft_tree"])
+def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
+    """Verification priced out: rows draft only on probe steps, the head or draft skips
+    its call in between and its queue grows (forced calls when full); the output is
+    still target-only greedy, and the probes still draft."""
+    from specjax.stats import VerifyCost
+
+    ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
+                           speculator=_make(name, tiny_target),
+                           verify_cost=VerifyCost(jump=100.0))
+    assert out.tokens == ref and out.stats.drafted > 0
+    assert out.stats.mean_k < 0.5  # mostly plain steps: drafts on probes only

@@ -120,6 +120,13 @@ class Speculator:
         return state
 
 
+# Queue slots beyond a step's kept pairs, for speculators with their own cache: while no
+# row drafts they skip their call and the kept pairs pile up, to be consumed in one call
+# (a forward of Q + 1 rows costs about what 2 do on CPU) when a row drafts again or the
+# queue is full (`requeue(append=True)`).
+QUEUE_SLACK = 8
+
+
 def requeue(ctx: CommitContext, cache, queue: tuple, count: jax.Array,
             kept: tuple, append: jax.Array | bool = False) -> tuple[Any, tuple, jax.Array]:
     """The pending queue of a speculator with its own cache (draft model, EAGLE head).

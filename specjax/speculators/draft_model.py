@@ -28,16 +28,10 @@ from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
-from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
-                                      Speculator, requeue, set_fields)
+from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
+                                      ProposeContext, Speculator, requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
 from specjax.tree import DraftTree, chain
-
-
-# Queue slots beyond k + 1: while no row drafts, the draft skips its queue call and the
-# kept inputs pile up, to be consumed in one call (a GEMM of Q + 1 rows costs about what
-# 2 do on CPU) when a row drafts again or the queue is full.
-QUEUE_SLACK = 8
 
 
 @struct.dataclass

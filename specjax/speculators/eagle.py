@@ -37,8 +37,8 @@ from specjax.heads import io as heads_io
 from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
                                  init_eagle_params, layer_config, target_features)
 from specjax.model import Model
-from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
-                                      Speculator, requeue, set_fields)
+from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
+                                      ProposeContext, Speculator, requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
 from specjax.tree import DraftTree, depth_widths, static_tree
 
@@ -49,6 +49,7 @@ class EagleState:
     pending: jax.Array  # [B, Q] tokens x_{i+1} of queued pairs
     pending_feats: jax.Array  # [B, Q, D] fused target features h_i of queued pairs
     pending_count: jax.Array  # [B]
+    skipped: jax.Array  # [] bool: the last propose made no head call (queue appends)
 
 
 @struct.dataclass
@@ -181,11 +182,11 @@ class Eagle(Speculator):
     def init(self, target_config: ModelConfig, batch: int, capacity: int) -> EagleState:
         m = -(-(capacity + self._extra_slots) // self.page_size)
         cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size)
-        q = self.max_depth + 1
+        q = self.max_depth + 1 + QUEUE_SLACK
         d = target_config.hidden_size
         dt = jnp.dtype(target_config.dtype)
         return EagleState(cache, jnp.zeros((batch, q), jnp.int32), jnp.zeros((batch, q, d), dt),
-                          jnp.zeros((batch,), jnp.int32))
+                          jnp.zeros((batch,), jnp.int32), jnp.bool_(False))
 
     def _features(self, hidden, target_params):
         feats = target_features(self.config, hidden, self._layer_index)
@@ -209,6 +210,27 @@ class Eagle(Speculator):
 
     def propose(self, state: EagleState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, EagleState]:
+        """Drafts; when no row drafts this step and every queue has room for one more
+        pair, makes no head call at all (the queue grows, `commit` appends)."""
+        b, q = state.pending.shape
+        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
+        room = jnp.all(state.pending_count + 1 < q)
+
+        def run():
+            tree, new = self._propose(state, ctx, target_params)
+            return tree, new.replace(skipped=jnp.bool_(False))
+
+        return jax.lax.cond((levels == 0) & room,
+                            lambda: (self._empty_tree(b), state.replace(skipped=jnp.bool_(True))),
+                            run)
+
+    def _empty_tree(self, b: int) -> DraftTree:
+        full = lambda v: jnp.full((b, self.num_nodes), v, jnp.int32)  # noqa: E731
+        return DraftTree(full(0), full(-1), full(1), jnp.zeros((b, self.num_nodes), bool),
+                         None, max_depth=self.max_depth)
+
+    def _propose(self, state: EagleState, ctx: ProposeContext,
+                 target_params) -> tuple[DraftTree, EagleState]:
         b, q = state.pending.shape
         rows = jnp.arange(b)
         c = state.pending_count
@@ -246,10 +268,8 @@ class Eagle(Speculator):
                                                       choice, vocab_map=self.d2t, levels=levels)
             return tree, grown
 
-        def skip():  # no row drafts this step: the queue call above was all it needed
-            full = lambda v: jnp.full((b, self.num_nodes), v, jnp.int32)
-            return DraftTree(full(0), full(-1), full(1), jnp.zeros((b, self.num_nodes), bool),
-                             None, max_depth=self.max_depth), cache
+        def skip():  # no row drafts, but the queue was full: the call above consumed it
+            return self._empty_tree(b), cache
 
         tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
@@ -258,7 +278,7 @@ class Eagle(Speculator):
         feats = self._features(ctx.hidden, target_params)
         cache, (pending, pending_feats), count = requeue(
             ctx, state.cache, (state.pending, state.pending_feats), state.pending_count,
-            (ctx.next_tokens, feats))
+            (ctx.next_tokens, feats), append=state.skipped)
         return state.replace(cache=cache, pending=pending, pending_feats=pending_feats,
                              pending_count=count)
 
