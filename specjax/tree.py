@@ -65,6 +65,15 @@ def chain(tokens: jax.Array, draft_probs: jax.Array | None = None,
     return DraftTree(tokens.astype(jnp.int32), parents, depth, valid, draft_probs, max_depth=k)
 
 
+def empty_tree(batch: int, num_nodes: int, max_depth: int, vocab: int | None = None) -> DraftTree:
+    """A tree with no valid node, shaped like a speculator's proposals (`vocab`: with
+    zero draft_probs [B, N, V]): what a speculator returns on a step it does not draft."""
+    full = lambda v: jnp.full((batch, num_nodes), v, jnp.int32)  # noqa: E731
+    probs = None if vocab is None else jnp.zeros((batch, num_nodes, vocab), jnp.float32)
+    return DraftTree(full(0), full(-1), full(1), jnp.zeros((batch, num_nodes), bool), probs,
+                     max_depth=max_depth)
+
+
 def static_tree(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, list]:
     """A static tree from Medusa-style paths (each path: top-k choice index per depth).
 

@@ -31,7 +31,7 @@ from specjax.models.transformer import Transformer
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
                                       ProposeContext, Speculator, requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
-from specjax.tree import DraftTree, chain
+from specjax.tree import DraftTree, chain, empty_tree
 
 
 @struct.dataclass
@@ -132,16 +132,10 @@ class DraftModel(Speculator):
         levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
         room = jnp.all(state.pending_count + 1 < q)
 
-        def skip():
-            full = lambda v: jnp.full((b, self.num_nodes), v, jnp.int32)  # noqa: E731
-            none = jnp.zeros((b, self.num_nodes), bool)
-            if self.tree_top_k:
-                tree = DraftTree(full(0), full(-1), full(1), none, None,
-                                 max_depth=self.max_depth)
-            else:
-                tree = chain(full(0), valid=none, draft_probs=jnp.zeros(
-                    (b, self.k, self.config.vocab_size), jnp.float32))
-            return tree, state.replace(skipped=jnp.bool_(True))
+        def skip():  # chains carry draft_probs, trees do not (point masses)
+            vocab = None if self.tree_top_k else self.config.vocab_size
+            return (empty_tree(b, self.num_nodes, self.max_depth, vocab),
+                    state.replace(skipped=jnp.bool_(True)))
 
         def run():
             tree, new = self._propose(state, ctx)

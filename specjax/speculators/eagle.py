@@ -40,7 +40,7 @@ from specjax.model import Model
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
                                       ProposeContext, Speculator, requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
-from specjax.tree import DraftTree, depth_widths, static_tree
+from specjax.tree import DraftTree, depth_widths, empty_tree, static_tree
 
 
 @struct.dataclass
@@ -220,14 +220,11 @@ class Eagle(Speculator):
             tree, new = self._propose(state, ctx, target_params)
             return tree, new.replace(skipped=jnp.bool_(False))
 
-        return jax.lax.cond((levels == 0) & room,
-                            lambda: (self._empty_tree(b), state.replace(skipped=jnp.bool_(True))),
-                            run)
+        def skip():
+            return (empty_tree(b, self.num_nodes, self.max_depth),
+                    state.replace(skipped=jnp.bool_(True)))
 
-    def _empty_tree(self, b: int) -> DraftTree:
-        full = lambda v: jnp.full((b, self.num_nodes), v, jnp.int32)  # noqa: E731
-        return DraftTree(full(0), full(-1), full(1), jnp.zeros((b, self.num_nodes), bool),
-                         None, max_depth=self.max_depth)
+        return jax.lax.cond((levels == 0) & room, skip, run)
 
     def _propose(self, state: EagleState, ctx: ProposeContext,
                  target_params) -> tuple[DraftTree, EagleState]:
@@ -269,7 +266,7 @@ class Eagle(Speculator):
             return tree, grown
 
         def skip():  # no row drafts, but the queue was full: the call above consumed it
-            return self._empty_tree(b), cache
+            return empty_tree(b, self.num_nodes, self.max_depth), cache
 
         tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
