@@ -318,8 +318,8 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         draft_calls=st.draft_calls + active * jnp.minimum(spec.draft_calls_per_step(),
                                                           jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
-        accepted=st.accepted + acc, hist=hist, tried=tried, verified=st.verified + active * (sp.width + 1),
-        verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1)
+        accepted=st.accepted + acc, hist=hist, tried=tried,
+        verified=st.verified + active * (sp.width + 1), verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))

@@ -134,8 +134,7 @@ def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[in
     The target forward is one batched call whose width is set by the deepest node
     verified in any row, so a row that drafts deep makes every row pay for that width.
     Per-row rules (`leviathan_optimal_k`) cannot see this: at batch 8 one row with an
-    n-gram match made the other seven verify 5 tokens for nothing (1.5x slower than
-    plain decoding on CPU). After drafting, the draft cost is spent; what is left is
+    n-gram match made the other seven verify 5 tokens for nothing. After drafting, the draft cost is spent; what is left is
     the batch's expected tokens per unit of verify cost,
         score(b) = sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b
     (`expected_tokens`; for a tree, a lower bound). This mirrors vLLM/SGLang turning

@@ -20,7 +20,7 @@ state; n-gram reads the token buffer of the context.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +159,23 @@ def requeue(ctx: CommitContext, cache, queue: tuple, count: jax.Array,
     new_count = jnp.where(act, ctx.num_pairs + jnp.where(append, count, 0), count)
     return (cache.replace(lengths=lengths), tuple(put(o, n) for o, n in zip(queue, kept)),
             new_count)
+
+
+def propose_or_skip(state, ctx: ProposeContext, empty: DraftTree,
+                    run: Callable[[], tuple[DraftTree, Any]]) -> tuple[DraftTree, Any]:
+    """The propose of a speculator with its own cache and pending queue (`requeue`):
+    when no row drafts this step and every queue has room for one more pair, no call
+    at all (`empty` tree; the state's `skipped` flag makes the next commit append),
+    else `run()`. `state` needs `pending` [B, Q, ...], `pending_count` [B], `skipped`."""
+    levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
+    room = jnp.all(state.pending_count + 1 < state.pending.shape[1])
+
+    def go():
+        tree, new = run()
+        return tree, new.replace(skipped=jnp.bool_(False))
+
+    return jax.lax.cond((levels == 0) & room,
+                        lambda: (empty, state.replace(skipped=jnp.bool_(True))), go)
 
 
 def set_fields(obj: Speculator, **fields) -> None:

@@ -29,7 +29,8 @@ from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, Speculator, requeue, set_fields)
+                                      ProposeContext, Speculator, propose_or_skip, requeue,
+                                      set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
 from specjax.tree import DraftTree, chain, empty_tree
 
@@ -126,22 +127,10 @@ class DraftModel(Speculator):
 
     def propose(self, state: DraftState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, DraftState]:
-        """Drafts; when no row drafts this step and every queue has room for one more
-        pair, makes no draft call at all (the queue keeps growing, `commit` appends)."""
-        b, q = state.pending.shape
-        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
-        room = jnp.all(state.pending_count + 1 < q)
-
-        def skip():  # chains carry draft_probs, trees do not (point masses)
-            vocab = None if self.tree_top_k else self.config.vocab_size
-            return (empty_tree(b, self.num_nodes, self.max_depth, vocab),
-                    state.replace(skipped=jnp.bool_(True)))
-
-        def run():
-            tree, new = self._propose(state, ctx)
-            return tree, new.replace(skipped=jnp.bool_(False))
-
-        return jax.lax.cond((levels == 0) & room, skip, run)
+        """Drafts; while no row drafts, no draft call at all (`propose_or_skip`)."""
+        vocab = None if self.tree_top_k else self.config.vocab_size  # chains carry probs
+        empty = empty_tree(state.pending.shape[0], self.num_nodes, self.max_depth, vocab)
+        return propose_or_skip(state, ctx, empty, lambda: self._propose(state, ctx))
 
     def _propose(self, state: DraftState, ctx: ProposeContext) -> tuple[DraftTree, DraftState]:
         b, q = state.pending.shape

@@ -38,7 +38,8 @@ from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_fea
                                  init_eagle_params, layer_config, target_features)
 from specjax.model import Model
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, Speculator, requeue, set_fields)
+                                      ProposeContext, Speculator, propose_or_skip, requeue,
+                                      set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
 from specjax.tree import DraftTree, depth_widths, empty_tree, static_tree
 
@@ -210,21 +211,10 @@ class Eagle(Speculator):
 
     def propose(self, state: EagleState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, EagleState]:
-        """Drafts; when no row drafts this step and every queue has room for one more
-        pair, makes no head call at all (the queue grows, `commit` appends)."""
-        b, q = state.pending.shape
-        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
-        room = jnp.all(state.pending_count + 1 < q)
-
-        def run():
-            tree, new = self._propose(state, ctx, target_params)
-            return tree, new.replace(skipped=jnp.bool_(False))
-
-        def skip():
-            return (empty_tree(b, self.num_nodes, self.max_depth),
-                    state.replace(skipped=jnp.bool_(True)))
-
-        return jax.lax.cond((levels == 0) & room, skip, run)
+        """Drafts; while no row drafts, no head call at all (`propose_or_skip`)."""
+        empty = empty_tree(state.pending.shape[0], self.num_nodes, self.max_depth)
+        return propose_or_skip(state, ctx, empty,
+                               lambda: self._propose(state, ctx, target_params))
 
     def _propose(self, state: EagleState, ctx: ProposeContext,
                  target_params) -> tuple[DraftTree, EagleState]:
