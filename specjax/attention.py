@@ -20,6 +20,7 @@ G = N // K query heads per KV head, H head_dim, P pages, Z page size, M pages pe
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -84,23 +85,41 @@ def attend(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [B, T, N, H]
     """Masked softmax attention with float32 scores; queries that see nothing output 0."""
+    return attend_parts(q, ((k, v, ok),), scale=scale, soft_cap=soft_cap)
+
+
+def attend_parts(
+    q: jax.Array,  # [B, T, N, H]
+    parts,  # ((k [B, S_i, K, H], v [B, S_i, K, H], ok [B, T, S_i] bool), ...)
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, T, N, H]
+    """`attend` over the concatenation of several KV parts, without concatenating them:
+    one softmax across all parts (a shared max and denominator). Used to attend to the
+    cached prefix and the step's own new keys/values kept out of the cache."""
     b, t, n, h = q.shape
-    kh = k.shape[2]
+    kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
-    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    okb = ok[:, None, None, :, :]
-    s = jnp.where(okb, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    scores, oks = [], []
+    for k, _, ok in parts:
+        s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        okb = ok[:, None, None, :, :]
+        scores.append(jnp.where(okb, s, -jnp.inf))
+        oks.append(okb)
+    m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(okb, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    # Zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN.
-    v = jnp.where(jnp.any(ok, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    probs = [jnp.where(okb, jnp.exp(s - m), 0.0) for s, okb in zip(scores, oks)]
+    denom = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    out = 0.0
+    for p, (_, v, ok) in zip(probs, parts):
+        # Zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN.
+        v = jnp.where(jnp.any(ok, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+        out = out + jnp.einsum("BKGTS,BSKH->BTKGH", (p / denom).astype(v.dtype), v,
+                               preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
@@ -118,14 +137,52 @@ def reference_paged_attention(
     sliding_window: int | None = None,
 ) -> jax.Array:  # [B, T, N, H]
     """Plain-jnp paged attention: gather each row's pages, then `attend`."""
+    k, v = _gather_rows(k_pages, v_pages, page_table)
+    ok = allowed_mask(q.shape[1], k.shape[1], kv_lens, q_lens, mask, sliding_window)
+    return attend(q, k, v, ok, scale=scale, soft_cap=soft_cap)
+
+
+def _gather_rows(k_pages, v_pages, page_table):
+    """[K, P, Z, H] pages, [B, M] table -> each row's keys and values [B, M*Z, K, H]."""
     kh, _, z, h = k_pages.shape
     b, m = page_table.shape
-    k = k_pages[:, page_table]  # [K, B, M, Z, H]
-    v = v_pages[:, page_table]
-    k = k.reshape(kh, b, m * z, h).transpose(1, 2, 0, 3)  # [B, S, K, H]
-    v = v.reshape(kh, b, m * z, h).transpose(1, 2, 0, 3)
-    ok = allowed_mask(q.shape[1], m * z, kv_lens, q_lens, mask, sliding_window)
-    return attend(q, k, v, ok, scale=scale, soft_cap=soft_cap)
+    return tuple(x[:, page_table].reshape(kh, b, m * z, h).transpose(1, 2, 0, 3)
+                 for x in (k_pages, v_pages))
+
+
+def reference_attention_with_new(
+    q: jax.Array,  # [B, T, N, H]
+    k_new: jax.Array,  # [B, T, K, H] the T new tokens' keys, not in the pages
+    v_new: jax.Array,  # [B, T, K, H]
+    q_lens: jax.Array,  # [B] int32
+    mask: jax.Array | None,  # [B, T, T] bool, None = causal
+    k_pages: jax.Array,  # [K, P, Z, H]
+    v_pages: jax.Array,  # [K, P, Z, H]
+    page_table: jax.Array,  # [B, M] int32
+    prefix_lens: jax.Array,  # [B] int32 cached slots each query sees
+    *, scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+) -> jax.Array:  # [B, T, N, H]
+    """The module contract with the new tokens' KV passed beside the pages instead of
+    written into them: the same output as writing them at slots `prefix_lens + t` and
+    calling `reference_paged_attention` with kv_lens = prefix_lens + q_lens.
+
+    Why: the speculative loop picks its verify width with `lax.switch`; a cache written
+    inside a branch leaves the branch in a new buffer that XLA copies back into the loop
+    carry, the whole pool twice per step (~40 % of a plain step at 1k tokens on CPU). The
+    verify branches attend this way and the loop writes only the kept tokens afterwards.
+    """
+    b, t = q.shape[:2]
+    k, v = _gather_rows(k_pages, v_pages, page_table)
+    s_len = k.shape[1]
+    tq = jnp.arange(t)[None, :, None]  # [1, T, 1]
+    j = jnp.arange(s_len)[None, None, :]  # [1, 1, S]
+    start = prefix_lens[:, None, None]
+    ok_prefix = j < start
+    if sliding_window is not None:
+        ok_prefix &= (start + tq - j) < sliding_window
+    ok_new = allowed_mask(t, t, q_lens, q_lens, mask, sliding_window)  # [B, T, T]
+    return attend_parts(q, ((k, v, jnp.broadcast_to(ok_prefix, (b, t, s_len))),
+                            (k_new, v_new, ok_new)), scale=scale, soft_cap=soft_cap)
 
 
 def _pallas_backend() -> Callable:

@@ -123,6 +123,44 @@ def write_kv(
          ("batch", None)), per_shard.PAGES, kv_heads=pages.shape[1], batch=new.shape[0])
 
 
+def _write_kv_layers(pages, new, page, offset):
+    vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H]
+    return pages.at[:, :, page, offset].set(vals, mode="drop")
+
+
+def write_kv_layers(
+    pages: jax.Array,  # [L, K, P, Z, H]
+    new: jax.Array,  # [L, B, T, K, H]
+    page: jax.Array,  # [B, T] int32 (>= P = drop)
+    offset: jax.Array,  # [B, T] int32
+) -> jax.Array:
+    """`write_kv` for every layer at once (the keys or values a deferred-write step
+    returned, `Transformer.__call__(write_cache=False)`). Per shard under a mesh."""
+    from specjax.sharding import per_shard, rules
+
+    mesh = rules.active_mesh()
+    if mesh is None:
+        return _write_kv_layers(pages, new, page, offset)
+    return per_shard.per_shard_pages(
+        _write_kv_layers, mesh, (pages, new, page, offset),
+        (per_shard.PAGES, (None, "batch", None, "kv_heads", None), ("batch", None),
+         ("batch", None)), per_shard.PAGES, kv_heads=pages.shape[1], batch=new.shape[1])
+
+
+def write_slots(cache: "PagedKVCache", k_new: jax.Array, v_new: jax.Array,
+                start: jax.Array, count: jax.Array) -> "PagedKVCache":
+    """Writes k_new/v_new [L, B, T, K, H] entries t < count[b] at slots start[b] + t of
+    every layer (lengths unchanged): how the speculative loop commits the kept tokens
+    of a verify forward that did not write its tree into the cache."""
+    t = k_new.shape[2]
+    slots = start[:, None] + jnp.arange(t)[None, :]
+    valid = jnp.arange(t)[None, :] < count[:, None]
+    page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size,
+                              cache.num_pages)
+    return cache.replace(k_pages=write_kv_layers(cache.k_pages, k_new, page, offset),
+                         v_pages=write_kv_layers(cache.v_pages, v_new, page, offset))
+
+
 def _move_slots(k_pages, v_pages, page_table, src, dst, valid):
     z, p = k_pages.shape[3], k_pages.shape[2]  # this shard's pages
     sp, so = slot_pages(page_table, src, valid, z, p)

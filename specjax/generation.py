@@ -26,7 +26,8 @@ import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.cache import PagedKVCache, PagePool, move_slots
+from specjax.attention import resolve_backend
+from specjax.cache import PagedKVCache, PagePool, move_slots, write_slots
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step, validate_tokens
 from specjax.models.transformer import Hidden, Transformer
@@ -170,7 +171,10 @@ class Speculation:
     result: Any  # VerifyResult
     kept_inputs: jax.Array  # [B, Dm+1] verify inputs of the root and accepted nodes
     kept_hidden: Hidden  # their target hidden states, [B, Dm+1, ...]
-    cache: PagedKVCache  # with the verified inputs written
+    cache: PagedKVCache  # with the verified inputs written, unless kept_kv is set
+    # (keys, values) [L, B, Dm+1, K, H] of the kept inputs when the verify forward did
+    # not write the cache (`_defer_kv_write`): commit writes them; else None
+    kept_kv: Any
     spec_state: Any
     depth_limit: jax.Array  # [B]
     width: jax.Array  # [] tree nodes the target verified this step (0: a plain decode step)
@@ -201,10 +205,22 @@ def _bucket_width_per_depth(buckets) -> list[int]:
     return [next(w for d, w in buckets if d >= k) for k in range(dm + 1)]
 
 
+def _defer_kv_write(backend: str | None) -> bool:
+    """Whether verify forwards leave the cache alone and commit writes only the kept
+    tokens (`reference_attention_with_new`): with the reference attention off-mesh. A
+    cache written inside the verify `lax.switch` comes out in a new buffer that XLA
+    copies into the loop carry, the whole pool twice per step; the Pallas kernels read
+    new tokens from the pages, so they keep the write-then-compact path."""
+    return resolve_backend(backend) == "reference" and shard.active_mesh() is None
+
+
 def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, tree,
                    sampling, key, backend):
     """Target forward over [root, first `width` nodes], verification, and the kept
-    inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket)."""
+    inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket).
+    Returns (result, kept inputs, kept hidden, cache with the inputs written); with
+    `_defer_kv_write`, the kept inputs' (keys, values) [L, B, Dm+1, K, H] instead of
+    the cache."""
     b = st.tokens.shape[0]
     active = ~st.done
     n = max(width, 1)  # width 0 keeps one (invalid) node so the tree is never empty
@@ -217,13 +233,18 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
     positions = (st.lengths - 1)[:, None] + jnp.concatenate(
         [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
     mask = ancestor_mask(sub.parents[:, :width], spec.max_depth) if width else None
+    defer = _defer_kv_write(backend)
     logits, hidden, cache = step(config, params, st.cache, inputs, positions, mask=mask,
                                  q_lens=jnp.where(active, width + 1, 0),
-                                 hidden_layers=spec.hidden_layers, attention_backend=backend)
+                                 hidden_layers=spec.hidden_layers, attention_backend=backend,
+                                 write_cache=not defer)
     if width == 0:  # the invalid node's logits slot: never read by the verifier
         logits = jnp.concatenate([logits, logits], axis=1)
     res = verify(logits, sub, sampling, key, spec.verification)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
+    if defer:  # cache is the new (keys, values) [L, B, width+1, K, H]
+        idx = res.path_inputs[None, :, :, None, None]
+        cache = tuple(jnp.take_along_axis(x, idx, axis=2, mode="clip") for x in cache)
     return res, kept, _gather_hidden(hidden, res.path_inputs), cache
 
 
@@ -268,8 +289,12 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
                                   k_ver, backend) for _, w in buckets]
     res, kept, kept_hidden, cache = jax.lax.switch(which, branches)
+    kept_kv = None
+    if _defer_kv_write(backend):
+        cache, kept_kv = st.cache, cache
     width = jnp.asarray([w for _, w in buckets], jnp.int32)[which]
-    return Speculation(tree, res, kept, kept_hidden, cache, spec_state, limit, width, key)
+    return Speculation(tree, res, kept, kept_hidden, cache, kept_kv, spec_state, limit, width,
+                       key)
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
@@ -291,12 +316,14 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     new_eos = jnp.any(eos_at, axis=1)
     emit = jnp.where(new_eos, jnp.argmax(eos_at, axis=1) + 1, emit)
     emit = jnp.where(active, emit, 0)
-    # Commit KV: accepted node at tree slot L + node moves to slot L + depth - 1.
     lens = st.lengths
-    src = lens[:, None] + jnp.maximum(res.accepted, 0)
-    dst = lens[:, None] + jnp.arange(dm)[None, :]
-    keep = (res.accepted >= 0) & (jnp.arange(dm)[None, :] < (emit - 1)[:, None])
-    cache = move_slots(cache, src, dst, keep)
+    if sp.kept_kv is not None:  # Commit KV: the root and emitted accepted nodes, in order
+        cache = write_slots(cache, *sp.kept_kv, lens - 1, emit)
+    else:  # accepted node at tree slot L + node moves to slot L + depth - 1
+        src = lens[:, None] + jnp.maximum(res.accepted, 0)
+        dst = lens[:, None] + jnp.arange(dm)[None, :]
+        keep = (res.accepted >= 0) & (jnp.arange(dm)[None, :] < (emit - 1)[:, None])
+        cache = move_slots(cache, src, dst, keep)
     cache = cache.replace(lengths=jnp.where(active, lens - 1 + emit, st.cache.lengths))
     tokens = _write_tokens(st.tokens, lens, res.path_tokens, emit)
     lengths = lens + emit

@@ -3,11 +3,16 @@
 - acceptance_rate α = accepted draft tokens / drafted positions (for a chain, k per
   step; for a tree, its depth per step: α is per speculated position).
 - mean_accepted_length τ = tokens emitted per target forward in decoding, bonus included.
-- expected_speedup: Leviathan et al.'s (1 - α^(k+1)) / ((1 - α)(k c + v)) from the
-  measured α, the mean k, the draft/target cost ratio c and the verify forward's cost v
-  relative to a one-token step (the mean over the decode forwards of `VerifyCost`'s
-  v(T), see `VERIFY_COST`; the paper's v = 1 is `expected_speedup_free_verify`). Print it
-  beside the measured speedup (which needs an autoregressive run of the same prompts).
+- expected_speedup: Leviathan et al.'s E[tokens per step] / (k c + v), with α per draft
+  position (`expected_tokens`: E = 1 + Σ_d Π_{i<=d} α_i, whose products are the measured
+  fractions of steps accepting at least d drafts, so E = 1 + accepted per target call),
+  the mean k, the draft/target cost ratio c and the verify forward's cost v relative to
+  a one-token step (the mean over the decode forwards of `VerifyCost`'s v(T), see
+  `VERIFY_COST`; the paper's v = 1 is `expected_speedup_free_verify`). Print it beside
+  the measured speedup (which needs an autoregressive run of the same prompts).
+- expected_speedup_iid: the paper's closed form (1 - α^(k+1)) / ((1 - α)(k c + v)) with
+  one α for every position. Acceptance is rarely i.i.d. (a draft that gets depth 1 right
+  tends to get depth 2 right too), so at k > 1 it undercounts what the loop can reach.
 """
 
 from __future__ import annotations
@@ -80,6 +85,15 @@ def leviathan_speedup(alpha: float, k: float, cost_ratio: float,
         tokens = k + 1
     else:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+    return float(tokens / (k * cost_ratio + verify_cost))
+
+
+def tokens_per_cost(tokens: float, k: float, cost_ratio: float,
+                    verify_cost: float = 1.0) -> float:
+    """Expected speedup from E[tokens per target call] (α per position), k drafted
+    positions per call, the draft cost ratio and the verify cost: E / (k c + v)."""
+    if k <= 0:
+        return 1.0
     return float(tokens / (k * cost_ratio + verify_cost))
 
 
@@ -174,6 +188,7 @@ class GenerationStats:
     cost_ratio: float
     expected_speedup: float
     expected_speedup_free_verify: float
+    expected_speedup_iid: float
     mean_verified: float  # target inputs per decode forward (1 = a plain step)
     verify_cost: float  # v: that forward's modelled cost relative to a one-token step
     wall_s: float
@@ -251,13 +266,15 @@ def _row(new, calls, dcalls, drafted, accepted, verified, c, vsum, ttft_s, decod
         decode_tokens = max(new - 1, 0)  # the first token comes from prefill
     tau = decode_tokens / calls if calls else 0.0
     k = drafted / calls if calls else 0.0
+    reach = 1.0 + accepted / calls if calls else 1.0  # E[tokens] from α per position
     mean_verified = verified / calls if calls else 1.0
     v = vsum / calls if calls else 1.0  # mean modelled cost of one decode forward
     wall = ttft_s + decode_s
     return dict(new_tokens=new, target_calls=calls, draft_calls=dcalls, drafted=drafted,
                 accepted=accepted, acceptance_rate=alpha, mean_accepted_length=tau, mean_k=k,
-                cost_ratio=c, expected_speedup=leviathan_speedup(alpha, k, c, v),
-                expected_speedup_free_verify=leviathan_speedup(alpha, k, c),
+                cost_ratio=c, expected_speedup=tokens_per_cost(reach, k, c, v),
+                expected_speedup_free_verify=tokens_per_cost(reach, k, c),
+                expected_speedup_iid=leviathan_speedup(alpha, k, c, v),
                 mean_verified=mean_verified, verify_cost=v,
                 wall_s=wall, ttft_s=ttft_s,
                 tpot_s=decode_s / decode_tokens if decode_tokens else 0.0,

@@ -152,3 +152,31 @@ def test_backend_argument_validation(monkeypatch):
     monkeypatch.setenv("SPECJAX_ATTENTION", "bogus")
     with pytest.raises(ValueError, match=r"SPECJAX_ATTENTION='bogus'"):
         specjax.step(config, params, None, tokens, tokens)
+
+
+@pytest.mark.parametrize("name, soft_cap, window", [
+    (n, sc, w) for n in CASES for sc, w in [(None, None), (5.0, None), (None, 3)]])
+def test_attention_with_new_kv_beside_the_pages(name, soft_cap, window):
+    """`reference_attention_with_new` (the verify forward that defers its cache write)
+    equals the contract with the new tokens written, and never reads their slots."""
+    t_len, q_lens, parents = CASES[name]
+    b = len(KV_LENS)
+    mask = None if parents is None else _tree_mask(parents, t_len, b)
+    q, k_pages, v_pages, table, kv_lens, q_lens, mask = _case(t_len, q_lens, mask, seed=1)
+    want = _naive(q, k_pages, v_pages, table, kv_lens, q_lens, mask, H ** -0.5, soft_cap,
+                  window)
+    k_new = np.full((b, t_len, K, H), np.nan, np.float32)  # padding tokens: NaN too
+    v_new = np.full((b, t_len, K, H), np.nan, np.float32)
+    for row in range(b):
+        for t in range(q_lens[row]):
+            j = kv_lens[row] - q_lens[row] + t
+            page, off = table[row, j // Z], j % Z
+            k_new[row, t], v_new[row, t] = k_pages[:, page, off], v_pages[:, page, off]
+            k_pages[:, page, off] = v_pages[:, page, off] = np.nan  # not written yet
+    out = np.asarray(attention.reference_attention_with_new(
+        *map(jnp.asarray, (q, k_new, v_new, q_lens)), None if mask is None else jnp.asarray(mask),
+        *map(jnp.asarray, (k_pages, v_pages, table, kv_lens - q_lens)),
+        scale=H ** -0.5, soft_cap=soft_cap, sliding_window=window))
+    for row, n in enumerate(q_lens):
+        np.testing.assert_allclose(out[row, :n], want[row, :n], atol=ATOL, rtol=0)
+        assert np.isfinite(out[row, :n]).all()

@@ -286,3 +286,57 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     other = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                              speculator=DraftModel(model=tiny_draft, k=3), verify_cost=never)
     assert other.tokens == ref
+
+
+def _attention_sensitive_target():
+    """A tiny target whose greedy output depends on every cached key: sharp attention
+    (q/k projections scaled up) and peaked logits, so a KV slot committed wrongly
+    changes the tokens (the random init's near-uniform attention would hide it)."""
+    m = specjax.init_model(tiny_llama(vocab_size=128), seed=3)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 4.0 if any(getattr(k, "key", None) in ("q_proj", "k_proj")
+                                       for k in path) else x, m.params)
+    m.params = params
+    return m
+
+
+def test_both_kv_commit_paths_are_lossless(monkeypatch):
+    """The verify forward either defers its cache write (the reference attention
+    off-mesh: commit writes the kept tokens) or writes the tree and compacts it (Pallas,
+    meshes); both give target-only greedy decoding (checked against cache-free full
+    forwards), on a tree and on a chain."""
+    from specjax import generation
+    from specjax.speculators import Medusa
+    from tests.conftest import greedy_reference
+
+    target = _attention_sensitive_target()
+    want = [greedy_reference(target, p, 24) for p in PROMPTS]
+    specs = [DraftModel(model=target, k=4), Medusa.random(target, num_heads=4, seed=0)]
+    assert generation._defer_kv_write(None)  # CPU default: deferred
+    for defer in (False, True):
+        monkeypatch.setattr(generation, "_defer_kv_write", lambda backend, d=defer: d)
+        generation._COMPILED.clear()  # programs (and jax's traces) are cached by
+        jax.clear_caches()  # signature, not by path
+        for spec in specs:
+            out = specjax.generate(target, PROMPTS, max_new_tokens=24, ignore_eos=True,
+                                   speculator=spec, adaptive=False)
+            assert out.tokens == want, (defer, type(spec).__name__)
+    generation._COMPILED.clear()
+    jax.clear_caches()
+
+
+def test_expected_speedup_uses_acceptance_per_position():
+    """All-or-nothing acceptance (half the steps accept all 4 drafts, half none): α is
+    0.5 either way, but per position E[tokens] = 1 + 2 = 3, which the i.i.d. closed form
+    undercounts ((1 - 0.5^5) / 0.5 = 1.94)."""
+    from specjax.stats import build_stats
+
+    c, v = 0.05, 1.8
+    stats = build_stats(new_tokens=[31], target_calls=[10], draft_calls=[40], drafted=[40],
+                        accepted=[20], hist=[[5, 0, 0, 0, 5]], cost_ratio=c, ttft_s=0.1,
+                        decode_s=1.0, compile_s=0.0, verify_cost=[10 * v])
+    assert stats.acceptance_rate == 0.5 and stats.mean_k == 4.0
+    assert stats.expected_speedup == pytest.approx(3.0 / (4 * c + v))
+    assert stats.expected_speedup_iid == pytest.approx((1 - 0.5 ** 5) / 0.5 / (4 * c + v))
+    assert stats.expected_speedup_free_verify == pytest.approx(3.0 / (4 * c + 1))
+    assert stats.rows[0]["expected_speedup"] == pytest.approx(stats.expected_speedup)

@@ -169,14 +169,18 @@ def build_prompt_sets(categories, docs, tokenizer, num: int, lengths: dict[str, 
     return {c: build_prompts(c, docs, tokenizer, num, lengths[c], seed) for c in categories}
 
 
-def _row(category, temperature, batch, method, tokens_per_s, stats=None) -> dict:
+def _row(category, temperature, batch, method, tokens_per_s, stats=None,
+         tpot_s: float | None = None) -> dict:
+    """tpot_s: the median over rounds of the mean time per output token after the first
+    (`GenerationStats.tpot_s`); the decode speedup is its ratio."""
     row = dict(category=category, temperature=temperature, batch=batch, method=method,
                tokens_per_s=tokens_per_s)
     if stats is not None:
         row.update(alpha=stats.acceptance_rate, tau=stats.mean_accepted_length, k=stats.mean_k,
                    cost_ratio=stats.cost_ratio, analytical=stats.expected_speedup,
                    analytical_free_verify=stats.expected_speedup_free_verify,
-                   ttft_ms=stats.ttft_s * 1e3, tpot_ms=stats.tpot_s * 1e3)
+                   analytical_iid=stats.expected_speedup_iid,
+                   ttft_ms=stats.ttft_s * 1e3, tpot_ms=(tpot_s or stats.tpot_s) * 1e3)
     return row
 
 
@@ -197,12 +201,13 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
         for temp in temperatures:
             run_kw = dict(new=new, temperature=temp, seed=seed)
             spec_kw = dict(run_kw, adaptive=adaptive)
-            reference = {}  # batch -> (autoregressive tokens, tokens/s)
+            reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
                 for name, spec in speculators.items():  # warm-up: compiles, one call
                     specjax_pass(target, spec, ids[:b], batch=b, **spec_kw,
                                  cost_ratio=(cost_ratios or {}).get(name))
                 walls = {name: [] for name in speculators}
+                tpots = {name: [] for name in speculators}
                 last = {}
                 for _ in range(repeats):
                     for name, spec in speculators.items():
@@ -210,11 +215,13 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
                             target, spec, ids, batch=b, **spec_kw,
                             cost_ratio=(cost_ratios or {}).get(name))
                         walls[name].append(wall)
+                        tpots[name].append(stats.tpot_s)
                         last[name] = tokens, stats
                 for name, (tokens, stats) in last.items():
                     row = _row(category, temp, b, name,
-                               len(ids) * new / statistics.median(walls[name]), stats)
-                    reference.setdefault(b, (tokens, row["tokens_per_s"]))
+                               len(ids) * new / statistics.median(walls[name]), stats,
+                               tpot_s=statistics.median(tpots[name]))
+                    reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
                     rows.append(_finish(row, tokens, reference[b], log))
             for name, extra in (hf_methods or {}).items():
                 hf_pass(hf, ids[:1], **dict(run_kw, new=min(new, 4)), **extra)  # warm-up
@@ -231,11 +238,15 @@ def _finish(row: dict, tokens, reference, log) -> dict:
     """Speedup over autoregressive (same category, temperature, batch) and, greedy,
     whether the tokens are its tokens; logs the row."""
     row["speedup"] = row["tokens_per_s"] / reference[1] if reference else None
+    row["decode_speedup"] = (reference[2] / row["tpot_ms"] if reference and row.get("tpot_ms")
+                             else None)
     row["identical"] = (tokens == reference[0] if reference else None) if (
         row["temperature"] == 0) else None
     log(f"{row['category']:>10} T={row['temperature']:g} batch={row['batch']:<3} "
         f"{row['method']:<16} τ={_fmt(row.get('tau'), '.2f')} "
-        f"{row['tokens_per_s']:8.1f} tok/s  speedup {_fmt(row['speedup'], '.2f')}×  "
+        f"{row['tokens_per_s']:8.1f} tok/s  speedup {_fmt(row['speedup'], '.2f')}× "
+        f"(decode {_fmt(row.get('decode_speedup'), '.2f')}×, analytical "
+        f"{_fmt(row.get('analytical'), '.2f')}×)  "
         f"identical {_fmt(row['identical'])}")
     return row
 
@@ -250,14 +261,16 @@ def _fmt(x, spec: str = "") -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| T | batch | method | α | τ | mean k | tokens/s | speedup (measured) "
-             "| speedup (analytical) | analytical, free verify | c | greedy identical |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "| decode speedup (measured) | speedup (analytical) | analytical, i.i.d. α "
+             "| analytical, free verify | c | greedy identical |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in rows:
         lines.append(
             f"| {r['temperature']:g} | {r['batch']} | {r['method']} | "
             f"{_fmt(r.get('alpha'), '.3f')} | {_fmt(r.get('tau'), '.2f')} | "
             f"{_fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | "
-            f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r.get('analytical'), '.2f')}× | "
+            f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r.get('decode_speedup'), '.2f')}× | "
+            f"{_fmt(r.get('analytical'), '.2f')}× | {_fmt(r.get('analytical_iid'), '.2f')}× | "
             f"{_fmt(r.get('analytical_free_verify'), '.2f')}× | "
             f"{_fmt(r.get('cost_ratio'), '.3f')} | {_fmt(r['identical'])} |")
     return "\n".join(lines).replace("–×", "–")
@@ -297,13 +310,18 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         f"median of {s['repeats']} interleaved rounds after a warm-up call that compiles",
         "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included); "
         "speedup (measured) = tokens/s / specjax autoregressive's at the same category, "
-        "temperature and batch, in this run",
-        "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al. from "
-        "α, the mean k (drafted positions per target call; the adaptive rule picks it) "
+        "temperature and batch, in this run; decode speedup (measured) = autoregressive's "
+        "TPOT / the method's (time per output token after the first, median of the "
+        "rounds): the part of the run the analytical figure models, without the prefill",
+        "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al.'s "
+        "E[tokens per step] / (k·c + v) with α per draft position (E = 1 + accepted drafts "
+        "per target call), the mean k (drafted positions per target call; the adaptive "
+        "rule picks it) "
         "and the draft/target cost ratio c (measured for the draft model, estimated from "
         "parameters for heads), with the verify forward's modelled cost "
-        f"({default_verify_cost().describe()} on this backend); free verify = "
-        "`expected_speedup_free_verify` (the paper's v = 1)",
+        f"({default_verify_cost().describe()} on this backend); i.i.d. α = "
+        "`expected_speedup_iid` (the paper's closed form with one α); free verify = "
+        "`expected_speedup_free_verify` (v = 1)",
         "- `hf_*`: transformers on the same weights (`specjax.save_hf` → `LlamaForCausalLM`, "
         "float32), prompt by prompt — assisted generation is batch 1 only — so shown at "
         "batch 1 and compared with specjax autoregressive at batch 1; `hf_assistant` uses "

@@ -136,7 +136,7 @@ class EagleHead(nn.Module):
         else:
             x = feature.astype(emb.dtype)
             attn_in = jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(x)], axis=-1)
-        h, k_pages, v_pages = self.self_attn(attn_in, ctx, k_pages, v_pages, jnp.int32(0))
+        h, k_pages, v_pages, _ = self.self_attn(attn_in, ctx, k_pages, v_pages, jnp.int32(0))
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_pages, v_pages

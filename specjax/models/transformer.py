@@ -49,11 +49,14 @@ class StepContext:
     write_page: jax.Array | None  # [B, T] page of each new token (P = drop)
     write_offset: jax.Array | None  # [B, T]
     backend: str = struct.field(pytree_node=False, default="reference")
+    # True: the new keys/values are not written; attention takes them beside the pages
+    # and each layer returns them (`Transformer.__call__(write_cache=False)`).
+    defer: bool = struct.field(pytree_node=False, default=False)
 
 
 def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
                  mask: jax.Array | None, cache: PagedKVCache | None,
-                 backend: str | None = None) -> StepContext:
+                 backend: str | None = None, defer: bool = False) -> StepContext:
     """The `StepContext` of a call writing T = positions.shape[1] new tokens per row at
     slots `cache.lengths + t` (t < q_lens); without a cache, a plain masked forward."""
     cos, sin = rope_tables(config, positions)
@@ -65,7 +68,7 @@ def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
     valid = jnp.arange(t)[None, :] < q_lens[:, None]
     page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size, cache.num_pages)
     return StepContext(cos, sin, q_lens, mask, cache.page_table, cache.lengths + q_lens, page,
-                       offset, backend)
+                       offset, backend, defer)
 
 
 class RMSNorm(nn.Module):
@@ -105,9 +108,16 @@ class Attention(nn.Module):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         scale = c.head_dim ** -0.5
+        new_kv = None
         if k_pages is None:  # uncached causal forward over the T tokens
             ok = attn_lib.allowed_mask(t, t, ctx.q_lens, ctx.q_lens, ctx.mask, c.sliding_window)
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
+        elif ctx.defer:  # pages untouched; the caller writes what it keeps
+            out = attn_lib.reference_attention_with_new(
+                q, k, v, ctx.q_lens, ctx.mask, k_pages[layer], v_pages[layer],
+                ctx.page_table, ctx.kv_lens - ctx.q_lens, scale=scale,
+                soft_cap=c.attn_logit_softcap, sliding_window=c.sliding_window)
+            new_kv = (k, v)
         else:
             k_pages = write_kv(k_pages, layer, k, ctx.write_page, ctx.write_offset)
             v_pages = write_kv(v_pages, layer, v, ctx.write_page, ctx.write_offset)
@@ -116,7 +126,7 @@ class Attention(nn.Module):
                 ctx.mask, scale=scale, soft_cap=c.attn_logit_softcap,
                 sliding_window=c.sliding_window, backend=ctx.backend)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return _dense(c.hidden_size, "o_proj", dt)(out), k_pages, v_pages
+        return _dense(c.hidden_size, "o_proj", dt)(out), k_pages, v_pages, new_kv
 
 
 class MLP(nn.Module):
@@ -132,7 +142,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block; scanned over L. Carry: (x, k_pages, v_pages, layer, taps)."""
+    """One pre-norm block; scanned over L. Carry: (x, k_pages, v_pages, layer, taps);
+    output: this layer's new (keys, values) [B, T, K, H] when the context defers writes."""
 
     config: ModelConfig
 
@@ -141,13 +152,13 @@ class DecoderLayer(nn.Module):
         x, k_pages, v_pages, layer, taps = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
-        h, k_pages, v_pages = Attention(c, name="self_attn")(
+        h, k_pages, v_pages, new_kv = Attention(c, name="self_attn")(
             RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x), ctx, k_pages, v_pages, layer)
         x = x + h
         x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
         if taps is not None:  # record this layer's output if it was asked for
             taps = taps.at[tap_slots[layer]].set(x.astype(taps.dtype), mode="drop")
-        return (x, k_pages, v_pages, layer + 1, taps), None
+        return (x, k_pages, v_pages, layer + 1, taps), new_kv
 
 
 class Transformer(nn.Module):
@@ -207,18 +218,26 @@ class Transformer(nn.Module):
         return_logits: bool = True,
         inputs_embeds: jax.Array | None = None,  # [B, T, D] instead of embedding `tokens`
         attention_backend: str | None = None,
+        write_cache: bool = True,
     ):
         """Returns (logits [B,T,V] f32 | None, Hidden, cache with the T tokens written).
 
         With a cache, row b's new tokens are written at slots `cache.lengths[b] + t`
         (t < q_lens[b]) and the returned cache's lengths grow by q_lens; tree commit
-        may shrink them again.
+        may shrink them again. write_cache=False (reference attention, no mesh): the
+        cache is left as it is and the third output is the new tokens' (keys, values),
+        each [L, B, T, K, H], for the caller to write what it keeps (`write_kv_layers`).
         """
         c = self.config
         b, t = tokens.shape
         q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
         x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(jnp.dtype(c.dtype))
-        ctx = step_context(c, positions, q_lens, mask, cache, attention_backend)
+        if not write_cache and (cache is None or attn_lib.resolve_backend(
+                attention_backend) != "reference"):
+            raise ValueError("write_cache=False needs a cache and the reference attention "
+                             f"backend (got backend={attention_backend!r})")
+        ctx = step_context(c, positions, q_lens, mask, cache, attention_backend,
+                           defer=not write_cache)
         k_pages, v_pages = (None, None) if cache is None else (cache.k_pages, cache.v_pages)
         hidden_layers = tuple(hidden_layers)
         for i in hidden_layers:
@@ -235,15 +254,21 @@ class Transformer(nn.Module):
             tap_slots = jnp.asarray(table, jnp.int32)
         carry = (x, k_pages, v_pages, jnp.int32(0), taps)
         if self.scan_layers:
-            carry, _ = self.layers(carry, ctx, tap_slots)
+            carry, new_kv = self.layers(carry, ctx, tap_slots)
         else:
+            per_layer = []
             for layer in self.layer_list:
-                carry, _ = layer(carry, ctx, tap_slots)
+                carry, kv = layer(carry, ctx, tap_slots)
+                per_layer.append(kv)
+            new_kv = None if ctx.defer is False else tuple(
+                jnp.stack(xs) for xs in zip(*per_layer))
         x, k_pages, v_pages, _, taps = carry
         h = self.norm(x)
         logits = self.logits(h) if return_logits else None
         new_cache = None
-        if cache is not None:
+        if ctx.defer:
+            new_cache = new_kv
+        elif cache is not None:
             new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages,
                                       lengths=cache.lengths + q_lens)
         hidden = Hidden(final=h, layers=tuple(taps[tapped.index(i)] for i in hidden_layers))
