@@ -37,7 +37,7 @@ from specjax.stats import (GenerationStats, VerifyCost, batch_verify_bucket, bui
                            default_verify_cost, leviathan_optimal_k, position_acceptance)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.xla_options import compile_decode
-from specjax.verify import verify
+from specjax.verify import verify, verify_no_draft
 
 
 @dataclasses.dataclass
@@ -238,9 +238,10 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
                                  q_lens=jnp.where(active, width + 1, 0),
                                  hidden_layers=spec.hidden_layers, attention_backend=backend,
                                  write_cache=not defer)
-    if width == 0:  # the invalid node's logits slot: never read by the verifier
-        logits = jnp.concatenate([logits, logits], axis=1)
-    res = verify(logits, sub, sampling, key, spec.verification)
+    if width == 0:  # a plain decode step's sampling, no verifier
+        res = verify_no_draft(logits[:, 0], sub, sampling, key)
+    else:
+        res = verify(logits, sub, sampling, key, spec.verification)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     if defer:  # cache is the new (keys, values) [L, B, width+1, K, H]
         idx = res.path_inputs[None, :, :, None, None]

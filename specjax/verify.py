@@ -145,6 +145,16 @@ def verify_typical(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sa
     return _finish(tree, jnp.stack(accepted, axis=1), bonus)
 
 
+def verify_no_draft(root_logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
+                    key: jax.Array) -> VerifyResult:
+    """The result of a step whose tree has no valid node: nothing accepted, the token
+    after the root drawn as a plain decode step draws it (the same distribution every
+    verifier gives an empty tree). root_logits: [B, V]."""
+    b = root_logits.shape[0]
+    bonus = sampling_lib.sample(key, root_logits, sampling)
+    return _finish(tree, jnp.full((b, tree.max_depth), -1, jnp.int32), bonus)
+
+
 def verify(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
            key: jax.Array, method: str = "rejection") -> VerifyResult:
     """Greedy when temperature is 0, else `method` ("rejection" lossless, "typical" lossy)."""

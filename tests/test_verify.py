@@ -144,3 +144,29 @@ def test_static_tree_and_tree_errors():
     with pytest.raises(ValueError, match="method='bogus'"):
         verify(jnp.zeros((1, 2, V)), chain(jnp.zeros((1, 1), jnp.int32)), Sampling.create(),
                jax.random.key(0), method="bogus")
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
+def test_no_draft_step_is_a_plain_decode_step(temperature, top_p):
+    """`verify_no_draft` (a step whose tree has no valid node) equals `verify` on that
+    empty tree: nothing accepted, and the root's token is the target's own (greedy:
+    its argmax; sampled: its distribution, by chi-square)."""
+    from specjax.verify import verify_no_draft
+
+    logits = jnp.asarray(np.broadcast_to(_dist(3, 0.7), (ROWS, V)), jnp.float32)
+    tree = _tree_rows([-1, 0], np.tile([1, 2], (ROWS, 1)), ROWS)
+    tree = tree.replace(valid=jnp.zeros_like(tree.valid))
+    samp = Sampling.create(temperature=temperature, top_p=top_p)
+    key = jax.random.PRNGKey(7)
+    got = verify_no_draft(logits, tree, samp, key)
+    ref = verify(jnp.stack([logits, logits, logits], axis=1), tree, samp, key)
+    assert (np.asarray(got.num_accepted) == 0).all() and (np.asarray(got.accepted) == -1).all()
+    assert (np.asarray(got.path_inputs) == 0).all()
+    assert (np.asarray(got.path_tokens[:, 1:]) == 0).all()
+    if temperature == 0:
+        np.testing.assert_array_equal(got.path_tokens, ref.path_tokens)
+        assert (np.asarray(got.bonus) == int(np.argmax(_dist(3, 0.7)))).all()
+    else:
+        want = np.asarray(probs(logits[:1], samp))[0]
+        assert_same_distribution([int(x) for x in np.asarray(got.bonus)],
+                                 {t: float(p) for t, p in enumerate(want) if p > 0})
