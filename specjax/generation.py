@@ -65,6 +65,25 @@ class LoopState:
     verified: jax.Array  # [B] target inputs fed while active (1 per plain step)
     verify_cost: jax.Array  # [B] float32: modelled cost of those forwards (VerifyCost)
     steps: jax.Array  # [] loop iterations
+    # Probing (adaptive rule): a row the rule keeps at k = 0 drafts one token at step
+    # next_probe [B] to re-measure its acceptance; probe_gap [B] steps later it probes
+    # again, the gap doubling after each rejected probe (PROBE_GAP up to PROBE_GAP_MAX)
+    # and resetting once the row accepts a draft.
+    next_probe: jax.Array
+    probe_gap: jax.Array
+
+
+PROBE_GAP, PROBE_GAP_MAX = 16, 256
+
+
+def probe_schedule(next_probe, gap, step, drafted, probed, accepted):
+    """The next probe step and gap per row [B] after loop step `step`: a rejected probe
+    doubles the gap (up to PROBE_GAP_MAX), an accepted draft resets it to PROBE_GAP, and
+    a row that drafted (by choice or probing) waits a gap from this step. A draft that
+    has stopped paying then costs a probe every 16, 32, ... 256 steps, not every 16."""
+    gap = jnp.where(accepted > 0, PROBE_GAP,
+                    jnp.where(probed, jnp.minimum(2 * gap, PROBE_GAP_MAX), gap))
+    return jnp.where(drafted, step + gap, next_probe), gap
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -142,7 +161,8 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
     return shard.constrain_caches(LoopState(
         cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros, zeros, zeros,
         jnp.zeros((b, dm + 1), jnp.int32), jnp.zeros((b, dm), jnp.int32), zeros,
-        jnp.zeros((b,), jnp.float32), jnp.int32(0)))
+        jnp.zeros((b,), jnp.float32), jnp.int32(0), jnp.full((b,), PROBE_GAP - 1, jnp.int32),
+        jnp.full((b,), PROBE_GAP, jnp.int32)))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -177,6 +197,7 @@ class Speculation:
     kept_kv: Any
     spec_state: Any
     depth_limit: jax.Array  # [B]
+    probed: jax.Array  # [B] bool: rows drafting only to re-measure (the rule said k = 0)
     width: jax.Array  # [] tree nodes the target verified this step (0: a plain decode step)
     key: jax.Array
 
@@ -266,8 +287,9 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     alpha = position_acceptance(st.hist, st.tried)  # [B, Dm]
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
     limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost(inputs))
-    probe = (st.steps % 16) == 15  # a row at k=0 re-measures with k=1 now and then
-    limit = jnp.where((limit == 0) & probe, 1, limit)
+    probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active
+    limit = jnp.where(probed, 1, limit)  # a row at k = 0 re-measures now and then
+    probe = jnp.any(probed)
     limit = jnp.where(adaptive & active, limit, jnp.where(active, dm, 0))
     tree, spec_state = spec.propose(
         st.spec_state, ProposeContext(st.tokens, st.lengths, active, sampling, k_prop, limit),
@@ -294,8 +316,8 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     if _defer_kv_write(backend):
         cache, kept_kv = st.cache, cache
     width = jnp.asarray([w for _, w in buckets], jnp.int32)[which]
-    return Speculation(tree, res, kept, kept_hidden, cache, kept_kv, spec_state, limit, width,
-                       key)
+    return Speculation(tree, res, kept, kept_hidden, cache, kept_kv, spec_state, limit, probed,
+                       width, key)
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
@@ -339,6 +361,8 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     hist = st.hist.at[jnp.arange(b), acc].add(active)
     d = jnp.arange(1, dm + 1)[None, :]
     tried = st.tried + (active[:, None] & (d <= jnp.minimum(acc + 1, depth_used)[:, None]))
+    next_probe, gap = probe_schedule(st.next_probe, st.probe_gap, st.steps,
+                                     sp.depth_limit > 0, sp.probed, acc)
     return st.replace(
         cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
         target_calls=st.target_calls + active,
@@ -347,7 +371,9 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
                                                           jnp.maximum(limit, 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, tried=tried,
-        verified=st.verified + active * (sp.width + 1), verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1)
+        verified=st.verified + active * (sp.width + 1),
+        verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1,
+        next_probe=next_probe, probe_gap=gap)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))

@@ -340,3 +340,29 @@ def test_expected_speedup_uses_acceptance_per_position():
     assert stats.expected_speedup_iid == pytest.approx((1 - 0.5 ** 5) / 0.5 / (4 * c + v))
     assert stats.expected_speedup_free_verify == pytest.approx(3.0 / (4 * c + 1))
     assert stats.rows[0]["expected_speedup"] == pytest.approx(stats.expected_speedup)
+
+
+def test_probes_back_off_while_rejected():
+    """Rows the adaptive rule keeps at k = 0 probe with k = 1 at steps 15, then a gap
+    that doubles per rejected probe (capped) and resets when a draft is accepted."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.generation import PROBE_GAP, PROBE_GAP_MAX, probe_schedule
+
+    def run(accept_at, steps=800):
+        nxt, gap, probes = jnp.asarray([PROBE_GAP - 1]), jnp.asarray([PROBE_GAP]), []
+        for step in range(steps):
+            probed = step >= int(nxt[0])
+            acc = jnp.asarray([int(probed and step in accept_at)])
+            if probed:
+                probes.append(step)
+            nxt, gap = probe_schedule(nxt, gap, step, jnp.asarray([probed]),
+                                      jnp.asarray([probed]), acc)
+        return probes
+
+    assert run(accept_at=set())[:6] == [15, 47, 111, 239, 495, 495 + PROBE_GAP_MAX]
+    always = run(accept_at=set(range(800)))
+    assert np.all(np.diff(always) == PROBE_GAP)  # accepted probes keep the short gap
+    reset = run(accept_at={111})
+    assert reset[:5] == [15, 47, 111, 111 + PROBE_GAP, 111 + 3 * PROBE_GAP]
