@@ -286,7 +286,8 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     # (Leviathan et al.'s rule, with the verify forward's cost growing with its width).
     alpha = position_acceptance(st.hist, st.tried)  # [B, Dm]
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
-    limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost(inputs))
+    rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
+    limit = leviathan_optimal_k(alpha, cost_ratio, dm, vcost.relative(inputs, rows))
     probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active
     limit = jnp.where(probed, 1, limit)  # a row at k = 0 re-measures now and then
     probe = jnp.any(probed)
@@ -304,7 +305,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))  # verifies every draft
     # Adaptive: the width that pays off for the batch as a whole; probe steps verify
     # every draft so that rows sitting at k = 0 keep measuring their acceptance.
-    bucket_cost = vcost(np.asarray([w + 1 for _, w in buckets]))
+    bucket_cost = vcost.relative(np.asarray([w + 1 for _, w in buckets]), rows)
     best = batch_verify_bucket(alpha, row_depth, active, depths, bucket_cost)
     which = jnp.where(adaptive & ~probe, jnp.minimum(best, covering), covering)
     cut = jnp.asarray(depths, jnp.int32)[which]
@@ -372,7 +373,8 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, tried=tried,
         verified=st.verified + active * (sp.width + 1),
-        verify_cost=st.verify_cost + active * vcost(sp.width + 1), steps=st.steps + 1,
+        verify_cost=st.verify_cost + active * vcost.relative(sp.width + 1, b),
+        steps=st.steps + 1,
         next_probe=next_probe, probe_gap=gap)
 
 
@@ -453,8 +455,9 @@ def generate(
       (parameter counts). Small drafts cost more than their parameter share (fixed
       per-call work), so pass a measured one (`specjax.bench.speculative
       .measured_cost_ratio`) where it matters.
-    verify_cost: `specjax.VerifyCost(jump, slope)`: a verify forward of T tokens costs
-      1 + jump·[T > 1] + slope·log2(T) one-token target steps; used by the adaptive rule
+    verify_cost: `specjax.VerifyCost(jump, slope, per_token)`: a forward of T tokens
+      costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target steps
+      (a batch's verify forward counts rows × T tokens); used by the adaptive rule
       and the analytical speedup. None takes this backend's `specjax.stats.VERIFY_COST`;
       `VerifyCost()` is Leviathan et al.'s free verify.
     layer_layout: "auto" (unrolled layers on CPU, where XLA's layer scan copies every

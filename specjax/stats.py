@@ -26,45 +26,63 @@ from flax import struct
 
 @struct.dataclass
 class VerifyCost:
-    """The cost of a verify forward over T inputs relative to a one-token target step:
-        v(T) = 1 + jump · [T > 1] + slope · log2(T).
+    """The cost of a target forward over T inputs relative to a one-token step:
+        v(T) = max(1 + jump · [T > 1] + slope · log2(T), per_token · T).
 
     Leviathan et al. assume verification is free (v = 1), which holds while the forward
     is memory-bound (GPU/TPU decode at small T). On XLA:CPU one token runs the weights
     through a memory-bound GEMV; two or more run a GEMM that repacks the weights every
     call, so the cost jumps at T = 2 and then grows slowly with T
     (`python -m specjax.bench.verify_cost` fits both numbers; table in docs/benchmarks.md).
-    The jump is why a CPU either verifies deep drafts or none. A pytree, so the loop
+    The jump is why a CPU either verifies deep drafts or none. Past a few dozen tokens
+    the forward turns compute-bound and its cost grows linearly (per_token, about a
+    prefill token's share of a decode step); a batch verifies rows × T tokens at once,
+    so at batch > 1 that is where wide trees land (`relative`). A pytree, so the loop
     takes it as traced numbers (`generate(verify_cost=VerifyCost(...))`).
     """
 
     jump: Any = 0.0
     slope: Any = 0.0
+    per_token: Any = 0.0
 
     def __call__(self, tokens):
-        """v at `tokens` verified inputs (numpy or jax arrays, or a float >= 1)."""
+        """v at `tokens` inputs in one forward (numpy or jax arrays, or a float >= 1)."""
         import jax.numpy as jnp
 
         t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
-        return 1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t)
+        return jnp.maximum(1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t),
+                           self.per_token * t)
+
+    def relative(self, tokens_per_row, rows):
+        """Cost of a forward verifying `tokens_per_row` for each of `rows` rows, relative
+        to the plain decode step of those rows: v(rows · T) / v(rows) (batch 1: v(T))."""
+        import jax.numpy as jnp
+
+        rows = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
+        return self(rows * jnp.asarray(tokens_per_row, jnp.float32)) / self(rows)
 
     def describe(self) -> str:
-        return f"v(T) = 1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
+        log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
+        if float(self.per_token) > 0:
+            return f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
+        return f"v(T) = {log}"
 
     def validated(self) -> "VerifyCost":
         """Host-side check, naming the bad value; returns float32 leaves."""
-        for name in ("jump", "slope"):
+        for name in ("jump", "slope", "per_token"):
             x = getattr(self, name)
             if not (isinstance(x, (int, float, np.floating, np.integer)) and np.isfinite(x)
                     and x >= 0):
                 raise ValueError(f"VerifyCost {name}={x!r} must be a finite number >= 0")
-        return VerifyCost(np.float32(self.jump), np.float32(self.slope))
+        return VerifyCost(np.float32(self.jump), np.float32(self.slope),
+                          np.float32(self.per_token))
 
 
 # Per backend. CPU: fitted by `python -m specjax.bench.verify_cost` on the 25M benchmark
 # Llama (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
 # (the kernel issue's target is 64 nodes for <= 1.3x one token).
-VERIFY_COST = {"cpu": VerifyCost(jump=0.49, slope=0.17), "gpu": VerifyCost(slope=0.05),
+VERIFY_COST = {"cpu": VerifyCost(jump=0.41, slope=0.18, per_token=0.077),
+               "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 
 

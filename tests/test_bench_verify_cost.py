@@ -16,6 +16,7 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     assert set(result["seconds"]) == {1, 2, 5} and min(result["seconds"].values()) > 0
     assert result["ratio"][1] == 1.0
     assert (result["jump"], result["slope"]) == verify_cost.fit(result["ratio"])
+    assert result["per_token"] == 0.0  # no T >= 33 measured
     # the same programs under XLA's defaults, side by side
     assert set(result["seconds_xla_default"]) == {1, 2, 5}
     assert result["ratio_xla_default"][1] == 1.0
@@ -27,7 +28,8 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     write_section(doc, text, verify_cost.START, verify_cost.END)
     out = doc.read_text()
     assert "keep me" in out and out.count(verify_cost.START) == 1
-    assert f"slope {result['slope']:.3f}**" in out and "| 5 |" in out and "XLA defaults" in out
+    assert f"slope {result['slope']:.3f}, per_token" in out and "| 5 |" in out
+    assert "XLA defaults" in out
     assert "- command: `python -m specjax.bench.verify_cost`" in out
 
 
@@ -39,6 +41,24 @@ def test_fit_recovers_jump_and_slope():
     assert verify_cost.fit({1: 1.0, 2: 2.0, 4: 1.8}) == (pytest.approx(0.9), 0.0)
     assert verify_cost.fit({1: 1.0, 2: 1.3, 4: 1.6}) == (0.0, pytest.approx(0.3))
     assert verify_cost.fit({1: 1.0}) == (0.0, 0.0)
+
+
+def test_fit_per_token_and_the_batched_cost():
+    """per_token from the compute-bound T only; VerifyCost takes the larger of the two
+    regimes, and a batch's verify forward costs v(rows · T) / v(rows)."""
+    from specjax.stats import VerifyCost
+
+    ratio = {1: 1.0, 2: 1.5, 17: 2.2, 33: 3.3, 65: 6.5, 129: 12.9}
+    assert verify_cost.fit_per_token(ratio) == pytest.approx(0.1)
+    assert verify_cost.fit_per_token({1: 1.0, 17: 2.0}) == 0.0
+    vc = VerifyCost(jump=0.5, slope=0.1, per_token=0.1)
+    np.testing.assert_allclose(vc(np.asarray([1, 16, 64])), [1.0, 1.9, 6.4], rtol=1e-6)
+    np.testing.assert_allclose(vc.relative(np.asarray([1, 16]), 4),
+                               [1.0, 6.4 / (1.5 + 0.1 * 2)], rtol=1e-6)
+    assert vc.relative(16, 1) == pytest.approx(1.9)
+    assert "0.1·T" in vc.describe() and "per_token" not in VerifyCost().describe()
+    with pytest.raises(ValueError, match="per_token=-1"):
+        VerifyCost(per_token=-1.0).validated()
 
 
 @pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),

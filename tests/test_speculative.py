@@ -134,7 +134,7 @@ def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
     the stats count the inputs each forward fed."""
     spec = NGram(k=4)
     costly = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                              speculator=spec, verify_cost=VerifyCost(slope=50.0))
+                              speculator=spec, verify_cost=VerifyCost(per_token=50.0))
     free = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                             speculator=spec, verify_cost=VerifyCost())
     assert costly.tokens == greedy_ref and free.tokens == greedy_ref
@@ -200,7 +200,7 @@ def test_batch_rule_spares_idle_rows(tiny_target):
     ref = specjax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True).tokens
     runs = {a: specjax.generate(tiny_target, prompts, max_new_tokens=24, ignore_eos=True,
                                 speculator=NGram(k=4, n_min=2), adaptive=a,
-                                verify_cost=VerifyCost(slope=0.75))
+                                verify_cost=VerifyCost(slope=0.75, per_token=0.4))
             for a in (False, True)}
     assert runs[False].tokens == ref and runs[True].tokens == ref
     assert runs[False].stats.mean_verified > 2.0  # the repeating row drafts every step
@@ -208,7 +208,7 @@ def test_batch_rule_spares_idle_rows(tiny_target):
     # the same row alone pays for its own verify, so it keeps drafting
     alone = specjax.generate(tiny_target, prompts[:1], max_new_tokens=24, ignore_eos=True,
                              speculator=NGram(k=4, n_min=2),
-                             verify_cost=VerifyCost(slope=0.75))
+                             verify_cost=VerifyCost(slope=0.75, per_token=0.4))
     assert alone.tokens == ref[:1] and alone.stats.mean_verified > 2.0
 
 
@@ -230,9 +230,10 @@ def test_cost_ratio_override_drives_the_rule(tiny_target, tiny_draft, greedy_ref
 
 
 def test_verify_cost_model_and_its_stats(tiny_target, greedy_ref):
-    """v(T) = 1 + jump·[T > 1] + slope·log2 T; the stats' verify_cost is the mean of v
-    over the decode forwards (every step verifies 5 inputs here: the target drafts for
-    itself at full depth)."""
+    """v(T) = 1 + jump·[T > 1] + slope·log2 T; the stats' verify_cost is the mean over
+    the decode forwards of their cost relative to a plain step of the batch, v(B·T)/v(B)
+    (every step verifies 5 inputs per row here: the target drafts for itself at full
+    depth; B = 4 rows)."""
     import numpy as np
 
     vc = VerifyCost(jump=0.5, slope=0.25)
@@ -241,7 +242,8 @@ def test_verify_cost_model_and_its_stats(tiny_target, greedy_ref):
                            speculator=DraftModel(model=tiny_target, k=4), adaptive=False,
                            verify_cost=vc)
     assert out.tokens == greedy_ref and out.stats.mean_verified == 5.0
-    assert out.stats.verify_cost == pytest.approx(1.5 + 0.25 * np.log2(5), rel=1e-6)
+    assert out.stats.verify_cost == pytest.approx(
+        (1.5 + 0.25 * np.log2(4 * 5)) / (1.5 + 0.25 * np.log2(4)), rel=1e-6)
     assert "0.5·[T > 1]" in vc.describe()
 
 
@@ -278,7 +280,7 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     call in between and its queue grows (forced calls when it fills). The target as its
     own draft must still accept every probe draft, so the draft's cache stayed exact."""
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
-    never = VerifyCost(jump=100.0)
+    never = VerifyCost(per_token=100.0)  # verifying T tokens costs T plain steps
     own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                            speculator=DraftModel(model=tiny_target, k=4), verify_cost=never)
     assert own.tokens == ref

@@ -278,6 +278,6 @@ def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                            speculator=_make(name, tiny_target),
-                           verify_cost=VerifyCost(jump=100.0))
+                           verify_cost=VerifyCost(per_token=100.0))
     assert out.tokens == ref and out.stats.drafted > 0
     assert out.stats.mean_k < 0.5  # mostly plain steps: drafts on probes only

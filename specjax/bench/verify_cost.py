@@ -8,10 +8,13 @@ target step (`specjax.step`, the same call the decode loop makes, tree mask incl
 at T = 1 and larger T, interleaved, on the ~25M-param benchmark Llama at a 128-token
 context, compiled as `generate` compiles (`specjax.xla_options`) and with XLA's
 defaults side by side, and fits cost(T) / cost(1) = 1 + jump·[T > 1] + slope·log2(T)
-by least squares: what `specjax.stats.VERIFY_COST` holds per backend (the adaptive
-draft length and the analytical speedup use it).
+by least squares over T < 33, and per_token·T over T >= 33 where the forward turns
+compute-bound (a batch verifies rows × T tokens at once, so wide trees at batch > 1 land
+there): what `specjax.stats.VERIFY_COST` holds per backend (the adaptive draft length
+and the analytical speedup use it).
 
-  python -m specjax.bench.verify_cost [--tokens 1,2,3,5,9,17] [--batch 1] [--repeats 30]
+  python -m specjax.bench.verify_cost [--tokens 1,2,3,5,9,17,33,65,129] [--batch 1]
+      [--repeats 30]
 """
 
 from __future__ import annotations
@@ -78,8 +81,24 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
         sec = {t: med[variant, t] for t in tokens}
         out["seconds" + suffix] = sec
         out["ratio" + suffix] = {t: sec[t] / sec[tokens[0]] for t in tokens}
-    out["jump"], out["slope"] = fit(out["ratio"])
+    small = {t: r for t, r in out["ratio"].items() if t < LINEAR_FROM}
+    out["jump"], out["slope"] = fit(small)
+    out["per_token"] = fit_per_token(out["ratio"])
     return out
+
+
+# From this many tokens on, the forward is compute-bound: cost grows linearly in T.
+LINEAR_FROM = 33
+
+
+def fit_per_token(ratio: dict[int, float]) -> float:
+    """per_token of cost(T)/cost(1) ≈ per_token·T over the measured T >= LINEAR_FROM
+    (least squares through the origin); 0 when none was measured."""
+    ts = np.asarray([t for t in ratio if t >= LINEAR_FROM], np.float64)
+    if not len(ts):
+        return 0.0
+    y = np.asarray([ratio[int(t)] for t in ts], np.float64)
+    return float(ts @ y / (ts @ ts))
 
 
 def fit(ratio: dict[int, float]) -> tuple[float, float]:
@@ -117,15 +136,17 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
                      f"{result['seconds_xla_default'][t] * 1e3:.2f} | "
                      f"{result['ratio_xla_default'][t]:.2f} |")
     lines += ["", "Least-squares fit of cost(T)/cost(1) = 1 + jump·[T > 1] + slope·log2(T) "
-              f"(generate's options): **jump {result['jump']:.3f}, slope "
-              f"{result['slope']:.3f}** (`specjax.stats.VERIFY_COST`).", END]
+              f"over T < {LINEAR_FROM} and of per_token·T over T >= {LINEAR_FROM} (compute-"
+              "bound; a batch verifies rows × T tokens in one forward), generate's options: "
+              f"**jump {result['jump']:.3f}, slope {result['slope']:.3f}, per_token "
+              f"{result['per_token']:.4f}** (`specjax.stats.VERIFY_COST`).", END]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specjax.bench.verify_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,2,3,5,9,17")
+    ap.add_argument("--tokens", default="1,2,3,5,9,17,33,65,129")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="docs/benchmarks.md",
@@ -143,7 +164,8 @@ def main(argv=None) -> int:
         print(f"T={t:3d}: {result['seconds'][t] * 1e3:7.2f} ms  ({result['ratio'][t]:.2f}x T=1)"
               f"   XLA defaults {result['seconds_xla_default'][t] * 1e3:7.2f} ms  "
               f"({result['ratio_xla_default'][t]:.2f}x)")
-    print(f"fit: jump {result['jump']:.3f}, slope {result['slope']:.3f}")
+    print(f"fit: jump {result['jump']:.3f}, slope {result['slope']:.3f}, "
+          f"per_token {result['per_token']:.4f}")
     command = " ".join(["python -m specjax.bench.verify_cost",
                         *(argv if argv is not None else sys.argv[1:])])
     if args.out:
