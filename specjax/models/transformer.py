@@ -260,7 +260,7 @@ class Transformer(nn.Module):
             for layer in self.layer_list:
                 carry, kv = layer(carry, ctx, tap_slots)
                 per_layer.append(kv)
-            new_kv = None if ctx.defer is False else tuple(
+            new_kv = None if not ctx.defer else tuple(
                 jnp.stack(xs) for xs in zip(*per_layer))
         x, k_pages, v_pages, _, taps = carry
         h = self.norm(x)
