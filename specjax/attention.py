@@ -13,6 +13,10 @@ goes through `paged_attention`. Its contract, shared by the Pallas backend in
   (a tree mask: a node sees itself and its ancestors).
 * Slots at or past `kv_lens[b]`, and pages the table does not name, are never read into
   the output, even if they hold NaN.
+* With `new_kv=(k, v)` ([B, T, K, H] each) the new tokens are not in the pages: their
+  slots `kv_lens - q_lens + t` may hold anything and are never read; the keys/values
+  come from `new_kv` (reference backend, off-mesh: how verify forwards skip writing
+  a tree the loop mostly throws away, `reference_attention_with_new`).
 
 Axis letters: B batch, T new tokens, S KV slots, N query heads, K KV heads,
 G = N // K query heads per KV head, H head_dim, P pages, Z page size, M pages per row.
@@ -207,6 +211,7 @@ def paged_attention(
     sliding_window: int | None = None,
     backend: str | None = None,
     mesh=None,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,  # ([B, T, K, H], [B, T, K, H])
 ) -> jax.Array:  # [B, T, N, H]
     """Attention of T new query tokens per row against a paged KV cache (see module doc).
 
@@ -217,6 +222,14 @@ def paged_attention(
     from specjax.sharding import rules as sharding_rules, per_shard
 
     backend = resolve_backend(backend)
+    if new_kv is not None:
+        mesh = sharding_rules.active_mesh() if mesh is None else mesh
+        if backend != "reference" or mesh is not None:
+            raise ValueError("new_kv (keys/values beside the pages) needs the reference "
+                             f"backend off-mesh (got backend={backend!r}, mesh={mesh})")
+        return reference_attention_with_new(
+            q, *new_kv, q_lens, mask, k_pages, v_pages, page_table, kv_lens - q_lens,
+            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     fn = reference_paged_attention if backend == "reference" else _pallas_backend()
     mesh = sharding_rules.active_mesh() if mesh is None else mesh
     if mesh is not None:

@@ -157,7 +157,7 @@ def test_backend_argument_validation(monkeypatch):
 @pytest.mark.parametrize("name, soft_cap, window", [
     (n, sc, w) for n in CASES for sc, w in [(None, None), (5.0, None), (None, 3)]])
 def test_attention_with_new_kv_beside_the_pages(name, soft_cap, window):
-    """`reference_attention_with_new` (the verify forward that defers its cache write)
+    """`paged_attention(new_kv=...)` (the verify forward that defers its cache write)
     equals the contract with the new tokens written, and never reads their slots."""
     t_len, q_lens, parents = CASES[name]
     b = len(KV_LENS)
@@ -173,10 +173,15 @@ def test_attention_with_new_kv_beside_the_pages(name, soft_cap, window):
             page, off = table[row, j // Z], j % Z
             k_new[row, t], v_new[row, t] = k_pages[:, page, off], v_pages[:, page, off]
             k_pages[:, page, off] = v_pages[:, page, off] = np.nan  # not written yet
-    out = np.asarray(attention.reference_attention_with_new(
-        *map(jnp.asarray, (q, k_new, v_new, q_lens)), None if mask is None else jnp.asarray(mask),
-        *map(jnp.asarray, (k_pages, v_pages, table, kv_lens - q_lens)),
-        scale=H ** -0.5, soft_cap=soft_cap, sliding_window=window))
+    out = np.asarray(attention.paged_attention(
+        *map(jnp.asarray, (q, k_pages, v_pages, table, kv_lens, q_lens)),
+        None if mask is None else jnp.asarray(mask), scale=H ** -0.5, soft_cap=soft_cap,
+        sliding_window=window, backend="reference", new_kv=(jnp.asarray(k_new),
+                                                            jnp.asarray(v_new))))
     for row, n in enumerate(q_lens):
         np.testing.assert_allclose(out[row, :n], want[row, :n], atol=ATOL, rtol=0)
         assert np.isfinite(out[row, :n]).all()
+    with pytest.raises(ValueError, match="new_kv .* needs the reference backend"):
+        attention.paged_attention(*map(jnp.asarray, (q, k_pages, v_pages, table, kv_lens,
+                                                      q_lens)), scale=1.0, backend="pallas",
+                                  new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)))

@@ -113,11 +113,11 @@ class Attention(nn.Module):
             ok = attn_lib.allowed_mask(t, t, ctx.q_lens, ctx.q_lens, ctx.mask, c.sliding_window)
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
         elif ctx.defer:  # pages untouched; the caller writes what it keeps
-            out = attn_lib.reference_attention_with_new(
-                q, k, v, ctx.q_lens, ctx.mask, k_pages[layer], v_pages[layer],
-                ctx.page_table, ctx.kv_lens - ctx.q_lens, scale=scale,
-                soft_cap=c.attn_logit_softcap, sliding_window=c.sliding_window)
             new_kv = (k, v)
+            out = attn_lib.paged_attention(
+                q, k_pages[layer], v_pages[layer], ctx.page_table, ctx.kv_lens, ctx.q_lens,
+                ctx.mask, scale=scale, soft_cap=c.attn_logit_softcap,
+                sliding_window=c.sliding_window, backend=ctx.backend, new_kv=new_kv)
         else:
             k_pages = write_kv(k_pages, layer, k, ctx.write_page, ctx.write_offset)
             v_pages = write_kv(v_pages, layer, v, ctx.write_page, ctx.write_offset)
