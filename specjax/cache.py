@@ -123,11 +123,6 @@ def write_kv(
          ("batch", None)), per_shard.PAGES, kv_heads=pages.shape[1], batch=new.shape[0])
 
 
-def _write_kv_layers(pages, new, page, offset):
-    vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H]
-    return pages.at[:, :, page, offset].set(vals, mode="drop")
-
-
 def write_kv_layers(
     pages: jax.Array,  # [L, K, P, Z, H]
     new: jax.Array,  # [L, B, T, K, H]
@@ -135,16 +130,10 @@ def write_kv_layers(
     offset: jax.Array,  # [B, T] int32
 ) -> jax.Array:
     """`write_kv` for every layer at once (the keys or values a deferred-write step
-    returned, `Transformer.__call__(write_cache=False)`). Per shard under a mesh."""
-    from specjax.sharding import per_shard, rules
-
-    mesh = rules.active_mesh()
-    if mesh is None:
-        return _write_kv_layers(pages, new, page, offset)
-    return per_shard.per_shard_pages(
-        _write_kv_layers, mesh, (pages, new, page, offset),
-        (per_shard.PAGES, (None, "batch", None, "kv_heads", None), ("batch", None),
-         ("batch", None)), per_shard.PAGES, kv_heads=pages.shape[1], batch=new.shape[1])
+    returned, `Transformer.__call__(write_cache=False)`). Single-device only, as that
+    step is (`generation._defer_kv_write`); meshes write through `write_kv`."""
+    vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H]
+    return pages.at[:, :, page, offset].set(vals, mode="drop")
 
 
 def write_slots(cache: "PagedKVCache", k_new: jax.Array, v_new: jax.Array,
