@@ -15,7 +15,8 @@ from specjax.heads import (EagleConfig, MedusaConfig, build_vocab_map, eagle3_la
 from specjax.heads.eagle import layer_config
 from specjax.model import module_for
 from specjax.models.transformer import Transformer
-from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
+from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
+                                              static_tree_expand)
 from specjax.tree import static_tree
 
 ATOL = 1e-5  # float32
@@ -218,6 +219,11 @@ def test_dynamic_tree_is_eagle2s_selection(k, depth, n, mapped):
         assert all(p < i for i, p in enumerate(par))  # topological
         dep = np.asarray(tree.depth[r])
         assert all(dep[i] == (1 if p < 0 else dep[p] + 1) for i, p in enumerate(par))
+        # the loop verifies only the first W[d] nodes when no kept node is deeper than d
+        widths = dynamic_depth_widths(k, depth, n)
+        for d in range(1, depth + 1):
+            assert np.all(np.flatnonzero(dep <= d) < widths[d]), (d, dep, widths)
+    assert widths[0] == 0 and widths[-1] == n and list(widths) == sorted(widths)
 
 
 def test_dynamic_tree_stops_expanding_at_levels():

@@ -120,10 +120,13 @@ def test_verify_buckets_and_depth_widths():
     from specjax.tree import depth_widths
 
     assert NGram(k=4).depth_widths == (0, 1, 2, 3, 4)
-    assert verify_buckets((0, 1, 2, 3, 4)) == ((0, 0), (2, 2), (4, 4))
+    # a plain step, depth 1 (probes, short n-gram matches), half and full depth
+    assert verify_buckets((0, 1, 2, 3, 4, 5, 6, 7, 8)) == ((0, 0), (1, 1), (4, 4), (8, 8))
+    assert verify_buckets((0, 1, 2, 3, 4)) == ((0, 0), (1, 1), (2, 2), (4, 4))
     assert verify_buckets((0, 1)) == ((0, 0), (1, 1))
     # equal widths: one forward serves the deeper depth
     assert verify_buckets((0, 5, 5, 5)) == ((0, 0), (3, 5))
+    assert verify_buckets((0, 4, 16, 16, 16)) == ((0, 0), (1, 4), (4, 16))  # EAGLE-2
     # a depth-sorted static tree: widths are node counts up to each depth
     assert depth_widths([1, 1, 2, 2, 2, 3]) == (0, 2, 5, 6)
 
@@ -273,6 +276,17 @@ def test_per_position_acceptance_model():
                                [0.4, 1.0, 1.0, 1.0])
     np.testing.assert_allclose(position_acceptance(jnp.zeros((1, 3)), jnp.zeros((1, 2)))[0],
                                [0.75, 0.75])
+    # rejections at depth 1 leave deeper positions untried: their estimates follow α_1
+    # (prior 3 in 4 at depth 1, then 4 pseudo-tries at α_{d-1}), so the row stops
+    # drafting deep after three rejections, not after α_1 alone is tiny
+    three_rejected = position_acceptance(jnp.asarray([[3, 0, 0, 0, 0]]),
+                                         jnp.asarray([[3, 0, 0, 0]]))[0]
+    np.testing.assert_allclose(three_rejected, [3 / 7] * 4, rtol=1e-6)
+    v = np.asarray([1.0, 1.59, 1.82, 1.82, 1.82])  # CPU verify costs per k (buckets)
+    assert int(leviathan_optimal_k(three_rejected[None], 0.0, 4, v)[0]) == 0
+    one_rejected = position_acceptance(jnp.asarray([[1, 0, 0, 0, 0]]),
+                                       jnp.asarray([[1, 0, 0, 0]]))
+    assert int(leviathan_optimal_k(one_rejected, 0.0, 4, v)[0]) > 0  # not yet evidence
 
 
 def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):

@@ -31,7 +31,7 @@ from specjax.models.transformer import Transformer
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
                                       ProposeContext, Speculator, propose_or_skip, requeue,
                                       set_fields)
-from specjax.speculators.dynamic_tree import Nodes, dynamic_tree
+from specjax.speculators.dynamic_tree import Nodes, dynamic_depth_widths, dynamic_tree
 from specjax.tree import DraftTree, chain, empty_tree
 
 
@@ -96,8 +96,8 @@ class DraftModel(Speculator):
 
     @property
     def depth_widths(self) -> tuple[int, ...]:
-        if self.tree_top_k:  # the dynamic tree's nodes per depth vary step to step
-            return super().depth_widths
+        if self.tree_top_k:  # the dynamic tree's depth-major candidates
+            return dynamic_depth_widths(self.tree_top_k, self.k, self.total_tokens)
         return tuple(range(self.k + 1))
 
     def check_target(self, target_config: ModelConfig) -> None:

@@ -71,6 +71,17 @@ def _put(buf: jax.Array, new: jax.Array, start) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=1)
 
 
+def dynamic_depth_widths(top_k: int, depth: int, total_tokens: int) -> tuple[int, ...]:
+    """`Speculator.depth_widths` of `dynamic_tree`'s trees: W[d] = min(N, k + (d-1)·k²).
+
+    Its nodes are candidates in candidate order, which is depth-major (the k children
+    of the root, then k² per further depth), so the nodes of depth <= d come first and
+    number at most the candidates of depth <= d. A probe (depth 1) then verifies k
+    nodes, not all N."""
+    return (0,) + tuple(min(total_tokens, top_k + (d - 1) * top_k * top_k)
+                        for d in range(1, depth + 1))
+
+
 def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: int, depth: int,
                  total_tokens: int, vocab_map: jax.Array | None = None,
                  levels: jax.Array | None = None) -> tuple[DraftTree, Any]:

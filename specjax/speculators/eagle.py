@@ -40,7 +40,8 @@ from specjax.model import Model
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
                                       ProposeContext, Speculator, propose_or_skip, requeue,
                                       set_fields)
-from specjax.speculators.dynamic_tree import Nodes, dynamic_tree, static_tree_expand
+from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
+                                              static_tree_expand)
 from specjax.tree import DraftTree, depth_widths, empty_tree, static_tree
 
 
@@ -148,8 +149,8 @@ class Eagle(Speculator):
 
     @property
     def depth_widths(self) -> tuple[int, ...]:
-        if self.tree is None:  # EAGLE-2's dynamic tree: nodes per depth vary
-            return super().depth_widths
+        if self.tree is None:  # EAGLE-2's dynamic tree: depth-major candidates
+            return dynamic_depth_widths(self.top_k, self.depth, self.total_tokens)
         return depth_widths(static_tree(self.tree)[1])
 
     @property
