@@ -1,0 +1,123 @@
+"""What wrapping a decode step in XLA control flow costs, per step, on this backend.
+
+The speculative loop picks its verify width per step, so its target forward sits inside
+a branch (`lax.switch`), while a plain decode loop runs the forward at the loop's top
+level. A loop step that drafts nothing then costs more than a plain step even though it
+does the same arithmetic. This script isolates the control flow: the same greedy
+one-token step (`specjax.step` on the ~25M benchmark Llama, unrolled layers, compiled as
+`generate` compiles) run `--steps` times in a `lax.fori_loop`, as
+
+* `bare`: the step at the loop's top level (what plain decoding does);
+* `cond`: the step inside `lax.cond` (both branches the step; the predicate is a traced
+  value, so XLA keeps the conditional);
+* `cond, KV outside`: the forward inside `lax.cond` without writing the cache (the
+  deferred write the speculative loop uses), keys/values written after it;
+* `while`: the step inside a nested `lax.while_loop` of one trip.
+
+Timed interleaved, median of `--repeats`; ratios to `bare` in the same run.
+
+  python -m specjax.bench.branching [--steps 128] [--context 128] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def programs(config, params, steps: int):
+    """name -> jitted fn(cache, token [B, 1], position [B, 1]) -> last token, per variant."""
+    from specjax.cache import write_slots
+    from specjax.model import step
+
+    def forward(cache, tok, pos, write=True):
+        logits, _, out = step(config, params, cache, tok, pos, write_cache=write)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], out
+
+    def bare(carry):
+        cache, tok, pos = carry
+        nxt, cache = forward(cache, tok, pos)
+        return cache.replace(lengths=cache.lengths + 1), nxt, pos + 1
+
+    def in_cond(carry):
+        return jax.lax.cond(carry[2][0, 0] >= 0, bare, bare, carry)
+
+    def kv_outside(carry):
+        cache, tok, pos = carry
+        nxt, (k, v) = jax.lax.cond(pos[0, 0] >= 0, lambda: forward(cache, tok, pos, False),
+                                   lambda: forward(cache, tok, pos, False))
+        ones = jnp.ones_like(cache.lengths)
+        cache = write_slots(cache, k, v, cache.lengths, ones)
+        return cache.replace(lengths=cache.lengths + 1), nxt, pos + 1
+
+    def in_while(carry):
+        once = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), bare(c[1])),
+                                  (jnp.bool_(True), carry))
+        return once[1]
+
+    def loop(body):
+        def run(cache, tok, pos):
+            return jax.lax.fori_loop(0, steps, lambda i, c: body(c), (cache, tok, pos))[1]
+        return run
+
+    return {"bare": loop(bare), "cond": loop(in_cond), "cond, KV outside": loop(kv_outside),
+            "while": loop(in_while)}
+
+
+def measure(steps: int, context: int, repeats: int, config=None) -> dict:
+    """Median seconds per step of each variant, and its ratio to `bare`."""
+    import specjax
+    from specjax.bench.decode import BENCH_CONFIG
+    from specjax.cache import PagedKVCache
+    from specjax.config import ModelConfig
+    from specjax.model import decode_params
+    from specjax.xla_options import compile_decode
+
+    config = config or ModelConfig(**BENCH_CONFIG)
+    model = specjax.init_model(config, seed=0)
+    params = decode_params(config, model.params)  # the layout `generate` decodes with
+    page = 16
+    pages = -(-(context + steps + 1) // page)
+    table = jnp.arange(pages, dtype=jnp.int32)[None]
+    cache = PagedKVCache.create(config, table, num_pages=pages, page_size=page,
+                                lengths=jnp.full((1,), context, jnp.int32))
+    args = (cache, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), context, jnp.int32))
+    fns = {}
+    for name, fn in programs(config, params, steps).items():
+        fns[name] = compile_decode(jax.jit(fn).lower(*args))
+        jax.block_until_ready(fns[name](*args))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):  # interleaved: every variant sees the same machine load
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append((time.perf_counter() - t0) / steps)
+    base = statistics.median(times["bare"])
+    return {name: dict(ms=statistics.median(t) * 1e3, ratio=statistics.median(t) / base)
+            for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=15)
+    a = ap.parse_args(argv)
+    for name, value in (("steps", a.steps), ("context", a.context), ("repeats", a.repeats)):
+        if value < 1:
+            ap.error(f"--{name}={value} must be >= 1")
+    res = measure(a.steps, a.context, a.repeats)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.steps} steps from a "
+          f"{a.context}-token context, median of {a.repeats} interleaved rounds")
+    print("| variant | ms per step | vs bare |\n|---|---:|---:|")
+    for name, r in res.items():
+        print(f"| {name} | {r['ms']:.2f} | {r['ratio']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
