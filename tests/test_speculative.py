@@ -298,10 +298,33 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                            speculator=DraftModel(model=tiny_target, k=4), verify_cost=never)
     assert own.tokens == ref
-    assert own.stats.drafted > 0 and own.stats.accepted == own.stats.drafted
+    # rows at k = 0 decode plainly (the nested loop) and probe one token at steps 15
+    # and, the probe accepted (gap back to 16), 31: exactly two probes per row
+    assert own.stats.drafted == 2 * len(PROMPTS), own.stats.drafted
+    assert own.stats.accepted == own.stats.drafted
+    assert own.stats.target_calls == (40 - 1 - 2) * len(PROMPTS)
     other = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                              speculator=DraftModel(model=tiny_draft, k=3), verify_cost=never)
     assert other.tokens == ref
+
+
+def test_plain_steps_keep_every_speculator_lossless(tiny_target, greedy_ref):
+    """With verification priced out, steps run as plain decode steps in a nested loop
+    that hands each speculator its one pair (`Speculator.skip` + `commit`); probes then
+    draft from that state. Greedy output stays target-only, and the stats count one
+    target call per token the probes did not add."""
+    from specjax.speculators import Eagle, Medusa
+
+    never = VerifyCost(per_token=100.0)
+    for spec in (NGram(k=3), Medusa.random(tiny_target, num_heads=4, seed=1),
+                 Eagle.random(tiny_target, top_k=2, depth=3, total_tokens=6),
+                 Eagle.random(tiny_target, version=1, tree=[[0], [1], [0, 0]])):
+        out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                               speculator=spec, verify_cost=never)
+        assert out.tokens == greedy_ref, type(spec).__name__
+        st = out.stats
+        assert st.drafted <= len(PROMPTS)  # one probe per row (step 15) at most
+        assert st.target_calls + st.accepted == (16 - 1) * len(PROMPTS)
 
 
 def _attention_sensitive_target():

@@ -119,6 +119,16 @@ class Speculator:
     def commit(self, state: Any, ctx: CommitContext, target_params: Any) -> Any:
         return state
 
+    def can_skip(self, state: Any) -> jax.Array:
+        """[] bool: whether the loop may run a plain step with no `propose` call, then
+        `commit` its one pair after `skip(state)` (speculators with a pending queue:
+        while the queue has room)."""
+        return jnp.bool_(True)
+
+    def skip(self, state: Any) -> Any:
+        """The state after a step that made no draft call (see `can_skip`)."""
+        return state
+
 
 # Queue slots beyond a step's kept pairs, for speculators with their own cache: while no
 # row drafts they skip their call and the kept pairs pile up, to be consumed in one call
@@ -161,6 +171,11 @@ def requeue(ctx: CommitContext, cache, queue: tuple, count: jax.Array,
             new_count)
 
 
+def queue_has_room(state) -> jax.Array:
+    """[] bool: every row's pending queue can take one more pair (`requeue`)."""
+    return jnp.all(state.pending_count + 1 < state.pending.shape[1])
+
+
 def propose_or_skip(state, ctx: ProposeContext, empty: DraftTree,
                     run: Callable[[], tuple[DraftTree, Any]]) -> tuple[DraftTree, Any]:
     """The propose of a speculator with its own cache and pending queue (`requeue`):
@@ -168,7 +183,7 @@ def propose_or_skip(state, ctx: ProposeContext, empty: DraftTree,
     at all (`empty` tree; the state's `skipped` flag makes the next commit append),
     else `run()`. `state` needs `pending` [B, Q, ...], `pending_count` [B], `skipped`."""
     levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
-    room = jnp.all(state.pending_count + 1 < state.pending.shape[1])
+    room = queue_has_room(state)
 
     def go():
         tree, new = run()

@@ -38,8 +38,8 @@ from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_fea
                                  init_eagle_params, layer_config, target_features)
 from specjax.model import Model
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, Speculator, propose_or_skip, requeue,
-                                      set_fields)
+                                      ProposeContext, Speculator, propose_or_skip,
+                                      queue_has_room, requeue, set_fields)
 from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
                                               static_tree_expand)
 from specjax.tree import DraftTree, depth_widths, empty_tree, static_tree
@@ -261,6 +261,12 @@ class Eagle(Speculator):
 
         tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
+
+    def can_skip(self, state) -> jax.Array:
+        return queue_has_room(state)
+
+    def skip(self, state):
+        return state.replace(skipped=jnp.bool_(True))
 
     def commit(self, state: EagleState, ctx: CommitContext, target_params) -> EagleState:
         feats = self._features(ctx.hidden, target_params)
