@@ -166,21 +166,28 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
 
 
 # ---------------------------------------------------------------------------- decode
-def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend) -> LoopState:
+def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend,
+             hidden_layers: tuple[int, ...] = ()):
+    """One plain decode step for every active row: the root through the target (cache
+    written in place), the next token sampled and appended.
+    Returns (state, root [B, 1], next token [B], the root's Hidden [B, 1, ...])."""
     active = ~st.done
-    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
-    logits, _, cache = step(config, params, st.cache, root, (st.lengths - 1)[:, None],
-                            q_lens=active.astype(jnp.int32), attention_backend=backend)
+    pos = (st.lengths - 1)[:, None]
+    root = jnp.take_along_axis(st.tokens, pos, axis=1)
+    logits, hidden, cache = step(config, params, st.cache, root, pos,
+                                 q_lens=active.astype(jnp.int32), hidden_layers=hidden_layers,
+                                 attention_backend=backend)
     key, sub = jax.random.split(st.key)
     nxt = sampling_lib.sample(sub, logits[:, 0], sampling)
     tokens = _write_tokens(st.tokens, st.lengths, nxt[:, None], active.astype(jnp.int32))
     lengths = st.lengths + active
     done = st.done | (active & _is_eos(nxt, eos_ids)) | (lengths - st.prompt_lens >= max_new)
     hist = st.hist.at[:, 0].add(active)
-    return st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
-                      target_calls=st.target_calls + active, hist=hist,
-                      verified=st.verified + active, verify_cost=st.verify_cost + active,
-                      steps=st.steps + 1)
+    st = st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
+                    target_calls=st.target_calls + active, hist=hist,
+                    verified=st.verified + active, verify_cost=st.verify_cost + active,
+                    steps=st.steps + 1)
+    return st, root, nxt, hidden
 
 
 @struct.dataclass
@@ -209,8 +216,8 @@ def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
     docs/speculators.md), so when no row keeps a node deeper than d, only the W[d]-node
     prefix is verified. Four forwards, not Dm+1, bound compile time: a plain decode
     step (d = 0), depth 1, half depth and full depth. Depth 1 is what probes verify
-    and what a one-token n-gram match needs (at k = 8 it costs 1.6 steps on CPU against
-    1.8 for the half-depth forward: a repeated token then pays, 1.26x modelled).
+    and what a one-token n-gram match needs (on CPU a 2-token forward costs less than
+    the half-depth one of a k = 8 chain; docs/speculators.md).
     """
     dm = len(widths) - 1
     out: list[tuple[int, int]] = []
@@ -304,27 +311,14 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
                 & spec.can_skip(s.spec_state))
 
     def plain(s: LoopState) -> LoopState:
-        active = ~s.done
-        b = s.tokens.shape[0]
-        pos = (s.lengths - 1)[:, None]
-        root = jnp.take_along_axis(s.tokens, pos, axis=1)  # [B, 1]
-        logits, hidden, cache = step(config, params, s.cache, root, pos,
-                                     q_lens=active.astype(jnp.int32),
-                                     hidden_layers=spec.hidden_layers, attention_backend=backend)
-        key, sub = jax.random.split(s.key)
-        nxt = sampling_lib.sample(sub, logits[:, 0], sampling)
-        emit = active.astype(jnp.int32)
-        tokens = _write_tokens(s.tokens, s.lengths, nxt[:, None], emit)
-        lengths = s.lengths + emit
-        done = s.done | (active & _is_eos(nxt, eos_ids)) | (lengths - s.prompt_lens >= max_new)
+        new, root, nxt, hidden = _ar_step(config, params, s, sampling, max_new, eos_ids,
+                                          backend, spec.hidden_layers)
+        emit = (~s.done).astype(jnp.int32)
         spec_state = spec.commit(spec.skip(s.spec_state), CommitContext(
-            tokens=root, next_tokens=nxt[:, None], positions=pos, num_pairs=emit,
-            hidden=hidden, num_accepted=jnp.zeros((b,), jnp.int32), lengths=lengths), params)
-        return shard.constrain_caches(s.replace(
-            cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
-            spec_state=spec_state, target_calls=s.target_calls + emit,
-            hist=s.hist.at[:, 0].add(emit), verified=s.verified + emit,
-            verify_cost=s.verify_cost + emit, steps=s.steps + 1))
+            tokens=root, next_tokens=nxt[:, None], positions=(s.lengths - 1)[:, None],
+            num_pairs=emit, hidden=hidden, num_accepted=jnp.zeros_like(emit),
+            lengths=new.lengths), params)
+        return shard.constrain_caches(new.replace(spec_state=spec_state))
 
     return jax.lax.while_loop(go_on, plain, st)
 
@@ -441,7 +435,7 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
 
     def body(st):
         if spec is None:
-            st = _ar_step(config, params, st, sampling, max_new, eos_ids, backend)
+            st = _ar_step(config, params, st, sampling, max_new, eos_ids, backend)[0]
         else:
             st = _plain_steps(config, params, spec, st, sampling, max_new, eos_ids, backend,
                               cost_ratio, adaptive, vcost)

@@ -176,6 +176,18 @@ def queue_has_room(state) -> jax.Array:
     return jnp.all(state.pending_count + 1 < state.pending.shape[1])
 
 
+class QueuedSpeculator(Speculator):
+    """A speculator with its own cache and a pending queue of pairs (`requeue`; state
+    fields `pending` [B, Q, ...], `pending_count` [B], `skipped` []): it may skip its
+    draft call while every queue has room, and the next commit then appends."""
+
+    def can_skip(self, state) -> jax.Array:
+        return queue_has_room(state)
+
+    def skip(self, state):
+        return state.replace(skipped=jnp.bool_(True))
+
+
 def propose_or_skip(state, ctx: ProposeContext, empty: DraftTree,
                     run: Callable[[], tuple[DraftTree, Any]]) -> tuple[DraftTree, Any]:
     """The propose of a speculator with its own cache and pending queue (`requeue`):

@@ -29,8 +29,8 @@ from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, Speculator, propose_or_skip,
-                                      queue_has_room, requeue, set_fields)
+                                      ProposeContext, QueuedSpeculator, propose_or_skip,
+                                      requeue, set_fields)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_depth_widths, dynamic_tree
 from specjax.tree import DraftTree, chain, empty_tree
 
@@ -44,7 +44,7 @@ class DraftState:
 
 
 @struct.dataclass
-class DraftModel(Speculator):
+class DraftModel(QueuedSpeculator):
     params: Any
     config: ModelConfig = struct.field(pytree_node=False)
     k: int = struct.field(pytree_node=False, default=4)
@@ -193,12 +193,6 @@ class DraftModel(Speculator):
         """Final-normed draft hidden [..., D] -> float32 logits [..., V]."""
         return module_for(self.config).apply({"params": self.params}, h,
                                              method=Transformer.logits)
-
-    def can_skip(self, state) -> jax.Array:
-        return queue_has_room(state)
-
-    def skip(self, state):
-        return state.replace(skipped=jnp.bool_(True))
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
         cache, (pending,), count = requeue(ctx, state.cache, (state.pending,),

@@ -38,8 +38,8 @@ from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_fea
                                  init_eagle_params, layer_config, target_features)
 from specjax.model import Model
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, Speculator, propose_or_skip,
-                                      queue_has_room, requeue, set_fields)
+                                      ProposeContext, QueuedSpeculator, propose_or_skip,
+                                      requeue, set_fields)
 from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
                                               static_tree_expand)
 from specjax.tree import DraftTree, depth_widths, empty_tree, static_tree
@@ -55,7 +55,7 @@ class EagleState:
 
 
 @struct.dataclass
-class Eagle(Speculator):
+class Eagle(QueuedSpeculator):
     params: Any
     d2t: jax.Array | None  # [Vd] int32 draft index -> target id (EAGLE-3), else None
     config: EagleConfig = struct.field(pytree_node=False)
@@ -261,12 +261,6 @@ class Eagle(Speculator):
 
         tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
-
-    def can_skip(self, state) -> jax.Array:
-        return queue_has_room(state)
-
-    def skip(self, state):
-        return state.replace(skipped=jnp.bool_(True))
 
     def commit(self, state: EagleState, ctx: CommitContext, target_params) -> EagleState:
         feats = self._features(ctx.hidden, target_params)
