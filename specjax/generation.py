@@ -281,14 +281,17 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
 
 def _rule(spec: Speculator, st: LoopState, cost_ratio, vcost: VerifyCost):
     """The adaptive rule: per row, the k that maximises expected tokens per unit of cost
-    (Leviathan et al.'s, with the verify forward's cost growing with its width).
+    (Leviathan et al.'s, with the verify forward's cost growing with its width and c
+    paid per draft call: k calls for a chain draft, one for Medusa's heads).
     Returns (α per position [B, Dm], k [B]), probes aside."""
     buckets = verify_buckets(tuple(spec.depth_widths))
     alpha = position_acceptance(st.hist, st.tried)  # [B, Dm]
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
     rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
-    return alpha, leviathan_optimal_k(alpha, cost_ratio, spec.max_depth,
-                                      vcost.relative(inputs, rows))
+    calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
+    # k = 0 is a plain step (`_plain_steps`); k > 0 a forward in the verify switch
+    v = jnp.where(inputs > 1, vcost.speculative(inputs, rows), 1.0)
+    return alpha, leviathan_optimal_k(alpha, cost_ratio, spec.max_depth, v, calls)
 
 
 def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_new,
@@ -354,18 +357,29 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))  # verifies every draft
     # Adaptive: the width that pays off for the batch as a whole; probe steps verify
     # every draft so that rows sitting at k = 0 keep measuring their acceptance.
-    bucket_cost = vcost.relative(np.asarray([w + 1 for _, w in buckets]), rows)
+    bucket_cost = vcost.speculative(np.asarray([w + 1 for _, w in buckets]), rows)
     best = batch_verify_bucket(alpha, row_depth, active, depths, bucket_cost)
     which = jnp.where(adaptive & ~probe, jnp.minimum(best, covering), covering)
     cut = jnp.asarray(depths, jnp.int32)[which]
     tree = tree.replace(valid=tree.valid & (tree.depth <= cut))
     branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
                                   k_ver, backend) for _, w in buckets]
-    res, kept, kept_hidden, cache = jax.lax.switch(which, branches)
+    defer = _defer_kv_write(backend)
+
+    def idle():
+        """No forward: every row finished (inside the plain-step loop, which hands over
+        to this step only then or when a row would draft); all of it is masked out."""
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(branches[0]))
+        res, kept, hidden, cache = zeros
+        return (res.replace(accepted=res.accepted - 1), kept, hidden,
+                cache if defer else st.cache)
+
+    which = jnp.where(jnp.any(active), which, len(branches))
+    res, kept, kept_hidden, cache = jax.lax.switch(which, branches + [idle])
     kept_kv = None
-    if _defer_kv_write(backend):
+    if defer:
         cache, kept_kv = st.cache, cache
-    width = jnp.asarray([w for _, w in buckets], jnp.int32)[which]
+    width = jnp.asarray([w for _, w in buckets] + [0], jnp.int32)[which]
     return Speculation(tree, res, kept, kept_hidden, cache, kept_kv, spec_state, limit, probed,
                        width, key)
 
@@ -422,7 +436,7 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, tried=tried,
         verified=st.verified + active * (sp.width + 1),
-        verify_cost=st.verify_cost + active * vcost.relative(sp.width + 1, b),
+        verify_cost=st.verify_cost + active * vcost.speculative(sp.width + 1, b),
         steps=st.steps + 1,
         next_probe=next_probe, probe_gap=gap)
 
@@ -503,11 +517,13 @@ def generate(
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
     cost_ratio: one draft call's cost relative to a one-token target step, for the
       adaptive rule and the analytical speedup; None takes `speculator.cost_ratio`
-      (parameter counts). Small drafts cost more than their parameter share (fixed
-      per-call work), so pass a measured one (`specjax.bench.speculative
-      .measured_cost_ratio`) where it matters.
-    verify_cost: `specjax.VerifyCost(jump, slope, per_token)`: a forward of T tokens
-      costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target steps
+      (parameter counts). Drafts cost more than their parameter share (the sampling,
+      top-k and tree work around the matmuls), so pass a measured one
+      (`specjax.bench.speculative.measured_cost_ratio`) where it matters. A step that
+      drafts k positions makes min(k, `speculator.draft_calls_per_step()`) calls.
+    verify_cost: `specjax.VerifyCost(jump, slope, per_token, branch)`: a forward of T
+      tokens costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target
+      steps, times 1 + branch inside the speculative step's verify switch
       (a batch's verify forward counts rows × T tokens); used by the adaptive rule
       and the analytical speedup. None takes this backend's `specjax.stats.VERIFY_COST`;
       `VerifyCost()` is Leviathan et al.'s free verify.

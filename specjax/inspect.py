@@ -24,15 +24,14 @@ def _one(config, params, spec, state, sampling):
                                jnp.bool_(False), VerifyCost())  # full depth, free verify
 
 
-def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
-                temperature: float = 0.0, seed: int = 0, page_size: int = 16) -> dict:
-    """Prefill `prompt`, sample its first token, then one propose + verify.
-
-    Returns numpy values: `root` (the first generated token), per node `tokens`,
-    `parents` (-1 = root), `depth`, `valid`, and the verifier's `accepted` node indices,
-    `num_accepted` and `bonus`.
-    """
+def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
+                    temperature: float = 0.0, seed: int = 0, page_size: int = 16,
+                    params=None) -> tuple[gen.LoopState, Sampling]:
+    """The loop state after prefilling `prompt` (batch 1) and sampling its first token,
+    as `generate` leaves it before the first speculative step, and the sampling settings.
+    params: the target's params in the layout to run (default `model.params`)."""
     cfg = model.config
+    params = model.params if params is None else params
     ids = gen._as_token_lists(model, [prompt])[0]
     width = gen._bucket(len(ids) + speculator.num_nodes + 2, 64)
     pool = PagePool(-(-width // page_size), page_size)
@@ -43,15 +42,28 @@ def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
     buf[0, :len(ids)] = ids
     sampling = Sampling.create(temperature)
     chunk = 1 << (len(ids) - 1).bit_length()
-    state = gen._prefill(cfg, model.params, speculator, cache, jnp.asarray(buf),
+    state = gen._prefill(cfg, params, speculator, cache, jnp.asarray(buf),
                          jnp.asarray([len(ids)], jnp.int32), sampling, jax.random.key(seed),
                          jnp.int32(2), jnp.full((8,), -1, jnp.int32), chunk=chunk,
                          num_chunks=1, backend=None)
-    state = state.replace(done=jnp.zeros_like(state.done))
-    sp = _one(cfg, model.params, speculator, state, sampling)
+    return state.replace(done=jnp.zeros_like(state.done)), sampling
+
+
+def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
+                temperature: float = 0.0, seed: int = 0, page_size: int = 16) -> dict:
+    """Prefill `prompt`, sample its first token, then one propose + verify.
+
+    Returns numpy values: `root` (the first generated token), per node `tokens`,
+    `parents` (-1 = root), `depth`, `valid`, and the verifier's `accepted` node indices,
+    `num_accepted` and `bonus`.
+    """
+    n = len(gen._as_token_lists(model, [prompt])[0])
+    state, sampling = prefilled_state(model, prompt, speculator, temperature=temperature,
+                                      seed=seed, page_size=page_size)
+    sp = _one(model.config, model.params, speculator, state, sampling)
     t, r = sp.tree, sp.result
     first = lambda x: np.asarray(x)[0]
-    return dict(root=int(first(state.tokens)[len(ids)]), tokens=first(t.tokens),
+    return dict(root=int(first(state.tokens)[n]), tokens=first(t.tokens),
                 parents=first(t.parents), depth=first(t.depth), valid=first(t.valid),
                 accepted=first(r.accepted), num_accepted=int(first(r.num_accepted)),
                 bonus=int(first(r.bonus)))

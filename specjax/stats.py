@@ -3,14 +3,15 @@
 - acceptance_rate α = accepted draft tokens / drafted positions (for a chain, k per
   step; for a tree, its depth per step: α is per speculated position).
 - mean_accepted_length τ = tokens emitted per target forward in decoding, bonus included.
-- expected_speedup: Leviathan et al.'s E[tokens per step] / (k c + v), with α per draft
+- expected_speedup: Leviathan et al.'s E[tokens per step] / (n c + v), with α per draft
   position (`expected_tokens`: E = 1 + Σ_d Π_{i<=d} α_i, whose products are the measured
   fractions of steps accepting at least d drafts, so E = 1 + accepted per target call),
-  the mean k, the draft/target cost ratio c and the verify forward's cost v relative to
+  n the draft calls per target call (k for a chain draft, 1 for Medusa's heads), c one
+  draft call's cost relative to a target step, and the verify forward's cost v relative to
   a one-token step (the mean over the decode forwards of `VerifyCost`'s v(T), see
   `VERIFY_COST`; the paper's v = 1 is `expected_speedup_free_verify`). Print it beside
   the measured speedup (which needs an autoregressive run of the same prompts).
-- expected_speedup_iid: the paper's closed form (1 - α^(k+1)) / ((1 - α)(k c + v)) with
+- expected_speedup_iid: the paper's closed form (1 - α^(k+1)) / ((1 - α)(n c + v)) with
   one α for every position. Acceptance is rarely i.i.d. (a draft that gets depth 1 right
   tends to get depth 2 right too), so at k > 1 it undercounts what the loop can reach.
 """
@@ -39,11 +40,17 @@ class VerifyCost:
     prefill token's share of a decode step); a batch verifies rows × T tokens at once,
     so at batch > 1 that is where wide trees land (`relative`). A pytree, so the loop
     takes it as traced numbers (`generate(verify_cost=VerifyCost(...))`).
+
+    branch: what the speculative loop's verify forward costs on top, relative: it runs
+    inside a `lax.switch` over widths (XLA:CPU 1.08x a bare step, `python -m
+    specjax.bench.branching`, "cond, KV outside"), while a step that drafts nothing
+    runs bare in the plain-step loop (`speculative`).
     """
 
     jump: Any = 0.0
     slope: Any = 0.0
     per_token: Any = 0.0
+    branch: Any = 0.0
 
     def __call__(self, tokens):
         """v at `tokens` inputs in one forward (numpy or jax arrays, or a float >= 1)."""
@@ -61,27 +68,35 @@ class VerifyCost:
         rows = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
         return self(rows * jnp.asarray(tokens_per_row, jnp.float32)) / self(rows)
 
+    def speculative(self, tokens_per_row, rows):
+        """`relative` for a forward the speculative step runs (inside its verify
+        switch): times 1 + branch."""
+        return self.relative(tokens_per_row, rows) * (1.0 + self.branch)
+
     def describe(self) -> str:
         log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
+        out = f"v(T) = {log}"
         if float(self.per_token) > 0:
-            return f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
-        return f"v(T) = {log}"
+            out = f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
+        if float(self.branch) > 0:
+            out += f", × {1 + float(self.branch):.3g} in the verify switch"
+        return out
 
     def validated(self) -> "VerifyCost":
         """Host-side check, naming the bad value; returns float32 leaves."""
-        for name in ("jump", "slope", "per_token"):
+        for name in ("jump", "slope", "per_token", "branch"):
             x = getattr(self, name)
             if not (isinstance(x, (int, float, np.floating, np.integer)) and np.isfinite(x)
                     and x >= 0):
                 raise ValueError(f"VerifyCost {name}={x!r} must be a finite number >= 0")
         return VerifyCost(np.float32(self.jump), np.float32(self.slope),
-                          np.float32(self.per_token))
+                          np.float32(self.per_token), np.float32(self.branch))
 
 
 # Per backend. CPU: fitted by `python -m specjax.bench.verify_cost` on the 25M benchmark
-# Llama (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
+# Llama, branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
 # (the kernel issue's target is 64 nodes for <= 1.3x one token).
-VERIFY_COST = {"cpu": VerifyCost(jump=0.41, slope=0.18, per_token=0.077),
+VERIFY_COST = {"cpu": VerifyCost(jump=0.41, slope=0.18, per_token=0.077, branch=0.08),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 
@@ -93,26 +108,30 @@ def default_verify_cost() -> VerifyCost:
 
 
 def leviathan_speedup(alpha: float, k: float, cost_ratio: float,
-                      verify_cost: float = 1.0) -> float:
+                      verify_cost: float = 1.0, draft_calls: float | None = None) -> float:
     """Expected walltime improvement of speculative decoding (Leviathan et al. 2023, Thm 3.8):
-    E[tokens per step] / (k c + v), with v the verify forward's cost relative to one
-    target step (1 in the paper)."""
+    E[tokens per step] / (n c + v), with c one draft call's cost and n the draft calls
+    per step (default k: a chain draft, one call per position; Medusa makes one call
+    whatever k), v the verify forward's cost relative to one target step (1 in the
+    paper)."""
     if k <= 0:
         return 1.0
     if alpha >= 1.0:
         tokens = k + 1
     else:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-    return float(tokens / (k * cost_ratio + verify_cost))
+    return tokens_per_cost(tokens, k, cost_ratio, verify_cost, draft_calls)
 
 
 def tokens_per_cost(tokens: float, k: float, cost_ratio: float,
-                    verify_cost: float = 1.0) -> float:
+                    verify_cost: float = 1.0, draft_calls: float | None = None) -> float:
     """Expected speedup from E[tokens per target call] (α per position), k drafted
-    positions per call, the draft cost ratio and the verify cost: E / (k c + v)."""
+    positions per call, n draft calls per target call (default k), one call's cost
+    ratio c and the verify cost: E / (n c + v)."""
     if k <= 0:
         return 1.0
-    return float(tokens / (k * cost_ratio + verify_cost))
+    n = k if draft_calls is None else draft_calls
+    return float(tokens / (n * cost_ratio + verify_cost))
 
 
 def expected_tokens(alpha):
@@ -154,11 +173,14 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0)):
     return jnp.stack(out, axis=1) if out else jnp.asarray(at_least, jnp.float32)
 
 
-def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None):
-    """argmax_k over 0..k_max of E[tokens](k) / (k c + v_k), per row (numpy or jax).
+def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
+                        draft_calls=None):
+    """argmax_k over 0..k_max of E[tokens](k) / (n_k c + v_k), per row (numpy or jax).
 
     alpha: [B] one rate per row, or [B, k_max] per position (`expected_tokens`);
-    verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free)."""
+    verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free);
+    draft_calls: [k_max+1] draft calls n_k that drafting k positions takes (default k,
+    a chain draft; Medusa's heads are one call whatever k)."""
     import jax.numpy as jnp
 
     a = jnp.asarray(alpha, jnp.float32)
@@ -166,7 +188,8 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None):
         a = jnp.repeat(a[:, None], k_max, axis=1)
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
     v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
-    gain = expected_tokens(a[:, :k_max]) / (ks * cost_ratio + v)  # cost_ratio may be traced
+    n = ks if draft_calls is None else jnp.asarray(draft_calls, jnp.float32)
+    gain = expected_tokens(a[:, :k_max]) / (n * cost_ratio + v)  # cost_ratio may be traced
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
@@ -295,15 +318,16 @@ def _row(new, calls, dcalls, drafted, accepted, verified, c, vsum, ttft_s, decod
         decode_tokens = max(new - 1, 0)  # the first token comes from prefill
     tau = decode_tokens / calls if calls else 0.0
     k = drafted / calls if calls else 0.0
+    n = dcalls / calls if calls else 0.0  # draft calls per target call
     reach = 1.0 + accepted / calls if calls else 1.0  # E[tokens] from α per position
     mean_verified = verified / calls if calls else 1.0
     v = vsum / calls if calls else 1.0  # mean modelled cost of one decode forward
     wall = ttft_s + decode_s
     return dict(new_tokens=new, target_calls=calls, draft_calls=dcalls, drafted=drafted,
                 accepted=accepted, acceptance_rate=alpha, mean_accepted_length=tau, mean_k=k,
-                cost_ratio=c, expected_speedup=tokens_per_cost(reach, k, c, v),
-                expected_speedup_free_verify=tokens_per_cost(reach, k, c),
-                expected_speedup_iid=leviathan_speedup(alpha, k, c, v),
+                cost_ratio=c, expected_speedup=tokens_per_cost(reach, k, c, v, n),
+                expected_speedup_free_verify=tokens_per_cost(reach, k, c, 1.0, n),
+                expected_speedup_iid=leviathan_speedup(alpha, k, c, v, n),
                 mean_verified=mean_verified, verify_cost=v,
                 wall_s=wall, ttft_s=ttft_s,
                 tpot_s=decode_s / decode_tokens if decode_tokens else 0.0,

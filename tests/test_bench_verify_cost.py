@@ -59,6 +59,13 @@ def test_fit_per_token_and_the_batched_cost():
     assert "0.1·T" in vc.describe() and "per_token" not in VerifyCost().describe()
     with pytest.raises(ValueError, match="per_token=-1"):
         VerifyCost(per_token=-1.0).validated()
+    # inside the speculative step's verify switch every forward costs 1 + branch more
+    br = VerifyCost(jump=0.5, slope=0.1, per_token=0.1, branch=0.25)
+    np.testing.assert_allclose(br.speculative(np.asarray([1, 16]), 4),
+                               1.25 * vc.relative(np.asarray([1, 16]), 4), rtol=1e-6)
+    assert "1.25 in the verify switch" in br.describe()
+    with pytest.raises(ValueError, match="branch=-0.5"):
+        VerifyCost(branch=-0.5).validated()
 
 
 @pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),

@@ -145,6 +145,11 @@ def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
     assert costly.stats.mean_verified < 1.2 and costly.stats.mean_accepted_length < 1.2
     assert free.stats.mean_verified > 1.5 and free.stats.mean_accepted_length > 1.5
     assert free.stats.verify_cost == 1.0  # slope 0: the paper's free verify
+    # every forward of a non-adaptive run is a speculative step's, in the verify switch
+    branched = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                                speculator=spec, verify_cost=VerifyCost(branch=0.5),
+                                adaptive=False)
+    assert branched.stats.verify_cost == pytest.approx(1.5)
     # a draft as costly as the target never pays, whatever the verify costs
     selfish = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                                speculator=DraftModel(model=tiny_target, k=4),
@@ -388,6 +393,28 @@ def test_expected_speedup_uses_acceptance_per_position():
     assert stats.expected_speedup_iid == pytest.approx((1 - 0.5 ** 5) / 0.5 / (4 * c + v))
     assert stats.expected_speedup_free_verify == pytest.approx(3.0 / (4 * c + 1))
     assert stats.rows[0]["expected_speedup"] == pytest.approx(stats.expected_speedup)
+    # c is per draft call: heads that draft all 4 positions in one call per step
+    heads = build_stats(new_tokens=[31], target_calls=[10], draft_calls=[10], drafted=[40],
+                        accepted=[20], hist=[[5, 0, 0, 0, 5]], cost_ratio=c, ttft_s=0.1,
+                        decode_s=1.0, compile_s=0.0, verify_cost=[10 * v])
+    assert heads.expected_speedup == pytest.approx(3.0 / (c + v))
+
+
+def test_rule_prices_draft_calls_not_positions():
+    """Medusa's heads cost one call whatever the depth, a chain draft one per position:
+    at the same c, acceptance and verify cost, deep drafting pays for the one and not
+    the other."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.stats import leviathan_optimal_k
+
+    alpha = jnp.asarray([[0.8, 0.8, 0.8, 0.8]])
+    v = np.asarray([1.0, 1.6, 1.7, 1.8, 1.8])
+    c = 0.4
+    assert int(leviathan_optimal_k(alpha, c, 4, v)[0]) == 0  # k = 4: 3.36 / 3.4
+    one_call = np.asarray([0, 1, 1, 1, 1])
+    assert int(leviathan_optimal_k(alpha, c, 4, v, one_call)[0]) == 4  # 3.36 / 2.2
 
 
 def test_probes_back_off_while_rejected():
@@ -414,3 +441,28 @@ def test_probes_back_off_while_rejected():
     assert np.all(np.diff(always) == PROBE_GAP)  # accepted probes keep the short gap
     reset = run(accept_at={111})
     assert reset[:5] == [15, 47, 111, 111 + PROBE_GAP, 111 + 3 * PROBE_GAP]
+
+
+def test_a_step_with_every_row_finished_runs_no_forward(tiny_target):
+    """When every row finished inside the plain-step loop, the speculative step that
+    follows in the same iteration takes its `idle` branch: no target forward (its kept
+    keys/values are zeros), the cache untouched; with a row active, a real forward."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import generation as gen
+    from specjax.inspect import prefilled_state
+    from specjax.stats import VerifyCost
+
+    spec = NGram(k=3)
+    state, sampling = prefilled_state(tiny_target, PROMPTS[0], spec)
+    run = jax.jit(lambda st: gen._propose_verify(
+        tiny_target.config, tiny_target.params, spec, st, sampling, None, jnp.float32(0.0),
+        jnp.bool_(True), VerifyCost()), donate_argnums=())
+    assert gen._defer_kv_write(None)  # the reference backend: kept K/V come out
+    live = run(state)
+    assert np.any(np.asarray(live.kept_kv[0]) != 0)
+    done = run(state.replace(done=jnp.ones_like(state.done)))
+    assert int(done.width) == 0
+    assert not np.any(np.asarray(done.kept_kv[0])) and not np.any(np.asarray(done.kept_kv[1]))

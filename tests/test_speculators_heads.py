@@ -281,3 +281,15 @@ def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
                            verify_cost=VerifyCost(per_token=100.0))
     assert out.tokens == ref and out.stats.drafted > 0
     assert out.stats.mean_k < 0.5  # mostly plain steps: drafts on probes only
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle2", "draft_tree"])
+def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
+    """`measured_cost_ratio` runs any speculator's full-depth propose as generate lays it
+    out (decode params, `for_decoding`) after a prompt; n-gram makes no draft calls."""
+    from specjax.bench.speculative import measured_cost_ratio
+    from specjax.speculators import NGram
+
+    c = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20, repeats=2)
+    assert np.isfinite(c) and c > 0
+    assert measured_cost_ratio(tiny_target, NGram(k=3)) == 0.0

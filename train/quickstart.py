@@ -101,7 +101,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
                              speedup=r["tokens_per_s"] / base,
                              analytical=leviathan_speedup(r["alpha"], r["k"], c,
-                                                         r["verify_cost"]),
+                                                         r["verify_cost"],
+                                                         r["draft_calls_per_call"]),
                              identical_to_plain=tokens == outputs[next(iter(outputs))]))
     return rows
 
@@ -204,7 +205,8 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
                               num_prompts, prompt_len, seed)
     from specjax.bench.speculative import measured_cost_ratio
 
-    costs = {"draft": measured_cost_ratio(target, draft)}
+    costs = {name: measured_cost_ratio(target, spec) for name, spec in specs.items()
+             if spec is not None}
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs)
     sweep = []

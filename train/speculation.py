@@ -78,6 +78,7 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
                            seed=seed, ignore_eos=True, speculator=speculator, adaptive=adaptive)
     s = out.stats
     return out.tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
+                            draft_calls_per_call=s.draft_calls / max(s.target_calls, 1),
                             cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
                             mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
                             ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,

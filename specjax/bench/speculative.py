@@ -59,19 +59,54 @@ def _time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def measured_cost_ratio(target: specjax.Model, draft: specjax.Model, repeats: int = 20) -> float:
-    """Wall time of one single-token draft forward / one target forward (batch 1, T=1),
-    each in the layout and with the compiler options `generate` uses."""
+def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128,
+                        repeats: int = 20, seed: int = 0) -> float:
+    """c as Leviathan et al. define it, measured: the wall time of one draft call
+    relative to one target decode step (batch 1, T = 1), both as `generate` runs them
+    (its layer layout and compiler options, timed interleaved).
+
+    The draft side is the speculator's whole `propose` at full depth after a
+    `context`-token prompt (the draft model's queue forward and chain, Medusa's heads,
+    EAGLE's tree levels with their top-k and reranking), divided by the draft calls it
+    makes there (`draft_calls_per_step`). Parameter counts miss exactly that work
+    around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
+    a speculator without draft calls (n-gram)."""
+    from specjax.generation import LoopState
+    from specjax.inspect import prefilled_state
     from specjax.model import decode_params
+    from specjax.speculators.base import ProposeContext
     from specjax.xla_options import compile_decode
 
-    def one(model):
-        tok = jnp.zeros((1, 1), jnp.int32)
-        params = decode_params(model.config, model.params)  # the layout generate uses
-        fwd = compile_decode(jax.jit(
-            lambda p, t: specjax.step(model.config, p, None, t, t * 0)[0]).lower(params, tok))
-        return _time(lambda: fwd(params, tok).block_until_ready(), repeats)[0]
-    return one(draft) / one(target)
+    calls = speculator.draft_calls_per_step()
+    if calls == 0:
+        return 0.0
+    cfg = target.config
+    spec = speculator.for_decoding()
+    params = decode_params(cfg, target.params)  # the layout generate uses
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).tolist()
+    state, sampling = prefilled_state(target, prompt, spec, params=params)
+
+    def propose(p, sp, st: LoopState):
+        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling, st.key,
+                             jnp.full_like(st.lengths, sp.max_depth))
+        return sp.propose(st.spec_state, ctx, p)[0].tokens
+
+    def target_step(p, st: LoopState):
+        root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
+        return specjax.step(cfg, p, st.cache, root, (st.lengths - 1)[:, None])[0]
+
+    fns = [(compile_decode(jax.jit(fn).lower(*args)), args)
+           for fn, args in ((propose, (params, spec, state)), (target_step, (params, state)))]
+    times = [[], []]
+    for f, args in fns:
+        jax.block_until_ready(f(*args))  # first run
+    for _ in range(repeats):  # interleaved: both see the same machine load
+        for i, (f, args) in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[i].append(time.perf_counter() - t0)
+    draft_s, target_s = (statistics.median(t) for t in times)
+    return draft_s / calls / target_s
 
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
@@ -230,7 +265,8 @@ def main(argv=None) -> int:
     prompts = _prompts(args, target.config.vocab_size)
     specs = build_speculators(target, draft=draft, medusa=args.medusa, eagle=args.eagle,
                               k=args.k)
-    costs = {"draft": measured_cost_ratio(target, draft)} if draft is not None else {}
+    costs = {name: measured_cost_ratio(target, spec) for name, spec in specs.items()
+             if spec is not None}
     rows = run_specjax(target, prompts, args.new, specs, args.repeats, costs)
     ref = rows[0]["tokens"]
     for r in rows:

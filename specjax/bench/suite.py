@@ -191,8 +191,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     then `repeats` interleaved timed rounds over all the category's prompts.
 
     hf: transformers' target model, hf_methods: {name: generate arguments}; they run
-    prompt by prompt and are reported at batch 1. cost_ratios: measured draft/target
-    cost per method (`generate(cost_ratio=)`), else the parameter-count estimate."""
+    prompt by prompt and are reported at batch 1. cost_ratios: measured cost of a draft
+    call per method (`generate(cost_ratio=)`), else the parameter-count estimate."""
     from specjax.bench.speculative import hf_pass, specjax_pass
 
     rows = []
@@ -314,11 +314,12 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         "TPOT / the method's (time per output token after the first, median of the "
         "rounds): the part of the run the analytical figure models, without the prefill",
         "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al.'s "
-        "E[tokens per step] / (k·c + v) with α per draft position (E = 1 + accepted drafts "
-        "per target call), the mean k (drafted positions per target call; the adaptive "
-        "rule picks it) "
-        "and the draft/target cost ratio c (measured for the draft model, estimated from "
-        "parameters for heads), with the verify forward's modelled cost "
+        "E[tokens per step] / (n·c + v) with α per draft position (E = 1 + accepted drafts "
+        "per target call), n the draft calls per target call (the adaptive rule picks the "
+        "depth; a chain draft makes one call per position, Medusa one per step) and c one "
+        "call's cost relative to a target step, measured for every method "
+        "(`bench.speculative.measured_cost_ratio`: the speculator's propose at full depth "
+        "per call), with the verify forward's modelled cost "
         f"({default_verify_cost().describe()} on this backend); i.i.d. α = "
         "`expected_speedup_iid` (the paper's closed form with one α); free verify = "
         "`expected_speedup_free_verify` (v = 1)",
@@ -448,7 +449,8 @@ def suite(args, command: str, log=_log) -> dict:
         hf_methods = {m: extra for m, extra in hf_variants(
             load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
             if m in args.methods}
-    costs = {"draft": measured_cost_ratio(target, draft)} if "draft" in speculators else {}
+    costs = {name: measured_cost_ratio(target, spec) for name, spec in speculators.items()
+             if spec is not None}
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,

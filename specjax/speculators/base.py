@@ -99,11 +99,14 @@ class Speculator:
         """Raises a clear error if this speculator cannot serve `target_config`."""
 
     def cost_ratio(self, target_config: ModelConfig) -> float:
-        """Estimated cost of one draft call relative to one target forward (for the
-        analytical speedup and adaptive length); 0 for free drafts like n-gram."""
+        """Estimated cost of one draft call relative to one one-token target forward
+        (for the analytical speedup and adaptive length); 0 for free drafts like n-gram.
+        `specjax.bench.speculative.measured_cost_ratio` measures it."""
         return 0.0
 
     def draft_calls_per_step(self) -> int:
+        """Draft calls of a full-depth step; drafting k positions makes min(k, this) (a
+        chain draft: one per position; Medusa: one). `cost_ratio` is per call."""
         return 0
 
     def init(self, target_config: ModelConfig, batch: int, capacity: int) -> Any:

@@ -119,10 +119,10 @@ class Medusa(Speculator):
                              f"vocabulary has {target_config.vocab_size}")
 
     def cost_ratio(self, target_config: ModelConfig) -> float:
-        """Per drafted position: all heads run once per step, whatever the depth, so
-        their cost is spread over the tree's depth (Leviathan's k·c then adds up to it)."""
+        """Per draft call: all heads run once per step, whatever the depth
+        (`draft_calls_per_step` is 1)."""
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
-        return size / target_config.param_count() / self.max_depth
+        return size / target_config.param_count()
 
     def draft_calls_per_step(self) -> int:
         return 1
