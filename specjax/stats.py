@@ -41,6 +41,11 @@ class VerifyCost:
     so at batch > 1 that is where wide trees land (`relative`). A pytree, so the loop
     takes it as traced numbers (`generate(verify_cost=VerifyCost(...))`).
 
+    measured: a [2, P] table (T, cost(T) / cost(1)) that replaces the formula, linear
+    between its points and past the last one (`from_table`): the formula's three
+    numbers missed the measured CPU curve by up to a third around T = 33, which is
+    where Medusa's 27-node tree verifies.
+
     branch: what the speculative loop's verify forward costs on top, relative: it runs
     inside a `lax.switch` over widths (XLA:CPU 1.08x a bare step, `python -m
     specjax.bench.branching`, "cond, KV outside"), while a step that drafts nothing
@@ -51,12 +56,24 @@ class VerifyCost:
     slope: Any = 0.0
     per_token: Any = 0.0
     branch: Any = 0.0
+    measured: Any = None
+
+    @classmethod
+    def from_table(cls, ratios: dict, branch: float = 0.0) -> "VerifyCost":
+        """From measured {T: cost(T) / cost(1)} (`python -m specjax.bench.verify_cost`)."""
+        ts = sorted(ratios)
+        return cls(branch=branch, measured=np.asarray([ts, [ratios[t] for t in ts]],
+                                                      np.float64))
 
     def __call__(self, tokens):
         """v at `tokens` inputs in one forward (numpy or jax arrays, or a float >= 1)."""
         import jax.numpy as jnp
 
         t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+        if self.measured is not None:
+            ts, vs = jnp.asarray(self.measured[0]), jnp.asarray(self.measured[1])
+            last = (vs[-1] - vs[-2]) / (ts[-1] - ts[-2])  # extrapolate the last segment
+            return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, jnp.interp(t, ts, vs))
         return jnp.maximum(1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t),
                            self.per_token * t)
 
@@ -76,7 +93,11 @@ class VerifyCost:
     def describe(self) -> str:
         log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
         out = f"v(T) = {log}"
-        if float(self.per_token) > 0:
+        if self.measured is not None:
+            points = ", ".join(f"{int(t)}: {float(v):.2f}" for t, v in
+                               zip(*np.asarray(self.measured)))
+            out = f"v(T) interpolated from measured {{T: v}} = {{{points}}}"
+        elif float(self.per_token) > 0:
             out = f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
         if float(self.branch) > 0:
             out += f", × {1 + float(self.branch):.3g} in the verify switch"
@@ -89,14 +110,26 @@ class VerifyCost:
             if not (isinstance(x, (int, float, np.floating, np.integer)) and np.isfinite(x)
                     and x >= 0):
                 raise ValueError(f"VerifyCost {name}={x!r} must be a finite number >= 0")
+        table = None
+        if self.measured is not None:
+            table = np.asarray(self.measured, np.float64)
+            if (table.ndim != 2 or table.shape[0] != 2 or table.shape[1] < 2
+                    or table[0, 0] != 1 or table[1, 0] != 1 or np.any(np.diff(table[0]) <= 0)
+                    or not np.all(np.isfinite(table)) or np.any(table[1] <= 0)):
+                raise ValueError(
+                    f"VerifyCost measured={self.measured!r} must be [2, P >= 2] rows (T, "
+                    "cost) with T rising from 1, cost(1) = 1 and every cost finite and > 0")
+            table = table.astype(np.float32)
         return VerifyCost(np.float32(self.jump), np.float32(self.slope),
-                          np.float32(self.per_token), np.float32(self.branch))
+                          np.float32(self.per_token), np.float32(self.branch), table)
 
 
-# Per backend. CPU: fitted by `python -m specjax.bench.verify_cost` on the 25M benchmark
-# Llama, branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
+# Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on the 25M
+# benchmark Llama, branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
 # (the kernel issue's target is 64 nodes for <= 1.3x one token).
-VERIFY_COST = {"cpu": VerifyCost(jump=0.41, slope=0.18, per_token=0.077, branch=0.08),
+VERIFY_COST = {"cpu": VerifyCost.from_table({1: 1.0, 2: 1.65, 3: 1.71, 5: 1.71, 9: 1.91,
+                                             17: 2.21, 33: 3.45, 65: 5.15, 129: 9.56},
+                                            branch=0.08),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 

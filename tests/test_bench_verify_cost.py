@@ -68,6 +68,21 @@ def test_fit_per_token_and_the_batched_cost():
         VerifyCost(branch=-0.5).validated()
 
 
+def test_measured_table_interpolates_and_extrapolates():
+    """`VerifyCost.from_table`: the measured ratios at their T, linear between them and
+    along the last segment beyond; bad tables are named."""
+    from specjax.stats import VerifyCost
+
+    vc = VerifyCost.from_table({1: 1.0, 2: 1.6, 10: 2.0, 20: 4.0}).validated()
+    np.testing.assert_allclose(vc(np.asarray([1, 2, 6, 10, 15, 20, 30])),
+                               [1.0, 1.6, 1.8, 2.0, 3.0, 4.0, 6.0], rtol=1e-6)
+    np.testing.assert_allclose(vc.relative(5, 2), 2.0 / 1.6, rtol=1e-6)  # v(10) / v(2)
+    assert "{1: 1.00, 2: 1.60, 10: 2.00, 20: 4.00}" in vc.describe()
+    for bad in ({1: 1.0}, {2: 1.5, 3: 2.0}, {1: 1.2, 2: 1.5}, {1: 1.0, 2: float("nan")}):
+        with pytest.raises(ValueError, match="measured="):
+            VerifyCost.from_table(bad).validated()
+
+
 @pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),
                                          (["--tokens", "1,x"], "--tokens='1,x'"),
                                          (["--repeats", "0"], "--repeats=0")])

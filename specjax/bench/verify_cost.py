@@ -10,8 +10,8 @@ context, compiled as `generate` compiles (`specjax.xla_options`) and with XLA's
 defaults side by side, and fits cost(T) / cost(1) = 1 + jump·[T > 1] + slope·log2(T)
 by least squares over T < 33, and per_token·T over T >= 33 where the forward turns
 compute-bound (a batch verifies rows × T tokens at once, so wide trees at batch > 1 land
-there): what `specjax.stats.VERIFY_COST` holds per backend (the adaptive draft length
-and the analytical speedup use it).
+there). `specjax.stats.VERIFY_COST` holds the measured ratios themselves
+(`VerifyCost.from_table`; the adaptive draft length and the analytical speedup use it).
 
   python -m specjax.bench.verify_cost [--tokens 1,2,3,5,9,17,33,65,129] [--batch 1]
       [--repeats 30]
@@ -139,7 +139,9 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
               f"over T < {LINEAR_FROM} and of per_token·T over T >= {LINEAR_FROM} (compute-"
               "bound; a batch verifies rows × T tokens in one forward), generate's options: "
               f"**jump {result['jump']:.3f}, slope {result['slope']:.3f}, per_token "
-              f"{result['per_token']:.4f}** (`specjax.stats.VERIFY_COST`).", END]
+              f"{result['per_token']:.4f}**. `specjax.stats.VERIFY_COST` holds the ratios "
+              "themselves (`VerifyCost.from_table`, linear between them): the fit misses the "
+              "compute-bound knee around T = 33 by up to a third.", END]
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +168,8 @@ def main(argv=None) -> int:
               f"({result['ratio_xla_default'][t]:.2f}x)")
     print(f"fit: jump {result['jump']:.3f}, slope {result['slope']:.3f}, "
           f"per_token {result['per_token']:.4f}")
+    table = ", ".join(f"{t}: {r:.2f}" for t, r in result["ratio"].items())
+    print(f"table: VerifyCost.from_table({{{table}}})")
     command = " ".join(["python -m specjax.bench.verify_cost",
                         *(argv if argv is not None else sys.argv[1:])])
     if args.out:
