@@ -430,9 +430,10 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     return st.replace(
         cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
         target_calls=st.target_calls + active,
-        # drafting stops at the deepest kept depth (see ProposeContext.depth_limit)
-        draft_calls=st.draft_calls + active * jnp.minimum(spec.draft_calls_per_step(),
-                                                          jnp.maximum(limit, 1)),
+        # drafting stops at the deepest depth any row keeps (ProposeContext.depth_limit):
+        # every row waits for that many calls
+        draft_calls=st.draft_calls + active * jnp.minimum(
+            spec.draft_calls_per_step(), jnp.maximum(jnp.max(jnp.where(active, limit, 0)), 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, tried=tried,
         verified=st.verified + active * (sp.width + 1),

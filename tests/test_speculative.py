@@ -400,6 +400,26 @@ def test_expected_speedup_uses_acceptance_per_position():
     assert heads.expected_speedup == pytest.approx(3.0 / (c + v))
 
 
+def test_batch_expected_speedup_waits_for_its_last_row():
+    """At batch > 1 the loop runs until its last row finishes: the analytical figure is
+    plain decoding's steps over the longest-running row's modelled cost, not the mean
+    row's tokens per cost; merged calls add up their steps and costs."""
+    from specjax.stats import build_stats, merge_stats
+
+    c = 0.05
+    stats = build_stats(new_tokens=[64, 64], target_calls=[8, 24], draft_calls=[64, 192],
+                        drafted=[64, 192], accepted=[55, 39], hist=[[0] * 9, [0] * 9],
+                        cost_ratio=c, ttft_s=0.1, decode_s=1.0, compile_s=0.0,
+                        verify_cost=[16.0, 48.0])
+    assert stats.expected_speedup == pytest.approx(63 / (48 + 192 * c))
+    assert stats.rows[0]["expected_speedup"] == pytest.approx(63 / 8 / (8 * c + 2))
+    single = build_stats(new_tokens=[64], target_calls=[8], draft_calls=[64], drafted=[64],
+                         accepted=[55], hist=[[0] * 9], cost_ratio=c, ttft_s=0.1,
+                         decode_s=1.0, compile_s=0.0, verify_cost=[16.0])
+    merged = merge_stats([stats, single])
+    assert merged.expected_speedup == pytest.approx((63 + 63) / (48 + 192 * c + 16 + 64 * c))
+
+
 def test_rule_prices_draft_calls_not_positions():
     """Medusa's heads cost one call whatever the depth, a chain draft one per position:
     at the same c, acceptance and verify cost, deep drafting pays for the one and not
