@@ -524,7 +524,8 @@ def generate(
       drafts k positions makes min(k, `speculator.draft_calls_per_step()`) calls.
     verify_cost: `specjax.VerifyCost(jump, slope, per_token, branch)`: a forward of T
       tokens costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target
-      steps, times 1 + branch inside the speculative step's verify switch
+      steps (or measured ratios, `VerifyCost.from_table`), times 1 + branch inside the
+      speculative step's verify switch
       (a batch's verify forward counts rows × T tokens); used by the adaptive rule
       and the analytical speedup. None takes this backend's `specjax.stats.VERIFY_COST`;
       `VerifyCost()` is Leviathan et al.'s free verify.
