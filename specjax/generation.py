@@ -76,6 +76,19 @@ class LoopState:
 PROBE_GAP, PROBE_GAP_MAX = 16, 256
 
 
+@struct.dataclass
+class Rule:
+    """What the adaptive rule reads besides the loop's counters; traced, so one compiled
+    program serves every value."""
+
+    cost_ratio: jax.Array  # [] c: one draft call's cost in one-token target steps
+    adaptive: jax.Array  # [] bool: False drafts full depth every step
+    vcost: VerifyCost  # the verify forward's cost model
+    # [Dm] float32 prior acceptance per depth (`generate(acceptance_prior=)`), shrunk
+    # towards like the default's 0.75; NaN: the default (`position_acceptance`)
+    prior: jax.Array
+
+
 def probe_schedule(next_probe, gap, step, drafted, probed, accepted):
     """The next probe step and gap per row [B] after loop step `step`: a rejected probe
     doubles the gap (up to PROBE_GAP_MAX), an accepted draft resets it to PROBE_GAP, and
@@ -279,23 +292,23 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
     return res, kept, _gather_hidden(hidden, res.path_inputs), cache
 
 
-def _rule(spec: Speculator, st: LoopState, cost_ratio, vcost: VerifyCost):
+def _rule(spec: Speculator, st: LoopState, rule: Rule):
     """The adaptive rule: per row, the k that maximises expected tokens per unit of cost
     (Leviathan et al.'s, with the verify forward's cost growing with its width and c
     paid per draft call: k calls for a chain draft, one for Medusa's heads).
     Returns (α per position [B, Dm], k [B]), probes aside."""
     buckets = verify_buckets(tuple(spec.depth_widths))
-    alpha = position_acceptance(st.hist, st.tried)  # [B, Dm]
+    alpha = position_acceptance(st.hist, st.tried, mean=rule.prior)  # [B, Dm]
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
     rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
     calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
     # k = 0 is a plain step (`_plain_steps`); k > 0 a forward in the verify switch
-    v = jnp.where(inputs > 1, vcost.speculative(inputs, rows), 1.0)
-    return alpha, leviathan_optimal_k(alpha, cost_ratio, spec.max_depth, v, calls)
+    v = jnp.where(inputs > 1, rule.vcost.speculative(inputs, rows), 1.0)
+    return alpha, leviathan_optimal_k(alpha, rule.cost_ratio, spec.max_depth, v, calls)
 
 
 def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_new,
-                 eos_ids, backend, cost_ratio, adaptive, vcost: VerifyCost) -> LoopState:
+                 eos_ids, backend, rule: Rule) -> LoopState:
     """Plain decode steps in a nested `lax.while_loop` while no row would draft: every
     active row at k = 0 by the adaptive rule, no probe due, and the speculator able to
     skip its draft call (`Speculator.can_skip`). Then the target forward runs at the
@@ -304,8 +317,8 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
     about 1.03x: `python -m specjax.bench.branching`). α and so the rule's k do not
     change on such steps (only accepted drafts and tries move them), so the rule is
     evaluated once; each step hands the speculator its one pair (`commit`)."""
-    _, limit = _rule(spec, st, cost_ratio, vcost)
-    idle = adaptive & jnp.all(st.done | (limit == 0))  # no row would draft by choice
+    _, limit = _rule(spec, st, rule)
+    idle = rule.adaptive & jnp.all(st.done | (limit == 0))  # no row would draft by choice
 
     def go_on(s: LoopState):
         active = ~s.done
@@ -327,8 +340,7 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
 
 
 def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
-                    cost_ratio: jax.Array, adaptive: jax.Array,
-                    vcost: VerifyCost) -> Speculation:
+                    rule: Rule) -> Speculation:
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
@@ -338,7 +350,8 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
         raise ValueError(f"{type(spec).__name__}.depth_widths={widths} must rise from 0 to "
                          f"num_nodes={n} over depths 0..max_depth={dm}")
     buckets = verify_buckets(widths)
-    alpha, limit = _rule(spec, st, cost_ratio, vcost)
+    alpha, limit = _rule(spec, st, rule)
+    adaptive, vcost = rule.adaptive, rule.vcost
     rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
     probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active
     limit = jnp.where(probed, 1, limit)  # a row at k = 0 re-measures now and then
@@ -385,13 +398,11 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, cost_ratio: jax.Array, adaptive: jax.Array,
-               vcost: VerifyCost) -> LoopState:
+               backend, rule: Rule) -> LoopState:
     b = st.tokens.shape[0]
     dm = spec.max_depth
     active = ~st.done
-    sp = _propose_verify(config, params, spec, st, sampling, backend, cost_ratio, adaptive,
-                         vcost)
+    sp = _propose_verify(config, params, spec, st, sampling, backend, rule)
     tree, res, cache = sp.tree, sp.result, sp.cache
     spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
     base = (st.lengths - 1)[:, None]
@@ -437,14 +448,14 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, tried=tried,
         verified=st.verified + active * (sp.width + 1),
-        verify_cost=st.verify_cost + active * vcost.speculative(sp.width + 1, b),
+        verify_cost=st.verify_cost + active * rule.vcost.speculative(sp.width + 1, b),
         steps=st.steps + 1,
         next_probe=next_probe, probe_gap=gap)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))
 def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
-            sampling, max_new, eos_ids, cost_ratio, adaptive, vcost, *, backend):
+            sampling, max_new, eos_ids, rule: Rule, *, backend):
     def cond(st):
         return jnp.any(~st.done) & (st.steps < max_new)
 
@@ -453,9 +464,9 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
             st = _ar_step(config, params, st, sampling, max_new, eos_ids, backend)[0]
         else:
             st = _plain_steps(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                              cost_ratio, adaptive, vcost)
+                              rule)
             st = _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                            cost_ratio, adaptive, vcost)
+                            rule)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
 
     return jax.lax.while_loop(cond, body, state)
@@ -483,6 +494,21 @@ def _as_token_lists(model: Model, prompts) -> list[list[int]]:
     return out
 
 
+def _prior(acceptance_prior, max_depth: int) -> np.ndarray:
+    """generate's `acceptance_prior` as the loop's [max_depth] float32 (NaN: default)."""
+    out = np.full((max_depth,), np.nan, np.float32)
+    if acceptance_prior is None:
+        return out
+    vals = [np.nan if a is None else a for a in acceptance_prior]
+    if len(vals) > max_depth or not all(
+            isinstance(a, (int, float, np.floating, np.integer)) and (np.isnan(a) or 0 <= a <= 1)
+            for a in vals):
+        raise ValueError(f"acceptance_prior={acceptance_prior!r} must list at most "
+                         f"max_depth={max_depth} rates in [0, 1] (None: the default)")
+    out[:len(vals)] = vals
+    return out
+
+
 def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -502,6 +528,7 @@ def generate(
     adaptive: bool = True,
     cost_ratio: float | None = None,
     verify_cost: VerifyCost | None = None,
+    acceptance_prior: Sequence[float | None] | None = None,
     layer_layout: str = "auto",
     page_size: int = 16,
     num_pages: int | None = None,
@@ -529,6 +556,12 @@ def generate(
       (a batch's verify forward counts rows × T tokens); used by the adaptive rule
       and the analytical speedup. None takes this backend's `specjax.stats.VERIFY_COST`;
       `VerifyCost()` is Leviathan et al.'s free verify.
+    acceptance_prior: the acceptance α_d per draft depth d = 1, 2, ... the adaptive rule
+      starts from before a row has data of its own (None, or a None / NaN entry, or
+      depths past the list: the default, 0.75 at depth 1, the row's α_{d-1} deeper).
+      Pass a calibration run's `stats.acceptance_by_position` (same speculator, other
+      prompts) so that a good draft drafts deep from its first step and a useless one
+      does not explore (docs/speculators.md).
     layer_layout: "auto" (unrolled layers on CPU, where XLA's layer scan copies every
       layer's weights each step; scanned elsewhere), "scan" or "unrolled"
       (`specjax.model.decode_params`).
@@ -594,6 +627,7 @@ def generate(
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
+    prior = _prior(acceptance_prior, speculator.max_depth if speculator is not None else 0)
     plens = shard.put(np.asarray(lens, np.int32), mesh, ("batch",), name="prompt_lens")
 
     params = decode_params(cfg, model.params, layer_layout)
@@ -604,8 +638,9 @@ def generate(
     t0 = time.perf_counter()
     pre = _compiled(_prefill, pre_args, pre_kw, mesh)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
-    dec_args = tuple(shard.replicate((jnp.float32(cost), jnp.bool_(adaptive),
-                                      jax.tree.map(jnp.float32, vcost)), mesh))
+    dec_args = (shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
+                                     jax.tree.map(jnp.float32, vcost), jnp.asarray(prior)),
+                                mesh),)
     dec_kw = dict(backend=attention_backend)
     dec = _compiled(_decode, (cfg, params, speculator, state_shape, sampling, max_new,
                               eos_arr) + dec_args, dec_kw, mesh)
@@ -631,6 +666,7 @@ def generate(
         new_tokens=[len(g) for g in gen], target_calls=shard.to_host(state.target_calls),
         draft_calls=shard.to_host(state.draft_calls), drafted=shard.to_host(state.drafted),
         accepted=shard.to_host(state.accepted), hist=shard.to_host(state.hist), cost_ratio=cost,
+        tried=shard.to_host(state.tried),
         verified=shard.to_host(state.verified), verify_cost=shard.to_host(state.verify_cost),
         ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
     return GenerationResult(gen, text, stats)

@@ -20,8 +20,9 @@ from specjax.stats import VerifyCost
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _one(config, params, spec, state, sampling):
-    return gen._propose_verify(config, params, spec, state, sampling, None, jnp.float32(0.0),
-                               jnp.bool_(False), VerifyCost())  # full depth, free verify
+    rule = gen.Rule(jnp.float32(0.0), jnp.bool_(False), VerifyCost(),  # full depth, free
+                    jnp.full((spec.max_depth,), jnp.nan, jnp.float32))  # verify
+    return gen._propose_verify(config, params, spec, state, sampling, None, rule)
 
 
 def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,

@@ -187,7 +187,7 @@ def expected_tokens(alpha):
     return 1.0 + jnp.concatenate([zero, jnp.cumsum(reach, axis=-1)], axis=-1)
 
 
-def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0)):
+def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), mean=None):
     """Running acceptance per draft position, α_d = P(accept depth d | depth d-1
     accepted), from the loop's counters: hist [B, Dm+1] (steps that accepted j drafts)
     and tried [B, Dm] (steps that verified depth d with depth d-1 accepted).
@@ -197,13 +197,19 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0)):
     tried only after depth d-1 was accepted, so a draft rejected at depth 1 leaves the
     deeper estimates without data: with a fixed prior there they stayed at 0.75 and kept
     a row drafting k = 8 until α_1 alone fell below about 0.3 (six wasted 9-token
-    verifies per row for n-gram at T = 1); chained, they fall with α_1."""
+    verifies per row for n-gram at T = 1); chained, they fall with α_1.
+
+    mean: [Dm] prior acceptance per depth that replaces those defaults where it is not
+    NaN (a calibration run's `GenerationStats.acceptance_by_position`), still over
+    `prior[1]` pseudo-tries."""
     import jax.numpy as jnp
 
     at_least = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # steps accepting >= d
     pseudo, n0 = prior  # pseudo-accepts in n0 pseudo-tries
     out = []
     for d in range(at_least.shape[1]):  # static Dm: a short loop over depths
+        if mean is not None:
+            pseudo = jnp.where(jnp.isnan(mean[d]), pseudo, n0 * mean[d])
         out.append((at_least[:, d] + pseudo) / (tried[:, d] + n0))
         pseudo = n0 * out[-1]
     return jnp.stack(out, axis=1) if out else jnp.asarray(at_least, jnp.float32)
@@ -286,11 +292,21 @@ class GenerationStats:
     compile_s: float
     accepted_hist: list  # counts of steps that accepted 0, 1, ..., Dm drafts (all rows)
     rows: list = dataclasses.field(default_factory=list)
+    # steps that verified depth d = 1..Dm with depth d - 1 accepted (all rows)
+    tried_hist: list = dataclasses.field(default_factory=list)
     # The batch as it ran (`batch_speedup`): steps plain decoding's loop would take (the
     # longest row's decode tokens) and the modelled cost of this loop (the longest-running
     # row's forwards and draft calls), in one-token target steps, summed over calls
     batch_plain_steps: float = 0.0
     batch_cost: float = 0.0
+
+    @property
+    def acceptance_by_position(self) -> list:
+        """α_d = P(accept depth d | depth d - 1 accepted) for d = 1..Dm over all rows
+        (None where depth d was never tried): what `generate(acceptance_prior=)` takes."""
+        hist = np.asarray(self.accepted_hist, np.float64)
+        at_least = np.cumsum(hist[::-1])[::-1][1:]
+        return [float(a / t) if t else None for a, t in zip(at_least, self.tried_hist)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -318,11 +334,12 @@ def batch_speedup(decode_tokens, verify_cost, draft_calls, cost_ratio) -> tuple[
 
 def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, hist,
                 cost_ratio, ttft_s, decode_s, compile_s, verified=None,
-                verify_cost=None, batch=None) -> GenerationStats:
+                verify_cost=None, batch=None, tried=None) -> GenerationStats:
     """From per-row numpy counters (decode phase) and timings. verify_cost: per row, the
     summed modelled cost of its decode forwards (`VerifyCost`; None: 1 per forward).
     batch: (plain steps, modelled cost) when the rows are several batches
-    (`merge_stats`); else they are one (`batch_speedup`)."""
+    (`merge_stats`); else they are one (`batch_speedup`). tried: [B, Dm] per row, or
+    [Dm] summed (`LoopState.tried`)."""
     new_tokens = np.asarray(new_tokens)
     if verified is None:
         verified = np.asarray(target_calls)
@@ -346,8 +363,18 @@ def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, his
     wall = ttft_s + decode_s
     total["tokens_per_s"] = float(new_tokens.sum() / wall) if wall > 0 else 0.0
     total["tpot_s"] = float(np.mean([r["tpot_s"] for r in rows])) if rows else 0.0
+    tried = np.zeros(np.shape(hist)[-1] - 1) if tried is None else np.asarray(tried)
     return GenerationStats(**total, compile_s=compile_s,
-                           accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows)
+                           accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows,
+                           tried_hist=[int(x) for x in
+                                       tried.sum(axis=tuple(range(tried.ndim - 1)))])
+
+
+def _padded_sum(lists) -> np.ndarray:
+    out = np.zeros(max(len(x) for x in lists), np.int64)
+    for x in lists:
+        out[:len(x)] += np.asarray(x, np.int64)
+    return out
 
 
 def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
@@ -358,9 +385,7 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
         raise ValueError("merge_stats needs at least one GenerationStats")
     rows = [r for p in parts for r in p.rows]
     field = lambda name: [r[name] for r in rows]
-    hist = np.zeros(max(len(p.accepted_hist) for p in parts), np.int64)
-    for p in parts:
-        hist[:len(p.accepted_hist)] += p.accepted_hist
+    hist = _padded_sum([p.accepted_hist for p in parts])
     ttft = sum(p.ttft_s for p in parts)
     merged = build_stats(
         new_tokens=field("new_tokens"), target_calls=field("target_calls"),
@@ -370,7 +395,8 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
         compile_s=sum(p.compile_s for p in parts),
         verified=[round(r["mean_verified"] * r["target_calls"]) for r in rows],
         verify_cost=[r["verify_cost"] * r["target_calls"] for r in rows],
-        batch=(sum(p.batch_plain_steps for p in parts), sum(p.batch_cost for p in parts)))
+        batch=(sum(p.batch_plain_steps for p in parts), sum(p.batch_cost for p in parts)),
+        tried=_padded_sum([p.tried_hist for p in parts]))
     return dataclasses.replace(merged, ttft_s=ttft / len(parts), rows=rows,
                                tpot_s=float(np.mean(field("tpot_s"))) if rows else 0.0)
 

@@ -250,6 +250,28 @@ def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
     assert all(r["identical"] for r in fixed["rows"])
 
 
+def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished, heldout):
+    """--calibrate N: N prompts per category from other functions than the timed ones,
+    one full-depth pass per method, and its acceptance per depth becomes that method's
+    acceptance_prior in the timed runs (recorded in the JSON)."""
+    _, out, _ = finished
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            "ngram,draft", "--temperatures", "0", "--out", "", "--figures", "",
+            "--json", str(out / "calibrated.json"), "--calibrate", "1"]
+    assert suite.main(argv) == 0
+    res = json.loads((out / "calibrated.json").read_text())
+    priors = {p["method"]: p["acceptance_by_position"] for p in res["priors"]}
+    assert set(priors) == {"ngram", "draft"} and res["settings"]["calibrate"] == 1
+    assert all(len(a) == 2 and all(x is None or 0 <= x <= 1 for x in a)
+               for a in priors.values())
+    assert all(r["identical"] for r in res["rows"])  # greedy stays lossless
+    docs, tokenizer = heldout
+    timed = suite.build_prompt_sets(["docstring"], docs, tokenizer, 2, dict(docstring=64), 0)
+    calib = suite.calibration_sets(timed, docs, tokenizer, 2, dict(docstring=64), 0)
+    assert len(calib["docstring"]) == 2
+    assert not {p.origin for p in calib["docstring"]} & {p.origin for p in timed["docstring"]}
+
+
 def test_merged_stats_add_up(workdir, finished):
     """The stats of a prompt set run in batches are those of its calls added up (prompt
     shapes as in the suite run, whose compiled programs this reuses)."""
@@ -271,6 +293,7 @@ def test_merged_stats_add_up(workdir, finished):
     assert merged.mean_accepted_length == pytest.approx(
         6 / sum(o.stats.target_calls for o in parts))  # 2 x (4 - 1) decode tokens
     assert len(merged.rows) == 2 and wall > 0
+    assert merged.tried_hist == list(np.sum([o.stats.tried_hist for o in parts], axis=0))
     one = merge_stats([parts[0].stats])
     assert (one.expected_speedup, one.tokens_per_s, one.verify_cost) == pytest.approx(
         (parts[0].stats.expected_speedup, parts[0].stats.tokens_per_s,
@@ -285,6 +308,7 @@ def test_merged_stats_add_up(workdir, finished):
     (["--batches", "4", "--prompts", "6"], "--prompts=6 must be a positive multiple"),
     (["--new", "0"], "--new=0"),
     (["--temperatures", "0,-1"], "must be >= 0"),
+    (["--calibrate", "-1"], "--calibrate=-1"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as err:

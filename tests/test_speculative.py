@@ -477,12 +477,59 @@ def test_a_step_with_every_row_finished_runs_no_forward(tiny_target):
 
     spec = NGram(k=3)
     state, sampling = prefilled_state(tiny_target, PROMPTS[0], spec)
+    rule = gen.Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(),
+                    jnp.full((spec.max_depth,), jnp.nan, jnp.float32))
     run = jax.jit(lambda st: gen._propose_verify(
-        tiny_target.config, tiny_target.params, spec, st, sampling, None, jnp.float32(0.0),
-        jnp.bool_(True), VerifyCost()), donate_argnums=())
+        tiny_target.config, tiny_target.params, spec, st, sampling, None, rule))
     assert gen._defer_kv_write(None)  # the reference backend: kept K/V come out
     live = run(state)
     assert np.any(np.asarray(live.kept_kv[0]) != 0)
     done = run(state.replace(done=jnp.ones_like(state.done)))
     assert int(done.width) == 0
     assert not np.any(np.asarray(done.kept_kv[0])) and not np.any(np.asarray(done.kept_kv[1]))
+
+
+def test_acceptance_prior_starts_the_rule_where_calibration_left_it(tiny_target, greedy_ref):
+    """The target as its own draft (α = 1) under a verify cost where depth 4 pays only
+    if α is near 1: from the default prior (0.75) the rule never drafts within 16
+    tokens; from a calibrated prior of 1.0 it drafts full depth from the first step.
+    A prior of 0 keeps n-gram from drafting at all. Output is greedy's either way."""
+    spec = DraftModel(model=tiny_target, k=4)
+    # batch 1 (a batch's plain step has T = rows > 1 too): v(T > 1) = 4, so depth 4
+    # pays at E = 5 tokens, not at the default prior's 3.05
+    kw = dict(max_new_tokens=16, ignore_eos=True, cost_ratio=0.0,
+              verify_cost=VerifyCost(jump=3.0))
+    default = specjax.generate(tiny_target, PROMPTS[:1], speculator=spec, **kw)
+    sure = specjax.generate(tiny_target, PROMPTS[:1], speculator=spec, **kw,
+                            acceptance_prior=[1.0] * 4)
+    assert default.tokens == greedy_ref[:1] and sure.tokens == greedy_ref[:1]
+    assert default.stats.drafted == 0
+    assert sure.stats.acceptance_rate == 1.0 and sure.stats.mean_accepted_length > 3.5
+    assert sure.stats.acceptance_by_position == [1.0] * 4
+    assert sure.stats.tried_hist == [sure.stats.target_calls] * 4
+    off = specjax.generate(tiny_target, PROMPTS, speculator=NGram(k=4), max_new_tokens=16,
+                           ignore_eos=True, acceptance_prior=[0.0, None])
+    assert off.tokens == greedy_ref and off.stats.drafted == 0
+    assert off.stats.acceptance_by_position == [None] * 4
+    for bad in ([1.5], [0.5] * 5, ["x"]):
+        with pytest.raises(ValueError, match="acceptance_prior="):
+            specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
+                             acceptance_prior=bad)
+
+
+def test_position_acceptance_takes_a_prior_mean_per_depth():
+    """A prior mean replaces the defaults where given (NaN: the default, chained)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.stats import position_acceptance
+
+    none = (jnp.zeros((1, 4)), jnp.zeros((1, 3)))
+    np.testing.assert_allclose(
+        position_acceptance(*none, mean=jnp.asarray([0.2, jnp.nan, 0.9]))[0],
+        [0.2, 0.2, 0.9], rtol=1e-6)
+    # with data: 4 pseudo-tries at the prior, then the row's counts
+    hist, tried = jnp.asarray([[2, 0, 0, 2]]), jnp.asarray([[4, 2, 2]])
+    np.testing.assert_allclose(
+        position_acceptance(hist, tried, mean=jnp.asarray([0.0, 1.0, 1.0]))[0],
+        [2 / 8, 6 / 6, 6 / 6], rtol=1e-6)

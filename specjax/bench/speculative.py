@@ -111,11 +111,12 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
                  batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
-                 cost_ratio: float | None = None):
+                 cost_ratio: float | None = None, acceptance_prior=None):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
-    the calls). Call `i` samples with seed `seed + i`; `cost_ratio` goes to generate
-    (None: the speculator's parameter-count estimate)."""
+    the calls). Call `i` samples with seed `seed + i`; `cost_ratio` and
+    `acceptance_prior` go to generate (None: the speculator's parameter-count estimate,
+    the default prior)."""
     from specjax.stats import merge_stats
 
     tokens, parts = [], []
@@ -124,7 +125,9 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
         out = specjax.generate(target, prompts[i:i + batch], max_new_tokens=new,
                                temperature=temperature, seed=seed + i // batch,
                                ignore_eos=True, speculator=speculator, adaptive=adaptive,
-                               cost_ratio=None if speculator is None else cost_ratio)
+                               cost_ratio=None if speculator is None else cost_ratio,
+                               acceptance_prior=None if speculator is None
+                               else acceptance_prior)
         tokens += out.tokens
         parts.append(out.stats)
     return tokens, merge_stats(parts), time.perf_counter() - t0

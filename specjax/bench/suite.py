@@ -7,7 +7,7 @@ temperature and batch size, on a trained quickstart run, in one run.
       [--temperatures 0,1] [--new 64] [--repeats 3] [--prompts N] [--methods LIST]
       [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 1024] [--seed 0]
       [--torch-threads N] [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
-      [--no-adaptive] [--note TEXT]
+      [--no-adaptive] [--calibrate N] [--note TEXT]
 
 The workdir holds what the quickstart trained (`specjax run
 configs/experiments/quickstart.gin`): target/export (with its tokenizer), draft/export,
@@ -123,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="repetitive-edit prompts: (N/2, N] tokens")
     ap.add_argument("--long-tokens", type=int, default=1024, help="long prompts: N tokens")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
+    ap.add_argument("--calibrate", type=int, default=0,
+                    help="N: before timing, each method runs N other prompts of the category "
+                         "at full depth, and its acceptance per depth there is the adaptive "
+                         "rule's prior (generate's acceptance_prior); 0: the default prior")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="draft the full k / tree every step (generate's adaptive=False)")
     ap.add_argument("--torch-threads", type=int, default=0,
@@ -155,6 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("new", "repeats", "k", "short_tokens", "edit_tokens", "long_tokens"):
         if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
+    if args.calibrate < 0:
+        ap.error(f"--calibrate={args.calibrate} must be >= 0")
     args.prompts = args.prompts or max(args.batches)
     uneven = [b for b in args.batches if args.prompts % b]
     if args.prompts < 1 or uneven:
@@ -167,6 +173,42 @@ def build_prompt_sets(categories, docs, tokenizer, num: int, lengths: dict[str, 
                       seed: int) -> dict[str, list[Prompt]]:
     """The prompts of every category, the same for every method."""
     return {c: build_prompts(c, docs, tokenizer, num, lengths[c], seed) for c in categories}
+
+
+def calibration_sets(prompt_sets: dict[str, list[Prompt]], docs, tokenizer, num: int,
+                     lengths: dict[str, int], seed: int) -> dict[str, list[Prompt]]:
+    """`num` prompts per category for calibrating the acceptance prior, none from a
+    function (or, for long prompts, a window) that a timed prompt comes from."""
+    out = {}
+    for c, timed in prompt_sets.items():
+        used = {p.origin for p in timed}
+        pool = build_prompts(c, docs, tokenizer, num + len(timed), lengths[c], seed + 1)
+        out[c] = [p for p in pool if p.origin not in used][:num]
+        if len(out[c]) < num:
+            raise ValueError(f"--calibrate={num}: only {len(out[c])} {c} prompts left "
+                             "beside the timed ones; ask for fewer")
+    return out
+
+
+def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *,
+              temperatures, new: int, seed: int = 0,
+              cost_ratios: dict | None = None) -> dict:
+    """{(category, temperature, method): acceptance per depth} from one full-depth pass
+    (adaptive=False: every depth is tried whenever the one before was accepted) over
+    the calibration prompts, batch 1."""
+    from specjax.bench.speculative import specjax_pass
+
+    priors = {}
+    for category, prompts in calibration.items():
+        for temp in temperatures:
+            for name, spec in speculators.items():
+                if spec is not None:
+                    _, stats, _ = specjax_pass(target, spec, [p.ids for p in prompts], new=new,
+                                               batch=1, temperature=temp, seed=seed + 1,
+                                               adaptive=False,
+                                               cost_ratio=(cost_ratios or {}).get(name))
+                    priors[category, temp, name] = stats.acceptance_by_position
+    return priors
 
 
 def _row(category, temperature, batch, method, tokens_per_s, stats=None,
@@ -186,13 +228,16 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
-        hf_methods=None, cost_ratios: dict | None = None, log=print) -> list[dict]:
+        hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
+        log=print) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
     hf: transformers' target model, hf_methods: {name: generate arguments}; they run
     prompt by prompt and are reported at batch 1. cost_ratios: measured cost of a draft
-    call per method (`generate(cost_ratio=)`), else the parameter-count estimate."""
+    call per method (`generate(cost_ratio=)`), else the parameter-count estimate.
+    priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
+    generate's `acceptance_prior`, else the default prior."""
     from specjax.bench.speculative import hf_pass, specjax_pass
 
     rows = []
@@ -203,17 +248,18 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             spec_kw = dict(run_kw, adaptive=adaptive)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
+                per = {name: dict(cost_ratio=(cost_ratios or {}).get(name),
+                                  acceptance_prior=(priors or {}).get((category, temp, name)))
+                       for name in speculators}
                 for name, spec in speculators.items():  # warm-up: compiles, one call
-                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw,
-                                 cost_ratio=(cost_ratios or {}).get(name))
+                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw, **per[name])
                 walls = {name: [] for name in speculators}
                 tpots = {name: [] for name in speculators}
                 last = {}
                 for _ in range(repeats):
                     for name, spec in speculators.items():
                         tokens, stats, wall = specjax_pass(
-                            target, spec, ids, batch=b, **spec_kw,
-                            cost_ratio=(cost_ratios or {}).get(name))
+                            target, spec, ids, batch=b, **spec_kw, **per[name])
                         walls[name].append(wall)
                         tpots[name].append(stats.tpot_s)
                         last[name] = tokens, stats
@@ -306,7 +352,10 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
                      f"tokens (mean {info['mean']:.0f})")
     lines += [
         f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}, adaptive draft "
-        f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}; "
+        f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}"
+        + (f", its acceptance prior calibrated per method, category and temperature on "
+           f"{s['calibrate']} other prompts at full depth (`--calibrate`)"
+           if s.get("calibrate") else "") + "; "
         f"median of {s['repeats']} interleaved rounds after a warm-up call that compiles",
         "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included); "
         "speedup (measured) = tokens/s / specjax autoregressive's at the same category, "
@@ -451,14 +500,22 @@ def suite(args, command: str, log=_log) -> dict:
             if m in args.methods}
     costs = {name: measured_cost_ratio(target, spec) for name, spec in speculators.items()
              if spec is not None}
+    priors = {}
+    if args.calibrate:
+        calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
+                                 args.seed)
+        priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
+                           new=args.new, seed=args.seed, cost_ratios=costs)
+        log(f"calibrated acceptance priors: {priors}")
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
-               cost_ratios=costs, log=log)
+               cost_ratios=costs, priors=priors, log=log)
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
-                                              "methods", "k", "seed", "adaptive")}
+                                              "methods", "k", "seed", "adaptive",
+                                              "calibrate")}
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
         note=args.note,
@@ -468,6 +525,8 @@ def suite(args, command: str, log=_log) -> dict:
                      for c, v in lens.items()},
         prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
                  for ps in prompt_sets.values() for p in ps],
+        priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=a)
+                for (c, t, m), a in priors.items()],
         rows=rows)
 
 
