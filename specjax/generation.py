@@ -74,6 +74,7 @@ class LoopState:
 
 
 PROBE_GAP, PROBE_GAP_MAX = 16, 256
+PROBE_LOOKAHEAD = 4  # accepted probes a probe's worth is judged over (`_rule`)
 
 
 @struct.dataclass
@@ -296,15 +297,24 @@ def _rule(spec: Speculator, st: LoopState, rule: Rule):
     """The adaptive rule: per row, the k that maximises expected tokens per unit of cost
     (Leviathan et al.'s, with the verify forward's cost growing with its width and c
     paid per draft call: k calls for a chain draft, one for Medusa's heads).
-    Returns (α per position [B, Dm], k [B]), probes aside."""
+    Returns (α per position [B, Dm], k [B], whether a probe could pay [B]).
+
+    A probe drafts depth 1 only, so all it can change is α_1 (and, through the chained
+    prior, the deeper estimates). It is worth its cost only if PROBE_LOOKAHEAD accepted
+    probes in a row would make the rule draft; where they would not (a head whose
+    deeper acceptance is known to be low, or whose one call costs more than one
+    accepted token returns), no outcome of the probe changes what the row does."""
     buckets = verify_buckets(tuple(spec.depth_widths))
-    alpha = position_acceptance(st.hist, st.tried, mean=rule.prior)  # [B, Dm]
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
     rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
     calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
     # k = 0 is a plain step (`_plain_steps`); k > 0 a forward in the verify switch
     v = jnp.where(inputs > 1, rule.vcost.speculative(inputs, rows), 1.0)
-    return alpha, leviathan_optimal_k(alpha, rule.cost_ratio, spec.max_depth, v, calls)
+    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.max_depth, v, calls)
+    alpha = position_acceptance(st.hist, st.tried, mean=rule.prior)  # [B, Dm]
+    hopeful = position_acceptance(st.hist.at[:, 1].add(PROBE_LOOKAHEAD),
+                                  st.tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
+    return alpha, best(alpha), best(hopeful) > 0
 
 
 def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_new,
@@ -317,12 +327,12 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
     about 1.03x: `python -m specjax.bench.branching`). α and so the rule's k do not
     change on such steps (only accepted drafts and tries move them), so the rule is
     evaluated once; each step hands the speculator its one pair (`commit`)."""
-    _, limit = _rule(spec, st, rule)
+    _, limit, worth = _rule(spec, st, rule)
     idle = rule.adaptive & jnp.all(st.done | (limit == 0))  # no row would draft by choice
 
     def go_on(s: LoopState):
         active = ~s.done
-        no_probe = jnp.all(s.done | (s.steps < s.next_probe))
+        no_probe = jnp.all(s.done | (s.steps < s.next_probe) | ~worth)
         return (idle & no_probe & jnp.any(active) & (s.steps < max_new)
                 & spec.can_skip(s.spec_state))
 
@@ -350,10 +360,10 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
         raise ValueError(f"{type(spec).__name__}.depth_widths={widths} must rise from 0 to "
                          f"num_nodes={n} over depths 0..max_depth={dm}")
     buckets = verify_buckets(widths)
-    alpha, limit = _rule(spec, st, rule)
+    alpha, limit, worth = _rule(spec, st, rule)
     adaptive, vcost = rule.adaptive, rule.vcost
     rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
-    probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active
+    probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active & worth
     limit = jnp.where(probed, 1, limit)  # a row at k = 0 re-measures now and then
     probe = jnp.any(probed)
     limit = jnp.where(adaptive & active, limit, jnp.where(active, dm, 0))

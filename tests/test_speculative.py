@@ -533,3 +533,19 @@ def test_position_acceptance_takes_a_prior_mean_per_depth():
     np.testing.assert_allclose(
         position_acceptance(hist, tried, mean=jnp.asarray([0.0, 1.0, 1.0]))[0],
         [2 / 8, 6 / 6, 6 / 6], rtol=1e-6)
+
+
+def test_probes_run_only_where_their_outcome_could_change_the_rule(tiny_target):
+    """A k = 0 row probes depth 1 only if accepted probes could make it draft. With a
+    verify forward at 3.2 steps, the default prior (0.75, chained) keeps n-gram off but
+    four accepted probes would put it on, so it probes (steps 15, ...); a calibrated
+    prior with deeper acceptance 0 leaves one-token drafts (at most 2 tokens for 3.2
+    steps) as the best case: no probes at all."""
+    kw = dict(max_new_tokens=40, ignore_eos=True, verify_cost=VerifyCost(jump=2.2))
+    plain = specjax.generate(tiny_target, PROMPTS[:1], **kw)
+    default = specjax.generate(tiny_target, PROMPTS[:1], speculator=NGram(k=4), **kw)
+    known = specjax.generate(tiny_target, PROMPTS[:1], speculator=NGram(k=4), **kw,
+                             acceptance_prior=[None, 0.0, 0.0, 0.0])
+    assert default.tokens == plain.tokens and known.tokens == plain.tokens
+    assert default.stats.mean_verified > 1.0  # the probes (any n-gram match) verified
+    assert known.stats.mean_verified == 1.0 and known.stats.drafted == 0
