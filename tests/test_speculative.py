@@ -294,14 +294,24 @@ def test_per_position_acceptance_model():
     assert int(leviathan_optimal_k(one_rejected, 0.0, 4, v)[0]) > 0  # not yet evidence
 
 
+def flat_verify_cost(v: float) -> VerifyCost:
+    """At batch 4: a plain step costs 1, any verify forward (8+ tokens) `v` plain steps."""
+    return VerifyCost.from_table({1: 1.0, 4: 1.0, 5: v, 10_000: v})
+
+
 def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
-    """With verification priced out, rows draft only on probe steps: the draft makes no
+    """With verification priced so that the rule stays at k = 0 from the prior and after
+    two accepted probes, but four accepted probes would make it draft (so probes run:
+    `generation.PROBE_LOOKAHEAD`), rows draft only on probe steps: the draft makes no
     call in between and its queue grows (forced calls when it fills). The target as its
     own draft must still accept every probe draft, so the draft's cache stayed exact."""
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
-    never = VerifyCost(per_token=100.0)  # verifying T tokens costs T plain steps
+    # any verify costs 3.75 plain steps at this batch; the draft is free: depth 4 pays
+    # at α = 0.875 (E = 3.9, the prior after four accepted probes), not at 0.83 (3.57)
+    never = flat_verify_cost(3.75)
     own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
-                           speculator=DraftModel(model=tiny_target, k=4), verify_cost=never)
+                           speculator=DraftModel(model=tiny_target, k=4), verify_cost=never,
+                           cost_ratio=0.0)
     assert own.tokens == ref
     # rows at k = 0 decode plainly (the nested loop) and probe one token at steps 15
     # and, the probe accepted (gap back to 16), 31: exactly two probes per row

@@ -270,15 +270,17 @@ def test_bad_settings_are_named(tiny_target, make, match):
 
 @pytest.mark.parametrize("name", ["eagle2", "eagle3", "draft_tree"])
 def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
-    """Verification priced out: rows draft only on probe steps, the head or draft skips
-    its call in between and its queue grows (forced calls when full); the output is
-    still target-only greedy, and the probes still draft."""
-    from specjax.stats import VerifyCost
+    """Verification priced so that these depth-3 drafts stay off under the prior but
+    accepted probes could turn them on (so probes run): rows draft only on probe
+    steps, the head or draft skips its call in between and its queue grows (forced
+    calls when full); the output is still target-only greedy, and the probes draft."""
+    from tests.test_speculative import flat_verify_cost
 
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
+    # E(3) = 2.73 at the prior, 3.31 after four accepted probes: a verify at 3.0 steps
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
-                           speculator=_make(name, tiny_target),
-                           verify_cost=VerifyCost(per_token=100.0))
+                           speculator=_make(name, tiny_target), cost_ratio=0.0,
+                           verify_cost=flat_verify_cost(3.0))
     assert out.tokens == ref and out.stats.drafted > 0
     assert out.stats.mean_k < 0.5  # mostly plain steps: drafts on probes only
 
