@@ -128,8 +128,9 @@ class VerifyCost:
 
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on the 25M
-# benchmark Llama, branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime
-# (the kernel issue's target is 64 nodes for <= 1.3x one token).
+# benchmark Llama, branch from `python -m specjax.bench.branching` (docs/benchmarks.md).
+# GPU/TPU: not measured yet; set to the memory-bound regime (the kernel issue's target
+# is 64 nodes for <= 1.3x one token).
 VERIFY_COST = {"cpu": VerifyCost.from_table({1: 1.0, 2: 1.65, 3: 1.71, 5: 1.71, 9: 1.91,
                                              17: 2.21, 33: 3.45, 65: 5.15, 129: 9.56},
                                             branch=0.08),
@@ -242,8 +243,9 @@ def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[in
     The target forward is one batched call whose width is set by the deepest node
     verified in any row, so a row that drafts deep makes every row pay for that width.
     Per-row rules (`leviathan_optimal_k`) cannot see this: at batch 8 one row with an
-    n-gram match made the other seven verify 5 tokens for nothing. After drafting, the draft cost is spent; what is left is
-    the batch's expected tokens per unit of verify cost,
+    n-gram match made the other seven verify 5 tokens for nothing. After drafting, the
+    draft cost is spent; what is left is the batch's expected tokens per unit of verify
+    cost,
         score(b) = sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b
     (`expected_tokens`; for a tree, a lower bound). This mirrors vLLM/SGLang turning
     speculation off as the batch grows, but per step and from measured acceptance.
@@ -326,8 +328,8 @@ def batch_speedup(decode_tokens, verify_cost, draft_calls, cost_ratio) -> tuple[
     prefix of the steps); plain decoding of the same rows takes as many steps as the
     longest row has decode tokens. Their ratio is the analytical speedup of the batch:
     at batch 1 Leviathan's figure, at batch > 1 it also counts the rows that finish
-    early and wait (with 64 new tokens at batch 4, the draft model's mean-row figure
-    was 2.61x against a measured 1.48x; this one 1.54x: docs/benchmarks.md)."""
+    early and wait (docs/benchmarks.md, batch 4: the draft model's mean-row figure was
+    2.61x against a measured decode speedup of 1.48x; this one is 1.48x)."""
     cost = np.asarray(verify_cost, np.float64) + np.asarray(draft_calls) * cost_ratio
     return float(np.max(decode_tokens, initial=0)), float(np.max(cost, initial=0.0))
 
