@@ -85,8 +85,9 @@ class Rule:
     cost_ratio: jax.Array  # [] c: one draft call's cost in one-token target steps
     adaptive: jax.Array  # [] bool: False drafts full depth every step
     vcost: VerifyCost  # the verify forward's cost model
-    # [Dm] float32 prior acceptance per depth (`generate(acceptance_prior=)`), shrunk
-    # towards like the default's 0.75; NaN: the default (`position_acceptance`)
+    # [Dm] float32 prior acceptance per depth (`generate(acceptance_prior=)`): the
+    # running estimates are shrunk towards it instead of the default's 0.75 / α_{d-1};
+    # NaN: the default there (`position_acceptance`)
     prior: jax.Array
 
 
