@@ -203,10 +203,9 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
             return old
     prompts = heldout_prompts(load_corpus(data_config.corpus), target.tokenizer,
                               num_prompts, prompt_len, seed)
-    from specjax.bench.speculative import measured_cost_ratio
+    from specjax.bench.speculative import measured_cost_ratios
 
-    costs = {name: measured_cost_ratio(target, spec) for name, spec in specs.items()
-             if spec is not None}
+    costs = measured_cost_ratios(target, specs)
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs)
     sweep = []

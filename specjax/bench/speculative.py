@@ -109,6 +109,12 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     return draft_s / calls / target_s
 
 
+def measured_cost_ratios(target: specjax.Model, speculators: dict) -> dict:
+    """{method: `measured_cost_ratio`} for every speculator (None: autoregressive, skipped)."""
+    return {name: measured_cost_ratio(target, spec) for name, spec in speculators.items()
+            if spec is not None}
+
+
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
                  batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
                  cost_ratio: float | None = None, acceptance_prior=None):
@@ -268,8 +274,7 @@ def main(argv=None) -> int:
     prompts = _prompts(args, target.config.vocab_size)
     specs = build_speculators(target, draft=draft, medusa=args.medusa, eagle=args.eagle,
                               k=args.k)
-    costs = {name: measured_cost_ratio(target, spec) for name, spec in specs.items()
-             if spec is not None}
+    costs = measured_cost_ratios(target, specs)
     rows = run_specjax(target, prompts, args.new, specs, args.repeats, costs)
     ref = rows[0]["tokens"]
     for r in rows:

@@ -469,7 +469,7 @@ def suite(args, command: str, log=_log) -> dict:
     """Loads the workdir, builds the prompts, runs everything; the results dict."""
     import specjax
     from specjax.bench.speculative import (build_speculators, hf_variants, load_hf,
-                                           measured_cost_ratio)
+                                           measured_cost_ratios)
 
     paths = Workdir.check(args.workdir, args.methods)
     docs, corpus = paths.heldout_documents()
@@ -498,8 +498,7 @@ def suite(args, command: str, log=_log) -> dict:
         hf_methods = {m: extra for m, extra in hf_variants(
             load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
             if m in args.methods}
-    costs = {name: measured_cost_ratio(target, spec) for name, spec in speculators.items()
-             if spec is not None}
+    costs = measured_cost_ratios(target, speculators)
     priors = {}
     if args.calibrate:
         calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
