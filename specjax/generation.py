@@ -319,16 +319,17 @@ def _rule(spec: Speculator, st: LoopState, rule: Rule):
 
 
 def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_new,
-                 eos_ids, backend, rule: Rule) -> LoopState:
+                 eos_ids, backend, rule: Rule, decision) -> LoopState:
     """Plain decode steps in a nested `lax.while_loop` while no row would draft: every
     active row at k = 0 by the adaptive rule, no probe due, and the speculator able to
     skip its draft call (`Speculator.can_skip`). Then the target forward runs at the
     loop's top level, cache written in place, instead of inside the verify `lax.switch`
     (on XLA:CPU a forward inside a conditional costs 1.08-1.10x, a nested while loop
     about 1.03x: `python -m specjax.bench.branching`). α and so the rule's k do not
-    change on such steps (only accepted drafts and tries move them), so the rule is
-    evaluated once; each step hands the speculator its one pair (`commit`)."""
-    _, limit, worth = _rule(spec, st, rule)
+    change on such steps (only accepted drafts and tries move them), so the rule's
+    `decision` (`_rule`, evaluated once per outer step) holds throughout and for the
+    speculative step after; each step hands the speculator its one pair (`commit`)."""
+    _, limit, worth = decision
     idle = rule.adaptive & jnp.all(st.done | (limit == 0))  # no row would draft by choice
 
     def go_on(s: LoopState):
@@ -351,7 +352,7 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
 
 
 def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
-                    rule: Rule) -> Speculation:
+                    rule: Rule, decision=None) -> Speculation:
     n, dm = spec.num_nodes, spec.max_depth
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
@@ -361,7 +362,8 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
         raise ValueError(f"{type(spec).__name__}.depth_widths={widths} must rise from 0 to "
                          f"num_nodes={n} over depths 0..max_depth={dm}")
     buckets = verify_buckets(widths)
-    alpha, limit, worth = _rule(spec, st, rule)
+    # `_rule`'s (α, k, worth): the outer step's, or evaluated here (`inspect`)
+    alpha, limit, worth = _rule(spec, st, rule) if decision is None else decision
     adaptive, vcost = rule.adaptive, rule.vcost
     rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
     probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active & worth
@@ -409,11 +411,11 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, rule: Rule) -> LoopState:
+               backend, rule: Rule, decision) -> LoopState:
     b = st.tokens.shape[0]
     dm = spec.max_depth
     active = ~st.done
-    sp = _propose_verify(config, params, spec, st, sampling, backend, rule)
+    sp = _propose_verify(config, params, spec, st, sampling, backend, rule, decision)
     tree, res, cache = sp.tree, sp.result, sp.cache
     spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
     base = (st.lengths - 1)[:, None]
@@ -474,10 +476,13 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
         if spec is None:
             st = _ar_step(config, params, st, sampling, max_new, eos_ids, backend)[0]
         else:
+            # plain steps leave α unchanged (only accepted drafts and tries move it), so
+            # one evaluation of the rule serves both
+            decision = _rule(spec, st, rule)
             st = _plain_steps(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                              rule)
+                              rule, decision)
             st = _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                            rule)
+                            rule, decision)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
 
     return jax.lax.while_loop(cond, body, state)

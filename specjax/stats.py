@@ -188,6 +188,12 @@ def expected_tokens(alpha):
     return 1.0 + jnp.concatenate([zero, jnp.cumsum(reach, axis=-1)], axis=-1)
 
 
+def accepted_at_least(hist):
+    """Steps that accepted at least d drafts, d = 1..Dm, from hist [..., Dm+1] (steps
+    that accepted exactly j): numpy or jax, for the rule and for the host's stats."""
+    return hist[..., ::-1].cumsum(axis=-1)[..., ::-1][..., 1:]
+
+
 def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), mean=None):
     """Running acceptance per draft position, α_d = P(accept depth d | depth d-1
     accepted), from the loop's counters: hist [B, Dm+1] (steps that accepted j drafts)
@@ -205,7 +211,7 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), me
     `prior[1]` pseudo-tries."""
     import jax.numpy as jnp
 
-    at_least = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]  # steps accepting >= d
+    at_least = accepted_at_least(jnp.asarray(hist))  # [B, Dm]
     pseudo, n0 = prior  # pseudo-accepts in n0 pseudo-tries
     out = []
     for d in range(at_least.shape[1]):  # static Dm: a short loop over depths
@@ -306,8 +312,7 @@ class GenerationStats:
     def acceptance_by_position(self) -> list:
         """α_d = P(accept depth d | depth d - 1 accepted) for d = 1..Dm over all rows
         (None where depth d was never tried): what `generate(acceptance_prior=)` takes."""
-        hist = np.asarray(self.accepted_hist, np.float64)
-        at_least = np.cumsum(hist[::-1])[::-1][1:]
+        at_least = accepted_at_least(np.asarray(self.accepted_hist, np.float64))
         return [float(a / t) if t else None for a, t in zip(at_least, self.tried_hist)]
 
     def to_dict(self) -> dict[str, Any]:

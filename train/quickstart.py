@@ -86,7 +86,9 @@ def versions() -> dict[str, str]:
 
 def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
             temperatures=(0.0, 1.0), seed: int = 0, cost_ratios: dict | None = None) -> list:
-    """Every method on the same prompts, per temperature: stats and speedup vs plain."""
+    """Every method on the same prompts, per temperature: stats and speedup vs plain.
+    cost_ratios: {temperature: {method: measured c}} for the analytical figure
+    (`bench.speculative.measured_cost_ratios`), else the run's own estimate."""
     rows = []
     cost_ratios = cost_ratios or {}
     for temp in temperatures:
@@ -96,7 +98,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             tokens, r = speculative_run(target, spec, prompts, new_tokens=new_tokens,
                                         temperature=temp, seed=seed)
             base = base or r["tokens_per_s"]
-            c = cost_ratios.get(name, r["cost_ratio"])
+            c = cost_ratios.get(temp, {}).get(name, r["cost_ratio"])
             outputs[name] = tokens
             rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
                              speedup=r["tokens_per_s"] / base,
@@ -205,7 +207,7 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
                               num_prompts, prompt_len, seed)
     from specjax.bench.speculative import measured_cost_ratios
 
-    costs = measured_cost_ratios(target, specs)
+    costs = measured_cost_ratios(target, specs, temperatures)
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs)
     sweep = []

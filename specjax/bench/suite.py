@@ -195,7 +195,7 @@ def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *
               cost_ratios: dict | None = None) -> dict:
     """{(category, temperature, method): acceptance per depth} from one full-depth pass
     (adaptive=False: every depth is tried whenever the one before was accepted) over
-    the calibration prompts, batch 1."""
+    the calibration prompts, batch 1. cost_ratios: {temperature: {method: c}}."""
     from specjax.bench.speculative import specjax_pass
 
     priors = {}
@@ -206,7 +206,8 @@ def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *
                     _, stats, _ = specjax_pass(target, spec, [p.ids for p in prompts], new=new,
                                                batch=1, temperature=temp, seed=seed + 1,
                                                adaptive=False,
-                                               cost_ratio=(cost_ratios or {}).get(name))
+                                               cost_ratio=(cost_ratios or {}).get(
+                                                   temp, {}).get(name))
                     priors[category, temp, name] = stats.acceptance_by_position
     return priors
 
@@ -234,8 +235,9 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     then `repeats` interleaved timed rounds over all the category's prompts.
 
     hf: transformers' target model, hf_methods: {name: generate arguments}; they run
-    prompt by prompt and are reported at batch 1. cost_ratios: measured cost of a draft
-    call per method (`generate(cost_ratio=)`), else the parameter-count estimate.
+    prompt by prompt and are reported at batch 1. cost_ratios: {temperature: {method:
+    measured cost of a draft call}} (`generate(cost_ratio=)`), else the parameter-count
+    estimate.
     priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
     generate's `acceptance_prior`, else the default prior."""
     from specjax.bench.speculative import hf_pass, specjax_pass
@@ -248,7 +250,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             spec_kw = dict(run_kw, adaptive=adaptive)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
-                per = {name: dict(cost_ratio=(cost_ratios or {}).get(name),
+                per = {name: dict(cost_ratio=(cost_ratios or {}).get(temp, {}).get(name),
                                   acceptance_prior=(priors or {}).get((category, temp, name)))
                        for name in speculators}
                 for name, spec in speculators.items():  # warm-up: compiles, one call
@@ -498,7 +500,7 @@ def suite(args, command: str, log=_log) -> dict:
         hf_methods = {m: extra for m, extra in hf_variants(
             load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
             if m in args.methods}
-    costs = measured_cost_ratios(target, speculators)
+    costs = measured_cost_ratios(target, speculators, args.temperatures)
     priors = {}
     if args.calibrate:
         calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
