@@ -115,8 +115,9 @@ def measured_cost_ratios(target: specjax.Model, speculators: dict,
                          temperatures=(0.0,)) -> dict:
     """{temperature: {method: `measured_cost_ratio`}} for every speculator (None:
     autoregressive, skipped). Sampling costs the draft more than argmax does (the
-    distilled draft: c 0.041 greedy, 0.075 at T = 1 on this CPU), and any T > 0 runs
-    the same sampling code, so c is measured once greedy and once sampled."""
+    distilled draft: c 0.042 greedy, 0.070 at T = 1 on CPU, docs/benchmarks.md), and
+    any T > 0 runs the same sampling code, so c is measured once greedy and once
+    sampled."""
     greedy = [t for t in temperatures if t == 0]
     sampled = [t for t in temperatures if t > 0]
     out = {}
