@@ -53,6 +53,30 @@ def test_ngram_on_repetitive_input_accepts_long_runs(tiny_target):
     assert out.stats.draft_calls == 0
 
 
+def test_ngram_takes_the_latest_match_with_a_whole_continuation():
+    """Of the earlier occurrences of the last n tokens, the most recent one with k tokens
+    after it; else the one with the most (the earliest); a longer n still wins."""
+    import jax.numpy as jnp
+
+    from specjax.speculators.base import ProposeContext
+
+    def draft(row, length, k=4):
+        toks = jnp.asarray([row + [0] * (16 - len(row))], jnp.int32)
+        ctx = ProposeContext(toks, jnp.asarray([length]), jnp.asarray([True]), None, None,
+                             jnp.asarray([k]))
+        tree, _ = NGram(k=k).propose(None, ctx, None)
+        return [int(t) for t, v in zip(tree.tokens[0], tree.valid[0]) if v]
+
+    # last token 3: after position 9 only one token follows, after position 2 four do
+    assert draft([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 3], 11) == [4, 5, 6, 7]
+    # two whole continuations (3 at 2 and at 7): the later one
+    assert draft([1, 2, 3, 4, 5, 6, 9, 3, 8, 8, 8, 8, 3], 13) == [8, 8, 8, 8]
+    # none whole at k = 6: the longest (after 3 at 1), not the latest (after 3 at 4)
+    assert draft([7, 3, 4, 5, 3, 9, 3], 7, k=6) == [4, 5, 3, 9, 3]
+    # the bigram (2, 3) at 1-2 beats the unigram 3's whole continuation at 6
+    assert draft([1, 2, 3, 7, 7, 9, 3, 4, 4, 4, 4, 4, 2, 3], 14) == [7, 7, 9, 3]
+
+
 def test_eos_inside_an_accepted_run_stops_the_row(tiny_target, greedy_ref):
     eos = greedy_ref[2][5]
     plain = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, eos_id=eos)
