@@ -322,7 +322,7 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
                  eos_ids, backend, rule: Rule, decision) -> LoopState:
     """Plain decode steps in a nested `lax.while_loop` while no row would draft: every
     active row at k = 0 by the adaptive rule, no probe due, and the speculator able to
-    skip its draft call (`Speculator.can_skip`). Then the target forward runs at the
+    skip its draft call (`Speculator.can_skip`) or every row settled (below). Then the target forward runs at the
     loop's top level, cache written in place, instead of inside the verify `lax.switch`
     (on XLA:CPU a forward inside a conditional costs 1.08-1.10x, a nested while loop
     about 1.03x: `python -m specjax.bench.branching`). α and so the rule's k do not
@@ -333,8 +333,8 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
     idle = rule.adaptive & jnp.all(st.done | (limit == 0))  # no row would draft by choice
     # ... and none ever will in this call: no probe could pay, and without drafts α
     # cannot move. The speculator's state is then never read again, so it is left as
-    # it is: no commit, and no draft call to empty a full queue (EAGLE's head paid one
-    # call every ~9 plain steps for that, 0.4 of a target step each).
+    # it is: no commit, and no draft call to empty a full queue (EAGLE's head paid one,
+    # 0.4 of a target step, whenever its max_depth + 1 + QUEUE_SLACK slots filled).
     settled = idle & jnp.all(st.done | ~worth)
 
     def go_on(s: LoopState):

@@ -42,6 +42,14 @@ def greedy_reference(model, prompt, n):
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10] * 20, [3, 4, 5, 3, 4, 5, 3, 4]]
 
 
+def flat_verify_cost(v: float):
+    """At batch 4 (PROMPTS): a plain step costs 1, any verify forward (8+ tokens) `v`
+    plain steps, so a test can put drafting just out of reach or within it."""
+    from specjax.stats import VerifyCost
+
+    return VerifyCost.from_table({1: 1.0, 4: 1.0, 5: v, 10_000: v})
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compile_caches():
     """Drops every compiled program after each test module. One pytest process compiles

@@ -7,7 +7,7 @@ import specjax
 from specjax.config import tiny_llama
 from specjax.speculators import DraftModel, NGram
 from specjax.stats import VerifyCost
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, flat_verify_cost
 from tests.stat_utils import assert_same_distribution, exact_joint
 
 
@@ -318,11 +318,6 @@ def test_per_position_acceptance_model():
     assert int(leviathan_optimal_k(one_rejected, 0.0, 4, v)[0]) > 0  # not yet evidence
 
 
-def flat_verify_cost(v: float) -> VerifyCost:
-    """At batch 4: a plain step costs 1, any verify forward (8+ tokens) `v` plain steps."""
-    return VerifyCost.from_table({1: 1.0, 4: 1.0, 5: v, 10_000: v})
-
-
 def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     """With verification priced so that the rule stays at k = 0 from the prior and after
     two accepted probes, but four accepted probes would make it draft (so probes run:
@@ -351,7 +346,8 @@ def test_plain_steps_keep_every_speculator_lossless(tiny_target, tiny_draft, gre
     """With verification priced out so far that no probe could pay, every row is settled
     at k = 0 for good: steps run as plain decode steps in a nested loop and the
     speculator does no work at all, not even the draft calls that empty a full queue
-    (the draft model's and EAGLE's queues of 12 and 8 pairs fill within these 15 steps).
+    (the draft model's and EAGLE's queues, k + 1 + QUEUE_SLACK = 11-12 pairs, fill within
+    these 15 steps).
     Greedy output stays target-only, one target call per token. (The commit of each
     plain step's pair, for rows that may still probe, is
     test_no_call_while_no_row_drafts_stays_lossless's.)"""

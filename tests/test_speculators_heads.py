@@ -274,7 +274,7 @@ def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
     accepted probes could turn them on (so probes run): rows draft only on probe
     steps, the head or draft skips its call in between and its queue grows (forced
     calls when full); the output is still target-only greedy, and the probes draft."""
-    from tests.test_speculative import flat_verify_cost
+    from tests.conftest import flat_verify_cost
 
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
     # E(3) = 2.73 at the prior, 3.31 after four accepted probes: a verify at 3.0 steps
