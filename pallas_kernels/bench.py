@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import re
 import statistics
@@ -58,7 +59,8 @@ class Shape:
 
     @property
     def name(self) -> str:
-        kind = "decode" if self.t_len == 1 else ("tree" if self.tree else "chain")
+        kind = ("decode" if self.t_len == 1 else "tree" if self.tree else
+                "chain" if self.t_len <= tuned.VERIFY_MAX_T else "prefill")
         return f"{kind} T={self.t_len} B={self.batch} ctx={self.context}"
 
 
@@ -211,37 +213,43 @@ def run_table(args, interpret: bool) -> list[dict]:
                  command=" ".join(sys.argv), dtype=str(dtype), int8=args.int8)] + results
 
 
-def run_tune(args, interpret: bool) -> None:
-    """Sweeps block sizes on one representative shape per regime; prints table entries."""
-    dtype = jnp.dtype(args.dtype)
-    small = args.small
+def tune_shapes(small: bool) -> dict[str, Shape]:
+    """One representative shape per regime, for `--tune` (and `compile_check --sweep`)."""
     reps = {tuned.DECODE: Shape(8, 4096, 1), tuned.VERIFY: Shape(8, 4096, 16, tree=True),
             tuned.PREFILL: Shape(1, 4096, 512)}
     if small:
         reps = {k: dataclasses.replace(v, batch=2, context=128, num_heads=4, num_kv_heads=2,
                                        head_dim=64, t_len=min(v.t_len, 80))
                 for k, v in reps.items()}
+    return reps
+
+
+def tune_grid(small: bool) -> list[tuple[int, int, int]]:
+    """`--tune`'s candidates: (block_rows, block_kv slots, kv_splits)."""
+    grid = ((16, 32), (16, 32), (1, 2)) if small else (
+        (16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8, 16))
+    return list(itertools.product(*grid))
+
+
+def run_tune(args, interpret: bool) -> None:
+    """Sweeps block sizes on one representative shape per regime; prints table entries."""
+    dtype = jnp.dtype(args.dtype)
     print(f"# measured {datetime.date.today()} on {jax.devices()[0].device_kind}: "
           f"{' '.join(sys.argv)}")
-    for regime, s in reps.items():
+    for regime, s in tune_shapes(args.small).items():
         a = make_inputs(s, dtype)
         best = None
-        grid = ((16, 32), (16, 32), (1, 2)) if small else (
-            (16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8, 16))
-        for block_rows in grid[0]:
-            for block_kv in grid[1]:
-                for splits in grid[2]:
-                    sizes = dict(block_rows=block_rows,
-                                 pages_per_block=max(1, block_kv // s.page_size),
-                                 kv_splits=splits)
-                    fn = implementations(s, interpret, 0.1, sizes)["pallas ragged (ours)"]
-                    try:
-                        sec = time_it(fn, a, iters=args.iters, warmup=1)
-                    except Exception as e:  # a size the lowering rejects: skip it
-                        print(f"  skip {sizes}: {type(e).__name__}: {str(e)[:80]}")
-                        continue
-                    if best is None or sec < best[0]:
-                        best = (sec, block_rows, block_kv, splits)
+        for block_rows, block_kv, splits in tune_grid(args.small):
+            sizes = dict(block_rows=block_rows, pages_per_block=max(1, block_kv // s.page_size),
+                         kv_splits=splits)
+            fn = implementations(s, interpret, 0.1, sizes)["pallas ragged (ours)"]
+            try:
+                sec = time_it(fn, a, iters=args.iters, warmup=1)
+            except Exception as e:  # a size the lowering rejects: skip it
+                print(f"  skip {sizes}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            if best is None or sec < best[0]:
+                best = (sec, block_rows, block_kv, splits)
         sec, block_rows, block_kv, splits = best
         programs = s.batch * s.num_kv_heads * splits  # min_programs that gives `splits`
         entry = BlockSizes(block_rows=block_rows, block_kv=block_kv, min_programs=programs)

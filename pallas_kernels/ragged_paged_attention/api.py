@@ -30,8 +30,12 @@ _TRITON_MIN_DIM = 16  # every dim of a Triton dot
 def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
                         lowering: Lowering, interpret: bool, block_rows: int | None = None,
                         pages_per_block: int | None = None,
-                        kv_splits: int | None = None) -> dict:
+                        kv_splits: int | None = None, device_kind: str | None = None) -> dict:
     """Static kernel options: the caller's, else the tuned table's, fitted to the problem.
+
+    The table entry is the one for `device_kind` (default: the first device's; CPU's
+    when interpreting), so a GPU's options can be resolved on a CPU host
+    (`pallas_kernels.compile_check`).
 
     Requested sizes are validated first; then block_rows shrinks to the next power of 2
     above T x G and pages_per_block to the table width (never below what the lowering's
@@ -39,7 +43,7 @@ def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
     """
     b, t, n, _ = q_shape
     kh, _, z, h = pages_shape
-    sizes = tuned.get_block_sizes(t, "cpu" if interpret else None)
+    sizes = tuned.get_block_sizes(t, "cpu" if interpret else device_kind)
     if block_rows is None:
         block_rows = sizes.block_rows
     if pages_per_block is None:
