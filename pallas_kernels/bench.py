@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ragged_paged_attention import (
-    TUNED_BLOCK_SIZES, BlockSizes, dequantize_pages, quantize_pages, ragged_paged_attention,
-    reference_ragged_paged_attention)
+    TUNED_BLOCK_SIZES, BlockSizes, dequantize_pages, native_lowering, quantize_pages,
+    ragged_paged_attention, reference_ragged_paged_attention, resolve_block_sizes)
 from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
 
 
@@ -224,36 +224,81 @@ def tune_shapes(small: bool) -> dict[str, Shape]:
     return reps
 
 
-def tune_grid(small: bool) -> list[tuple[int, int, int]]:
-    """`--tune`'s candidates: (block_rows, block_kv slots, kv_splits)."""
-    grid = ((16, 32), (16, 32), (1, 2)) if small else (
-        (16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8, 16))
-    return list(itertools.product(*grid))
+def tune_grid(small: bool) -> list[tuple[int, int, int, int]]:
+    """`--tune`'s candidates: (block_rows, block_kv slots, kv_splits, num_warps). 8 warps
+    only for blocks of >= 64 rows: with 4, those need 250+ registers a thread on sm_90
+    (docs/kernels.md, compile_check)."""
+    if small:
+        return list(itertools.product((16, 32), (16, 32), (1, 2), (4,)))
+    return [(rows, kv, splits, warps)
+            for rows, kv, splits in itertools.product((16, 32, 64, 128), (32, 64, 128, 256),
+                                                      (1, 2, 4, 8, 16))
+            for warps in ((4, 8) if rows >= 64 else (4,))]
+
+
+def tune_candidates(s: Shape, small: bool, dtype, *, lowering: str, interpret: bool,
+                    device_kind: str | None = None) -> list[dict]:
+    """The distinct kernels of `tune_grid` for shape `s`: each candidate fitted as
+    `ragged_paged_attention` would fit it (block_rows shrinks to T x G, ...), repeats
+    dropped; Mosaic takes no splits or warps. Options a lowering rejects are left out."""
+    out, seen = [], set()
+    for block_rows, block_kv, splits, warps in tune_grid(small):
+        requested = dict(block_rows=block_rows, pages_per_block=max(1, block_kv // s.page_size))
+        if lowering == "triton":
+            requested |= dict(kv_splits=splits, num_warps=warps)
+        elif splits > 1 or warps != 4:
+            continue
+        try:
+            opts = resolve_block_sizes(
+                (s.batch, s.t_len, s.num_heads, s.head_dim),
+                (s.num_kv_heads, 1, s.page_size, s.head_dim), -(-s.context // s.page_size),
+                dtype, lowering=lowering, interpret=interpret, device_kind=device_kind,
+                **requested)
+        except ValueError as e:
+            print(f"  skip {requested}: {e}")
+            continue
+        if lowering != "triton":
+            del opts["num_warps"], opts["num_stages"]
+        key = tuple(sorted(opts.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(opts)
+    return out
+
+
+def table_entry(s: Shape, sizes: dict) -> BlockSizes:
+    """The `TUNED_BLOCK_SIZES` entry from which `resolve_block_sizes` picks `sizes` for
+    shape `s` again: `min_programs` is the grid that yields `sizes`' KV splits."""
+    row_blocks = -(-s.t_len * (s.num_heads // s.num_kv_heads) // sizes["block_rows"])
+    splits = sizes.get("kv_splits", 1)
+    return BlockSizes(block_rows=sizes["block_rows"],
+                      block_kv=sizes["pages_per_block"] * s.page_size,
+                      min_programs=s.batch * s.num_kv_heads * row_blocks * splits,
+                      num_warps=sizes.get("num_warps", 4),
+                      num_stages=sizes.get("num_stages", 2))
 
 
 def run_tune(args, interpret: bool) -> None:
     """Sweeps block sizes on one representative shape per regime; prints table entries."""
     dtype = jnp.dtype(args.dtype)
+    lowering = native_lowering() or "triton"
     print(f"# measured {datetime.date.today()} on {jax.devices()[0].device_kind}: "
           f"{' '.join(sys.argv)}")
     for regime, s in tune_shapes(args.small).items():
         a = make_inputs(s, dtype)
         best = None
-        for block_rows, block_kv, splits in tune_grid(args.small):
-            sizes = dict(block_rows=block_rows, pages_per_block=max(1, block_kv // s.page_size),
-                         kv_splits=splits)
+        for sizes in tune_candidates(s, args.small, dtype, lowering=lowering,
+                                     interpret=interpret):
             fn = implementations(s, interpret, 0.1, sizes)["pallas ragged (ours)"]
             try:
                 sec = time_it(fn, a, iters=args.iters, warmup=1)
-            except Exception as e:  # a size the lowering rejects: skip it
+            except Exception as e:  # a size the compiler rejects (shared memory...): skip
                 print(f"  skip {sizes}: {type(e).__name__}: {str(e)[:80]}")
                 continue
             if best is None or sec < best[0]:
-                best = (sec, block_rows, block_kv, splits)
-        sec, block_rows, block_kv, splits = best
-        programs = s.batch * s.num_kv_heads * splits  # min_programs that gives `splits`
-        entry = BlockSizes(block_rows=block_rows, block_kv=block_kv, min_programs=programs)
-        print(f"    {regime.upper()}: {entry},  # {s.name}: {sec * 1e6:.1f} us")
+                best = (sec, sizes)
+        sec, sizes = best
+        print(f"    {regime.upper()}: {table_entry(s, sizes)},  # {s.name}: {sec * 1e6:.1f} us")
     print(f"# current table: {TUNED_BLOCK_SIZES}")
 
 

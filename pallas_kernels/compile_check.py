@@ -223,18 +223,16 @@ def assess(case: str, arch: Arch, options: dict, got: dict) -> Report:
 
 
 def sweep_cases(arch: Arch) -> list[tuple[Case, dict]]:
-    """`bench --tune`'s representative shapes x its block-size grid, one per distinct
-    kernel: candidates the fitting maps to the same sizes are compiled once, and every
-    `kv_splits > 1` is one kernel (the split count is a grid size, not code)."""
+    """`bench --tune`'s distinct kernels for its representative shapes, on `arch`; every
+    `kv_splits > 1` is one kernel here (the split count is a grid size, not code)."""
     out, seen = [], set()
     for shape in bench.tune_shapes(small=False).values():
-        for block_rows, block_kv, splits in bench.tune_grid(small=False):
-            requested = dict(block_rows=block_rows, kv_splits=min(splits, 2),
-                             pages_per_block=max(1, block_kv // shape.page_size))
-            key = (shape, tuple(sorted(kernel_options(Case(shape), arch, **requested).items())))
-            if key not in seen:
-                seen.add(key)
-                out.append((Case(shape), requested))
+        for opts in bench.tune_candidates(shape, False, jnp.bfloat16, lowering="triton",
+                                          interpret=False, device_kind=arch.device_kind):
+            opts = opts | dict(kv_splits=min(opts["kv_splits"], 2))
+            if (shape, tuple(sorted(opts.items()))) not in seen:
+                seen.add((shape, tuple(sorted(opts.items()))))
+                out.append((Case(shape), opts))
     return out
 
 

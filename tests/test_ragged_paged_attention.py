@@ -357,6 +357,9 @@ class TestValidation:
         (dict(scale=0.1, pages_per_block=3), "pages_per_block=3"),
         (dict(scale=0.1, kv_splits=0), "kv_splits=0"),
         (dict(scale=0.1, kv_splits=2, lowering="mosaic"), "kv_splits=2"),
+        (dict(scale=0.1, num_warps=6), "num_warps=6"),
+        (dict(scale=0.1, num_stages=0), "num_stages=0"),
+        (dict(scale=0.1, num_warps=8, lowering="mosaic"), "num_warps=8"),
         (dict(scale=0.1, lowering="cuda"), "lowering='cuda'"),
         (dict(scale=0.1, lowering="triton", interpret=False, block_rows=8), "block_rows=8"),
     ])

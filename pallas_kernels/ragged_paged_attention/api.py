@@ -30,7 +30,9 @@ _TRITON_MIN_DIM = 16  # every dim of a Triton dot
 def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
                         lowering: Lowering, interpret: bool, block_rows: int | None = None,
                         pages_per_block: int | None = None,
-                        kv_splits: int | None = None, device_kind: str | None = None) -> dict:
+                        kv_splits: int | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None,
+                        device_kind: str | None = None) -> dict:
     """Static kernel options: the caller's, else the tuned table's, fitted to the problem.
 
     The table entry is the one for `device_kind` (default: the first device's; CPU's
@@ -51,7 +53,7 @@ def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
     validation.check_block_sizes(
         lowering=lowering, interpret=interpret, block_rows=block_rows,
         pages_per_block=pages_per_block, kv_splits=1 if kv_splits is None else kv_splits,
-        page_size=z, head_dim=h)
+        page_size=z, head_dim=h, num_warps=num_warps, num_stages=num_stages)
     if lowering == "triton":
         min_rows, min_pages = _TRITON_MIN_DIM, common.next_pow2(common.cdiv(_TRITON_MIN_DIM, z))
     else:  # TPU sublane tile: 8 rows of 32-bit, 16 of 16-bit values
@@ -66,7 +68,8 @@ def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
             kv_blocks = common.cdiv(pages_per_row, pages_per_block)
             kv_splits = max(1, min(common.cdiv(sizes.min_programs, programs), kv_blocks))
     return dict(block_rows=block_rows, pages_per_block=pages_per_block, kv_splits=kv_splits,
-                num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+                num_warps=num_warps or sizes.num_warps,
+                num_stages=num_stages or sizes.num_stages)
 
 
 _NATIVE = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic"}
@@ -145,6 +148,8 @@ def ragged_paged_attention(
     block_rows: int | None = None,
     pages_per_block: int | None = None,
     kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     debug: bool = False,
     validate: bool = False,
 ) -> jax.Array:  # [B, T, N, H]
@@ -153,7 +158,8 @@ def ragged_paged_attention(
     Same contract as `specjax.attention.reference_paged_attention`. Options left None:
     the device's own lowering (CPU: Triton in interpret mode), compiled unless it is
     not the device's, and block sizes from the tuned table for this device and T;
-    `block_rows` is an upper bound (a small T x G uses the next power of 2 above it).
+    `block_rows` is an upper bound (a small T x G uses the next power of 2 above it);
+    `num_warps` / `num_stages` are Triton's (tuning: `pallas_kernels.bench --tune`).
     `validate=True` also runs `check_inputs` on the values (concrete arrays only).
     Pages may be another float dtype than q (computed in the wider of the two, as the
     reference), or int8 (`quantize_pages`) with per-slot scales: a block is dequantized
@@ -172,7 +178,7 @@ def ragged_paged_attention(
     sizes = resolve_block_sizes(
         q.shape, k_pages.shape, page_table.shape[1], q.dtype, lowering=lowering,
         interpret=interpret, block_rows=block_rows, pages_per_block=pages_per_block,
-        kv_splits=kv_splits)
+        kv_splits=kv_splits, num_warps=num_warps, num_stages=num_stages)
     return _ragged_paged_attention(
         q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, k_scales, v_scales,
         scale=float(scale),

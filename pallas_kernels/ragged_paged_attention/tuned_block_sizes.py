@@ -32,15 +32,17 @@ VERIFY_MAX_T = 64
 
 TUNED_BLOCK_SIZES: dict[str, dict[str, BlockSizes]] = {
     # Unmeasured guesses (see module doc). 132 SMs: ask for ~2 programs per SM.
+    # 64-row blocks take 8 warps: with 4 they compile to 250-255 registers a thread
+    # (`python -m pallas_kernels.compile_check`, docs/kernels.md), with 8 to 128-129.
     "NVIDIA H": {
         DECODE: BlockSizes(block_rows=16, block_kv=64, min_programs=264),
-        VERIFY: BlockSizes(block_rows=64, block_kv=64, min_programs=264),
-        PREFILL: BlockSizes(block_rows=64, block_kv=64, min_programs=1, num_warps=4),
+        VERIFY: BlockSizes(block_rows=64, block_kv=64, min_programs=264, num_warps=8),
+        PREFILL: BlockSizes(block_rows=64, block_kv=64, min_programs=1, num_warps=8),
     },
     "NVIDIA": {
         DECODE: BlockSizes(block_rows=16, block_kv=64, min_programs=216),
         VERIFY: BlockSizes(block_rows=32, block_kv=64, min_programs=216),
-        PREFILL: BlockSizes(block_rows=64, block_kv=64, min_programs=1),
+        PREFILL: BlockSizes(block_rows=64, block_kv=64, min_programs=1, num_warps=8),
     },
     # Unmeasured guesses; TPU runs the grid sequentially per core, so no KV splits.
     "TPU": {

@@ -74,9 +74,18 @@ def static_check(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, *, scal
 
 def check_block_sizes(*, lowering: str, interpret: bool, block_rows: int,
                       pages_per_block: int, kv_splits: int, page_size: int,
-                      head_dim: int) -> None:
+                      head_dim: int, num_warps: int | None = None,
+                      num_stages: int | None = None) -> None:
     """Block sizes the chosen lowering can compile (interpret mode checks the same rules,
-    so CPU tests catch a configuration a GPU/TPU would reject)."""
+    so CPU tests catch a configuration a GPU/TPU would reject). `num_warps` and
+    `num_stages` are the caller's Triton options (None: the tuned table's)."""
+    if lowering == "mosaic" and (num_warps, num_stages) != (None, None):
+        raise ValueError(f"{num_warps=} and {num_stages=} are Triton options; leave them "
+                         "None on the mosaic lowering")
+    if num_warps is not None and (not _is_pow2(num_warps) or num_warps > 32):
+        raise ValueError(f"{num_warps=} must be a power of 2 <= 32")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"{num_stages=} must be >= 1")
     if not _is_pow2(block_rows) or block_rows < 8:
         raise ValueError(f"{block_rows=} must be a power of 2 >= 8")
     if not _is_pow2(pages_per_block):
