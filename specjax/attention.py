@@ -13,6 +13,8 @@ goes through `paged_attention`. Its contract, shared by the Pallas backend in
   (a tree mask: a node sees itself and its ancestors).
 * Slots at or past `kv_lens[b]`, and pages the table does not name, are never read into
   the output, even if they hold NaN.
+* int8 pages come with float32 scales [K, P, Z] (`k_scales`, `v_scales`; one per token
+  and KV head, `specjax.kv_quant`) and are attended as `dequantize`d to q's dtype.
 * With `new_kv=(k, v)` ([B, T, K, H] each) the new tokens are not in the pages: their
   slots `kv_lens - q_lens + t` may hold anything and are never read; the keys/values
   come from `new_kv` (reference backend, off-mesh: how verify forwards skip writing
@@ -30,6 +32,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from specjax import kv_quant
 
 BACKENDS = ("reference", "pallas")
 _ENV = "SPECJAX_ATTENTION"
@@ -139,19 +143,28 @@ def reference_paged_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
+    v_scales: jax.Array | None = None,  # [K, P, Z] float32
 ) -> jax.Array:  # [B, T, N, H]
     """Plain-jnp paged attention: gather each row's pages, then `attend`."""
-    k, v = _gather_rows(k_pages, v_pages, page_table)
+    k, v = _gather_rows(k_pages, v_pages, page_table, k_scales, v_scales, q.dtype)
     ok = allowed_mask(q.shape[1], k.shape[1], kv_lens, q_lens, mask, sliding_window)
     return attend(q, k, v, ok, scale=scale, soft_cap=soft_cap)
 
 
-def _gather_rows(k_pages, v_pages, page_table):
-    """[K, P, Z, H] pages, [B, M] table -> each row's keys and values [B, M*Z, K, H]."""
-    kh, _, z, h = k_pages.shape
+def _gather_rows(k_pages, v_pages, page_table, k_scales=None, v_scales=None, dtype=None):
+    """[K, P, Z, H] pages, [B, M] table -> each row's keys and values [B, M*Z, K, H];
+    int8 pages dequantized to `dtype` with their scales [K, P, Z]."""
     b, m = page_table.shape
-    return tuple(x[:, page_table].reshape(kh, b, m * z, h).transpose(1, 2, 0, 3)
-                 for x in (k_pages, v_pages))
+
+    def gather(x):  # [K, P, Z, ...] -> [B, M*Z, K, ...]
+        kh, _, z, *rest = x.shape
+        return jnp.moveaxis(x[:, page_table].reshape(kh, b, m * z, *rest), 0, 2)
+
+    if k_scales is None:
+        return gather(k_pages), gather(v_pages)
+    return (kv_quant.dequantize(gather(k_pages), gather(k_scales), dtype),
+            kv_quant.dequantize(gather(v_pages), gather(v_scales), dtype))
 
 
 def reference_attention_with_new(
@@ -165,6 +178,8 @@ def reference_attention_with_new(
     page_table: jax.Array,  # [B, M] int32
     prefix_lens: jax.Array,  # [B] int32 cached slots each query sees
     *, scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, T, N, H]
     """The module contract with the new tokens' KV passed beside the pages instead of
     written into them: the same output as writing them at slots `prefix_lens + t` and
@@ -176,7 +191,7 @@ def reference_attention_with_new(
     verify branches attend this way and the loop writes only the kept tokens afterwards.
     """
     b, t = q.shape[:2]
-    k, v = _gather_rows(k_pages, v_pages, page_table)
+    k, v = _gather_rows(k_pages, v_pages, page_table, k_scales, v_scales, q.dtype)
     s_len = k.shape[1]
     tq = jnp.arange(t)[None, :, None]  # [1, T, 1]
     j = jnp.arange(s_len)[None, None, :]  # [1, 1, S]
@@ -212,6 +227,8 @@ def paged_attention(
     backend: str | None = None,
     mesh=None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,  # ([B, T, K, H], [B, T, K, H])
+    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
+    v_scales: jax.Array | None = None,  # [K, P, Z] float32
 ) -> jax.Array:  # [B, T, N, H]
     """Attention of T new query tokens per row against a paged KV cache (see module doc).
 
@@ -229,12 +246,14 @@ def paged_attention(
                              f"backend off-mesh (got backend={backend!r}, mesh={mesh})")
         return reference_attention_with_new(
             q, *new_kv, q_lens, mask, k_pages, v_pages, page_table, kv_lens - q_lens,
-            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            k_scales=k_scales, v_scales=v_scales)
     fn = reference_paged_attention if backend == "reference" else _pallas_backend()
     mesh = sharding_rules.active_mesh() if mesh is None else mesh
+    opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if mesh is not None:
         return per_shard.per_shard_attention(fn, mesh, q, k_pages, v_pages, page_table, kv_lens,
-                                             q_lens, mask, scale=scale, soft_cap=soft_cap,
-                                             sliding_window=sliding_window)
-    return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, scale=scale,
-              soft_cap=soft_cap, sliding_window=sliding_window)
+                                             q_lens, mask, k_scales, v_scales, **opts)
+    if k_scales is not None:
+        opts.update(k_scales=k_scales, v_scales=v_scales)
+    return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, **opts)

@@ -13,6 +13,11 @@ and attention then run per shard under `shard_map` (`specjax.sharding.per_shard`
 no page ever crosses devices and each device holds 1/d of the pool. Without a split
 (one device, or rows replicated) local ids are global ids.
 
+An int8 cache (`dtype=jnp.int8`, `generate(..., kv_cache_dtype="int8")`) holds int8
+pages and one float32 scale per token and KV head beside them (`k_scales`, `v_scales`;
+`specjax.kv_quant`); writes quantize, moves carry the scales along, and attention
+dequantizes. Float caches leave the scales None.
+
 Axis letters: L layers, K KV heads, P pages, Z page size, H head_dim, B rows, M pages
 per row, T new tokens.
 """
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import kv_quant
 from specjax.config import ModelConfig
 
 
@@ -39,6 +45,23 @@ class PagedKVCache:
     v_pages: jax.Array  # [L, K, P, Z, H]
     page_table: jax.Array  # [B, M] int32
     lengths: jax.Array  # [B] int32, committed tokens per row
+    k_scales: jax.Array | None = None  # [L, K, P, Z] float32 for int8 pages, else None
+    v_scales: jax.Array | None = None  # [L, K, P, Z] float32
+
+    @property
+    def quantized(self) -> bool:
+        """int8 pages with per-token scales (`specjax.kv_quant`)."""
+        return self.k_scales is not None
+
+    @property
+    def kv(self) -> tuple:
+        """(k_pages, v_pages, k_scales, v_scales): what a forward reads and writes."""
+        return self.k_pages, self.v_pages, self.k_scales, self.v_scales
+
+    def with_kv(self, kv: tuple) -> "PagedKVCache":
+        k_pages, v_pages, k_scales, v_scales = kv
+        return self.replace(k_pages=k_pages, v_pages=v_pages, k_scales=k_scales,
+                            v_scales=v_scales)
 
     @property
     def page_size(self) -> int:
@@ -58,19 +81,22 @@ class PagedKVCache:
                page_size: int, dtype=None, lengths: jax.Array | None = None) -> "PagedKVCache":
         """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`.
 
-        Under an active mesh (`jax.set_mesh`) the cache is laid out by the sharding rules
+        dtype: of the pages (default the config's); `jnp.int8` makes an int8 cache with
+        float32 scales beside the pages. Under an active mesh (`jax.set_mesh`) the cache is laid out by the sharding rules
         (KV heads over `model`, rows over `data`); call it inside `jax.jit` so the pages
         are created shard by shard rather than on one device first.
         """
         from specjax.sharding.rules import constrain_cache
 
-        dtype = dtype or config.dtype
+        dtype = jnp.dtype(dtype or config.dtype)
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
         page_table = jnp.asarray(page_table, jnp.int32)
         if lengths is None:
             lengths = jnp.zeros((page_table.shape[0],), jnp.int32)
+        scales = ((jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
+                  if kv_quant.is_quantized(dtype) else (None, None))
         return constrain_cache(cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_table,
-                                   jnp.asarray(lengths, jnp.int32)))
+                                   jnp.asarray(lengths, jnp.int32), *scales))
 
     @classmethod
     def for_rows(cls, config: ModelConfig, batch: int, pages_per_row: int, page_size: int,
@@ -101,9 +127,9 @@ def _write_kv(pages, layer, new, page, offset):
 
 
 def write_kv(
-    pages: jax.Array,  # [L, K, P, Z, H]
+    pages: jax.Array,  # [L, K, P, Z, H] (or scales [L, K, P, Z])
     layer: jax.Array,  # [] int32
-    new: jax.Array,  # [B, T, K, H]
+    new: jax.Array,  # [B, T, K, H] (or [B, T, K])
     page: jax.Array,  # [B, T] int32 (>= P = drop)
     offset: jax.Array,  # [B, T] int32
 ) -> jax.Array:
@@ -117,10 +143,40 @@ def write_kv(
     mesh = rules.active_mesh()
     if mesh is None:
         return _write_kv(pages, layer, new, page, offset)
+    logical = per_shard.PAGES[:pages.ndim]
     return per_shard.per_shard_pages(
         _write_kv, mesh, (pages, layer, new, page, offset),
-        (per_shard.PAGES, (), ("batch", None, "kv_heads", None), ("batch", None),
-         ("batch", None)), per_shard.PAGES, kv_heads=pages.shape[1], batch=new.shape[0])
+        (logical, (), ("batch", None, "kv_heads", None)[:new.ndim], ("batch", None),
+         ("batch", None)), logical, kv_heads=pages.shape[1], batch=new.shape[0])
+
+
+def write_layer_kv(
+    kv: tuple,  # PagedKVCache.kv: (k_pages, v_pages, k_scales | None, v_scales | None)
+    layer: jax.Array,  # [] int32
+    k: jax.Array,  # [B, T, K, H]
+    v: jax.Array,  # [B, T, K, H]
+    page: jax.Array,  # [B, T] int32 (>= P = drop)
+    offset: jax.Array,  # [B, T] int32
+) -> tuple:
+    """One layer's new keys and values written into `kv`; int8 pages get them quantized
+    (`kv_quant.quantize`) and their scales beside them."""
+    k_pages, v_pages, k_scales, v_scales = kv
+    if k_scales is None:
+        return (write_kv(k_pages, layer, k, page, offset),
+                write_kv(v_pages, layer, v, page, offset), None, None)
+    (kq, ks), (vq, vs) = kv_quant.quantize(k), kv_quant.quantize(v)
+    return (write_kv(k_pages, layer, kq, page, offset), write_kv(v_pages, layer, vq, page, offset),
+            write_kv(k_scales, layer, ks, page, offset), write_kv(v_scales, layer, vs, page, offset))
+
+
+def layer_kv(kv: tuple, layer) -> dict:
+    """The attention arguments of one layer of `kv`: pages [K, P, Z, H] and, for int8
+    pages, their scales [K, P, Z]."""
+    k_pages, v_pages, k_scales, v_scales = kv
+    out = dict(k_pages=k_pages[layer], v_pages=v_pages[layer])
+    if k_scales is not None:
+        out.update(k_scales=k_scales[layer], v_scales=v_scales[layer])
+    return out
 
 
 def write_kv_layers(
@@ -132,7 +188,7 @@ def write_kv_layers(
     """`write_kv` for every layer at once (the keys or values a deferred-write step
     returned, `Transformer.__call__(write_cache=False)`). Single-device only, as that
     step is (`generation._defer_kv_write`); meshes write through `write_kv`."""
-    vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H]
+    vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H] (or [L, K, B, T])
     return pages.at[:, :, page, offset].set(vals, mode="drop")
 
 
@@ -146,21 +202,27 @@ def write_slots(cache: "PagedKVCache", k_new: jax.Array, v_new: jax.Array,
     valid = jnp.arange(t)[None, :] < count[:, None]
     page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size,
                               cache.num_pages)
-    return cache.replace(k_pages=write_kv_layers(cache.k_pages, k_new, page, offset),
-                         v_pages=write_kv_layers(cache.v_pages, v_new, page, offset))
+    if not cache.quantized:
+        return cache.replace(k_pages=write_kv_layers(cache.k_pages, k_new, page, offset),
+                             v_pages=write_kv_layers(cache.v_pages, v_new, page, offset))
+    (kq, ks), (vq, vs) = kv_quant.quantize(k_new), kv_quant.quantize(v_new)
+    return cache.replace(k_pages=write_kv_layers(cache.k_pages, kq, page, offset),
+                         v_pages=write_kv_layers(cache.v_pages, vq, page, offset),
+                         k_scales=write_kv_layers(cache.k_scales, ks, page, offset),
+                         v_scales=write_kv_layers(cache.v_scales, vs, page, offset))
 
 
-def _move_slots(k_pages, v_pages, page_table, src, dst, valid):
-    z, p = k_pages.shape[3], k_pages.shape[2]  # this shard's pages
+def _move_slots(page_table, src, dst, valid, *arrays):
+    z, p = arrays[0].shape[3], arrays[0].shape[2]  # this shard's pages
     sp, so = slot_pages(page_table, src, valid, z, p)
     dp, do = slot_pages(page_table, dst, valid, z, p)
     sp = jnp.minimum(sp, p - 1)
 
-    def move(pages):  # [L, K, P, Z, H]
-        vals = pages[:, :, sp, so]  # [L, K, B, T, H]
+    def move(pages):  # [L, K, P, Z, H] pages or [L, K, P, Z] scales
+        vals = pages[:, :, sp, so]  # [L, K, B, T, H] or [L, K, B, T]
         return pages.at[:, :, dp, do].set(vals, mode="drop")
 
-    return move(k_pages), move(v_pages)
+    return tuple(move(a) for a in arrays)
 
 
 def move_slots(cache: PagedKVCache, src: jax.Array, dst: jax.Array,
@@ -172,17 +234,18 @@ def move_slots(cache: PagedKVCache, src: jax.Array, dst: jax.Array,
     """
     from specjax.sharding import per_shard, rules
 
-    args = (cache.k_pages, cache.v_pages, cache.page_table, src, dst, valid)
+    arrays = tuple(a for a in cache.kv if a is not None)  # pages, then scales if int8
+    args = (cache.page_table, src, dst, valid) + arrays
     mesh = rules.active_mesh()
     if mesh is None:
-        k_pages, v_pages = _move_slots(*args)
+        moved = _move_slots(*args)
     else:
         rows = ("batch", None)
-        k_pages, v_pages = per_shard.per_shard_pages(
-            _move_slots, mesh, args, (per_shard.PAGES, per_shard.PAGES, rows, rows, rows, rows),
-            (per_shard.PAGES, per_shard.PAGES), kv_heads=cache.k_pages.shape[1],
-            batch=src.shape[0])
-    return cache.replace(k_pages=k_pages, v_pages=v_pages)
+        logical = tuple(per_shard.PAGES[:a.ndim] for a in arrays)
+        moved = per_shard.per_shard_pages(
+            _move_slots, mesh, args, (rows,) * 4 + logical, logical,
+            kv_heads=cache.k_pages.shape[1], batch=src.shape[0])
+    return cache.with_kv(tuple(moved) + (None, None) * (len(moved) == 2))
 
 
 @dataclasses.dataclass

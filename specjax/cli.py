@@ -43,12 +43,12 @@ def _generate(args) -> int:
             raise ValueError("--speculator draft needs --draft DIR")
         spec = DraftModel(model=specjax.load(args.draft), k=args.k, target=model)
     print(f"model: {source}")
-    plain = specjax.generate(model, prompts, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, seed=args.seed)
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
+    plain = specjax.generate(model, prompts, **common)
     print(f"autoregressive: {plain.stats.summary()}")
     if spec is not None:
-        out = specjax.generate(model, prompts, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, seed=args.seed, speculator=spec)
+        out = specjax.generate(model, prompts, speculator=spec, **common)
         print(f"{args.speculator:>14}: {out.stats.summary()}")
         if args.temperature == 0:
             same = out.tokens == plain.tokens
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     g.add_argument("--speculator", choices=["none", "ngram", "draft"], default="ngram")
     g.add_argument("--draft", help="draft model directory for --speculator draft")
     g.add_argument("--k", type=int, default=4)
+    g.add_argument("--kv-cache-dtype", default=None,
+                   help="the target's KV cache: a float dtype, or int8 (per-token scales)")
     g.add_argument("--json", action="store_true", help="also print stats as JSON")
     r = sub.add_parser("run", help="run a gin experiment (training or evaluation)")
     r.add_argument("config", help="a .gin file, e.g. configs/experiments/quickstart.gin")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import kv_quant
 from specjax import sampling as sampling_lib
 from specjax.attention import resolve_backend
 from specjax.cache import PagedKVCache, PagePool, move_slots, write_slots
@@ -556,6 +557,7 @@ def generate(
     num_pages: int | None = None,
     prefill_chunk: int = 128,
     attention_backend: str | None = None,
+    kv_cache_dtype=None,
 ) -> GenerationResult:
     """Generates up to `max_new_tokens` per prompt; greedy by default.
 
@@ -589,11 +591,16 @@ def generate(
       (`specjax.model.decode_params`).
     num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
       whose `data` axis splits the rows, split evenly between the data shards.
+    kv_cache_dtype: the target's KV cache: None (the model's dtype), a float dtype, or
+      "int8" (per-token scales, about half of bf16's bytes; `specjax.kv_quant`). The
+      output is then lossless against the target with that cache, which is not the
+      float target's output token for token. Speculators keep their own caches as is.
     """
     cfg = model.config
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     sampling_lib.validate_sampling(temperature, top_k, top_p)
+    kv_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
     if page_size < 1 or prefill_chunk < 1:
         raise ValueError(f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1")
     rows = _as_token_lists(model, prompts)
@@ -634,7 +641,7 @@ def generate(
     for r, ids in enumerate(rows):
         buf[r, :len(ids)] = ids
     cache = shard.create_cache(cfg, table, num_pages=pool.num_pages, page_size=page_size,
-                               mesh=mesh)
+                               mesh=mesh, dtype=kv_dtype)
     eos_pad = _bucket(max(len(eos), 1), 8)  # fixed size so stop tokens never recompile
     eos_list = list(eos) + [-1] * (eos_pad - len(eos))
     sampling, key, max_new, eos_arr = shard.replicate(

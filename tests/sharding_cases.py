@@ -111,6 +111,25 @@ def test_generate_identical_across_meshes(kind, mesh_name):
             assert run(kind, mesh_name, 0.0)[1] + run(kind, mesh_name, 1.0)[1] > 0  # accepted
 
 
+def test_int8_cache_identical_across_meshes():
+    """An int8 KV cache on a 2×4 mesh (scales split over KV heads and page shards with
+    their pages): the 1×1 mesh's tokens, plain and with Medusa's tree (whose commit moves
+    scales per shard), and speculation lossless against the int8 plain run."""
+    def gen(mesh_name, kind):
+        model = specjax.shard_model(target(), mesh_of(mesh_name))
+        return specjax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                                speculator=speculator(kind), adaptive=False,
+                                kv_cache_dtype="int8").tokens
+
+    want = gen("1x1", "plain")
+    assert gen("2x4", "plain") == want
+    assert gen("2x4", "medusa") == want
+    cache, mesh = row_cache("2x4", dtype=jnp.int8), mesh_of("2x4")
+    assert cache.k_pages.dtype == jnp.int8 and cache.k_scales.dtype == jnp.float32
+    for scales in (cache.k_scales, cache.v_scales):  # with their pages: KV heads, page shards
+        assert laid_out(scales, mesh, P(None, "model", "data"))
+
+
 def laid_out(x: jax.Array, mesh, spec: P) -> bool:
     return x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
@@ -122,14 +141,15 @@ def test_single_device_params_equal_the_mesh_of_one():
     assert res.tokens == run("plain", "1x1", 0.0)[0]
 
 
-def row_cache(mesh_name: str, rows: int = 8, pages_per_row: int = 3, page_size: int = 4):
+def row_cache(mesh_name: str, rows: int = 8, pages_per_row: int = 3, page_size: int = 4,
+              dtype=None):
     """A cache of `rows` rows with their own pages, one pool per data shard (as generate)."""
     mesh = mesh_of(mesh_name)
     pool = specjax.PagePool(rows * pages_per_row, page_size,
                             num_shards=sharding.page_shards(rows, mesh))
     table = pool.allocate_rows([pages_per_row * page_size] * rows, pages_per_row)
     return sharding.create_cache(TARGET, table, num_pages=pool.num_pages, page_size=page_size,
-                                 mesh=mesh)
+                                 mesh=mesh, dtype=dtype)
 
 
 def test_cache_follows_the_rules():

@@ -254,10 +254,12 @@ class TestTpu(RaggedPagedAttentionTest):
     LOWERING = "mosaic"
 
 
-def test_model_step_matches_reference(monkeypatch):
-    """A tiny random specjax model over a random, ragged paged cache: a decode step and
-    a tree verify step give the same logits with SPECJAX_ATTENTION=pallas (the device's
-    own lowering; CPU: Triton interpret) as with the reference backend."""
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.int8])
+def test_model_step_matches_reference(monkeypatch, kv_dtype):
+    """A tiny random specjax model over a random, ragged paged cache (float, or int8 with
+    per-token scales): a decode step and a tree verify step give the same logits with
+    SPECJAX_ATTENTION=pallas (the device's own lowering; CPU: Triton interpret) as with
+    the reference backend."""
     config = specjax.config.tiny_llama()
     params = specjax.init_model(config).params
     rows, lengths, num_pages = 2, np.array([21, 9]), 8
@@ -266,11 +268,14 @@ def test_model_step_matches_reference(monkeypatch):
         pool.allocate(r, int(lengths[r]) + 8)
     table = pool.page_table(range(rows), pages_per_row=3)
     cache = specjax.PagedKVCache.create(config, table, num_pages=num_pages,
-                                        page_size=PAGE_SIZE, lengths=lengths)
+                                        page_size=PAGE_SIZE, lengths=lengths, dtype=kv_dtype)
     rng = np.random.default_rng(9)
     shape = cache.k_pages.shape
-    cache = cache.replace(k_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                          v_pages=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    if kv_dtype == jnp.int8:
+        (k, k_scales), (v, v_scales) = quantize_pages(k), quantize_pages(v)
+        cache = cache.replace(k_scales=k_scales, v_scales=v_scales)
+    cache = cache.replace(k_pages=k, v_pages=v)
     step = jax.jit(specjax.step, static_argnums=0, static_argnames="attention_backend")
     tree = np.stack([random_tree_mask(rng, 5) for _ in range(rows)])
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, 5)), jnp.int32)

@@ -272,6 +272,19 @@ def test_plan_llama3_8b_kv_cache_by_hand():
                                 + 4 * 8 * 128 * 16032 + 4 * 8 * 4 * 128 * 8192)  # 242,352,128
 
 
+def test_plan_llama3_8b_int8_kv_cache_by_hand():
+    cfg = llama3_8b()
+    # int8: per layer and KV head, 128 one-byte dims + a float32 scale, for K and V
+    per_token = 2 * 32 * 8 * (128 + 4)
+    assert per_token == 67_584  # 0.52 of bf16's 131,072
+    plan = specjax.plan_memory(cfg, {"data": 2, "model": 4}, batch=8, max_len=8192,
+                               page_size=16, dtype="bfloat16", kv_cache_dtype="int8")
+    assert plan.kv_cache == 8 * 8192 * per_token // (2 * 4) + (8 * 512 * 4 + 8 * 4) // 2
+    assert plan.params == specjax.plan_memory(  # the params keep `dtype`
+        cfg, {"data": 2, "model": 4}, batch=8, max_len=8192, page_size=16,
+        dtype="bfloat16").params
+
+
 def test_plan_llama3_70b_by_hand():
     cfg = llama3_70b()
     assert cfg.param_count() == 70_553_706_496

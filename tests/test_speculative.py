@@ -412,6 +412,31 @@ def test_both_kv_commit_paths_are_lossless(monkeypatch):
     jax.clear_caches()
 
 
+def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):
+    """With an int8 KV cache, greedy speculative output equals target-only greedy decoding
+    over the same int8 cache, through both commit paths: Medusa's tree written and
+    compacted (its keys' scales moved with them), and a draft's chain verified with its
+    keys kept out of the cache (seen fake-quantized, then written;
+    tests/test_kv_quant.py checks that step's logits)."""
+    from specjax import generation
+    from specjax.speculators import Medusa
+
+    target = _attention_sensitive_target()
+    kw = dict(max_new_tokens=16, ignore_eos=True, kv_cache_dtype="int8")
+    cases = [(False, Medusa.random(target, num_heads=4, seed=0)),
+             (True, DraftModel(model=target, k=4))]
+    for defer, spec in cases:
+        monkeypatch.setattr(generation, "_defer_kv_write", lambda backend, d=defer: d)
+        generation._COMPILED.clear()
+        jax.clear_caches()
+        want = specjax.generate(target, PROMPTS, **kw).tokens
+        out = specjax.generate(target, PROMPTS, speculator=spec, adaptive=False, **kw)
+        assert out.tokens == want, (defer, type(spec).__name__)
+        assert out.stats.acceptance_rate > 0.3  # drafts were verified and kept
+    generation._COMPILED.clear()
+    jax.clear_caches()
+
+
 def test_expected_speedup_uses_acceptance_per_position():
     """All-or-nothing acceptance (half the steps accept all 4 drafts, half none): α is
     0.5 either way, but per position E[tokens] = 1 + 2 = 3, which the i.i.d. closed form

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax import kv_quant
+
 WORD_BITS = 32
 WORD_SHIFT = 5  # log2(WORD_BITS)
 
@@ -98,17 +100,10 @@ def pad_page_table(page_table: jax.Array, num_pages: int, multiple: int) -> jax.
     return jnp.pad(pt, ((0, 0), (0, cdiv(m, multiple) * multiple - m)))
 
 
-def quantize_pages(pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[K, P, Z, H] float -> (int8 pages, float32 scales [K, P, Z]): symmetric, per token."""
-    x = pages.astype(jnp.float32)
-    scales = jnp.max(jnp.abs(x), axis=-1) / 127.0
-    q = jnp.round(x / jnp.where(scales > 0, scales, 1.0)[..., None])
-    return jnp.clip(q, -127, 127).astype(jnp.int8), scales
-
-
-def dequantize_pages(pages: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """int8 [K, P, Z, H] x scales [K, P, Z] -> dtype (what the kernels compute per block)."""
-    return (pages.astype(jnp.float32) * scales[..., None]).astype(dtype)
+# int8 pages are specjax's int8 KV cache format (`specjax.kv_quant`): one float32 scale
+# per token and KV head. Pages [K, P, Z, H] are its [..., H] with scales [K, P, Z].
+quantize_pages = kv_quant.quantize
+dequantize_pages = kv_quant.dequantize
 
 
 def to_compute(x: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:

@@ -128,25 +128,26 @@ class EagleHead(nn.Module):
         concatenated low/mid/high layer outputs [..., 3D] -> [..., D]."""
         return self.fc(feats) if self.config.version == 3 else feats
 
-    def __call__(self, emb, feature, ctx, k_pages=None, v_pages=None):
-        """Returns (predicted feature [B,T,D], k_pages, v_pages) with the T inputs written."""
+    def __call__(self, emb, feature, ctx, kv=None):
+        """Returns (predicted feature [B,T,D], kv) with the T inputs written into kv
+        (`PagedKVCache.kv`, None for a plain masked forward)."""
         if self.config.version == 1:
             x = self.fc(jnp.concatenate([emb, feature.astype(emb.dtype)], axis=-1))
             attn_in = x  # EAGLE-1 drops the layer's input_layernorm
         else:
             x = feature.astype(emb.dtype)
             attn_in = jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(x)], axis=-1)
-        h, k_pages, v_pages, _ = self.self_attn(attn_in, ctx, k_pages, v_pages, jnp.int32(0))
+        h, kv, _ = self.self_attn(attn_in, ctx, kv, jnp.int32(0))
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_pages, v_pages
+        return x, kv
 
     def draft_logits(self, out):
         """v3 only: own final norm + lm_head over the draft vocabulary, float32."""
         return self.lm_head(self.norm(out)).astype(jnp.float32)
 
     def _init_all(self, emb, feats, ctx):
-        out, _, _ = self(emb, self.fuse(feats), ctx)
+        out, _ = self(emb, self.fuse(feats), ctx)
         return self.draft_logits(out) if self.config.version == 3 else out
 
 
@@ -199,10 +200,10 @@ def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_p
                                           method=Transformer.embed)
     lc = layer_config(target_config)
     ctx = step_context(lc, positions, q_lens, mask, cache, backend)
-    kp, vp = (None, None) if cache is None else (cache.k_pages, cache.v_pages)
-    out, kp, vp = EagleHead(config, lc).apply({"params": params}, emb, features, ctx, kp, vp)
+    kv = None if cache is None else cache.kv
+    out, kv = EagleHead(config, lc).apply({"params": params}, emb, features, ctx, kv)
     if cache is not None:
-        cache = cache.replace(k_pages=kp, v_pages=vp, lengths=cache.lengths + q_lens)
+        cache = cache.with_kv(kv).replace(lengths=cache.lengths + q_lens)
     return out, cache
 
 

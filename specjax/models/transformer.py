@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import attention as attn_lib
-from specjax.cache import PagedKVCache, slot_pages, write_kv
+from specjax import kv_quant
+from specjax.cache import PagedKVCache, layer_kv, slot_pages, write_layer_kv
 from specjax.config import ModelConfig
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -92,7 +93,8 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, ctx: StepContext, k_pages, v_pages, layer):
+    def __call__(self, x, ctx: StepContext, kv, layer):
+        """kv: `PagedKVCache.kv` (pages, and scales if int8), or None without a cache."""
         c = self.config
         dt = jnp.dtype(c.dtype)
         b, t, _ = x.shape
@@ -109,24 +111,25 @@ class Attention(nn.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         scale = c.head_dim ** -0.5
         new_kv = None
-        if k_pages is None:  # uncached causal forward over the T tokens
+        opts = dict(scale=scale, soft_cap=c.attn_logit_softcap,
+                    sliding_window=c.sliding_window, backend=ctx.backend)
+        if kv is None:  # uncached causal forward over the T tokens
             ok = attn_lib.allowed_mask(t, t, ctx.q_lens, ctx.q_lens, ctx.mask, c.sliding_window)
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
         elif ctx.defer:  # pages untouched; the caller writes what it keeps
-            new_kv = (k, v)
+            new_kv = (k, v)  # as computed: the caller's write quantizes them as ours would
+            seen = new_kv if kv[2] is None else (kv_quant.fake_quantize(k),
+                                                 kv_quant.fake_quantize(v))
             out = attn_lib.paged_attention(
-                q, k_pages[layer], v_pages[layer], ctx.page_table, ctx.kv_lens, ctx.q_lens,
-                ctx.mask, scale=scale, soft_cap=c.attn_logit_softcap,
-                sliding_window=c.sliding_window, backend=ctx.backend, new_kv=new_kv)
+                q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
+                mask=ctx.mask, new_kv=seen, **layer_kv(kv, layer), **opts)
         else:
-            k_pages = write_kv(k_pages, layer, k, ctx.write_page, ctx.write_offset)
-            v_pages = write_kv(v_pages, layer, v, ctx.write_page, ctx.write_offset)
+            kv = write_layer_kv(kv, layer, k, v, ctx.write_page, ctx.write_offset)
             out = attn_lib.paged_attention(
-                q, k_pages[layer], v_pages[layer], ctx.page_table, ctx.kv_lens, ctx.q_lens,
-                ctx.mask, scale=scale, soft_cap=c.attn_logit_softcap,
-                sliding_window=c.sliding_window, backend=ctx.backend)
+                q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
+                mask=ctx.mask, **layer_kv(kv, layer), **opts)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return _dense(c.hidden_size, "o_proj", dt)(out), k_pages, v_pages, new_kv
+        return _dense(c.hidden_size, "o_proj", dt)(out), kv, new_kv
 
 
 class MLP(nn.Module):
@@ -142,23 +145,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block; scanned over L. Carry: (x, k_pages, v_pages, layer, taps);
-    output: this layer's new (keys, values) [B, T, K, H] when the context defers writes."""
+    """One pre-norm block; scanned over L. Carry: (x, kv, layer, taps) with kv the
+    cache's `PagedKVCache.kv` (or None); output: this layer's new (keys, values)
+    [B, T, K, H] when the context defers writes."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, carry, ctx: StepContext, tap_slots):
-        x, k_pages, v_pages, layer, taps = carry
+        x, kv, layer, taps = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
-        h, k_pages, v_pages, new_kv = Attention(c, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x), ctx, k_pages, v_pages, layer)
+        h, kv, new_kv = Attention(c, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x), ctx, kv, layer)
         x = x + h
         x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
         if taps is not None:  # record this layer's output if it was asked for
             taps = taps.at[tap_slots[layer]].set(x.astype(taps.dtype), mode="drop")
-        return (x, k_pages, v_pages, layer + 1, taps), new_kv
+        return (x, kv, layer + 1, taps), new_kv
 
 
 class Transformer(nn.Module):
@@ -238,7 +242,7 @@ class Transformer(nn.Module):
                              f"backend (got backend={attention_backend!r})")
         ctx = step_context(c, positions, q_lens, mask, cache, attention_backend,
                            defer=not write_cache)
-        k_pages, v_pages = (None, None) if cache is None else (cache.k_pages, cache.v_pages)
+        kv = None if cache is None else cache.kv
         hidden_layers = tuple(hidden_layers)
         for i in hidden_layers:
             if not 0 <= i < c.num_layers:
@@ -252,7 +256,7 @@ class Transformer(nn.Module):
             for slot, i in enumerate(tapped):
                 table[i] = slot
             tap_slots = jnp.asarray(table, jnp.int32)
-        carry = (x, k_pages, v_pages, jnp.int32(0), taps)
+        carry = (x, kv, jnp.int32(0), taps)
         if self.scan_layers:
             carry, new_kv = self.layers(carry, ctx, tap_slots)
         else:
@@ -262,15 +266,14 @@ class Transformer(nn.Module):
                 per_layer.append(kv)
             new_kv = None if not ctx.defer else tuple(
                 jnp.stack(xs) for xs in zip(*per_layer))
-        x, k_pages, v_pages, _, taps = carry
+        x, kv, _, taps = carry
         h = self.norm(x)
         logits = self.logits(h) if return_logits else None
         new_cache = None
         if ctx.defer:
             new_cache = new_kv
         elif cache is not None:
-            new_cache = cache.replace(k_pages=k_pages, v_pages=v_pages,
-                                      lengths=cache.lengths + q_lens)
+            new_cache = cache.with_kv(kv).replace(lengths=cache.lengths + q_lens)
         hidden = Hidden(final=h, layers=tuple(taps[tapped.index(i)] for i in hidden_layers))
         return logits, hidden, new_cache
 

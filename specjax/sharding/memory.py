@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from specjax import kv_quant
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.sharding.rules import RULES, axis_size, cache_specs, mesh_axis, param_specs
@@ -72,12 +73,15 @@ def params_bytes(config: ModelConfig, mesh_shape: Mapping[str, int], dtype, *,
 
 def cache_bytes(config: ModelConfig, mesh_shape: Mapping[str, int], *, batch: int,
                 max_len: int, page_size: int, dtype, rules=RULES) -> int:
-    """Paged KV cache bytes on one device: `batch` rows of `max_len` tokens each."""
+    """Paged KV cache bytes on one device: `batch` rows of `max_len` tokens each (int8
+    pages: plus a float32 scale per token, KV head and layer, for K and for V)."""
     m = -(-max_len // page_size)
     pages = (config.num_layers, config.num_kv_heads, batch * m, page_size, config.head_dim)
     sds = jax.ShapeDtypeStruct
+    scales = ((sds(pages[:-1], jnp.float32),) * 2 if kv_quant.is_quantized(dtype)
+              else (None, None))
     shapes = PagedKVCache(sds(pages, jnp.dtype(dtype)), sds(pages, jnp.dtype(dtype)),
-                          sds((batch, m), jnp.int32), sds((batch,), jnp.int32))
+                          sds((batch, m), jnp.int32), sds((batch,), jnp.int32), *scales)
     return _bytes_per_device(shapes, cache_specs(shapes, mesh_shape, rules=rules), mesh_shape)
 
 
@@ -91,6 +95,7 @@ def plan_memory(
     dtype=None,
     draft_config: ModelConfig | None = None,
     prefill_chunk: int = 128,
+    kv_cache_dtype=None,
     rules=RULES,
 ) -> MemoryPlan:
     """Bytes per device to generate `batch` rows of up to `max_len` tokens (prompt + new).
@@ -100,7 +105,8 @@ def plan_memory(
     kv_cache: K and V pages [L, K, P, Z, H] with P = batch × ceil(max_len / page_size),
       Z = page_size, K split over `model` when the rules shard it and P over `data` when
       the rows are (each data shard owns its rows' pages), plus the int32 page table and
-      lengths (rows over `data`).
+      lengths (rows over `data`); pages of `kv_cache_dtype` (default `dtype`; "int8" adds
+      float32 scales [L, K, P, Z] for K and for V), the target's only.
     draft_*: the same for `draft_config` (a `DraftModel`) with the same batch and length.
     activations (one layer live at a time, a prefill chunk of C = min(prefill_chunk,
       max_len) tokens, b = rows per data shard, N', K', F', V' = per-shard counts,
@@ -112,6 +118,7 @@ def plan_memory(
     dtype = jnp.dtype(dtype or config.dtype)
     shape = dict(mesh_shape)
     kw = dict(batch=batch, max_len=max_len, page_size=page_size, dtype=dtype, rules=rules)
+    kv_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype) or dtype
 
     def per_shard(logical: str, count: int) -> int:
         axis = mesh_axis(logical, count, shape, rules=rules)
@@ -130,7 +137,8 @@ def plan_memory(
         draft_p = params_bytes(draft_config, shape, dtype, rules=rules)
         draft_kv = cache_bytes(draft_config, shape, **kw)
     return MemoryPlan(shape, params_bytes(config, shape, dtype, rules=rules),
-                      cache_bytes(config, shape, **kw), draft_p, draft_kv, acts)
+                      cache_bytes(config, shape, **kw | dict(dtype=kv_dtype)), draft_p,
+                      draft_kv, acts)
 
 
 def check_fits(config: ModelConfig, mesh_shape: Mapping[str, int], *, device_bytes: int,

@@ -57,12 +57,16 @@ def per_shard_attention(
     kv_lens: jax.Array,  # [B] int32
     q_lens: jax.Array,  # [B] int32
     mask: jax.Array | None,  # [B, T, T] bool
+    k_scales: jax.Array | None = None,  # [K, P, Z] float32 with int8 pages
+    v_scales: jax.Array | None = None,  # [K, P, Z]
     *,
     rules=RULES,
     **kwargs,
 ) -> jax.Array:  # [B, T, N, H]
-    """`fn(q, k_pages, ..., mask, **kwargs)` run once per shard of `mesh` (Mesh or AbstractMesh)."""
+    """`fn(q, k_pages, ..., mask, **kwargs)` run once per shard of `mesh` (Mesh or
+    AbstractMesh); int8 pages' scales are split as the pages and passed as keywords."""
     b = q.shape[0]
+    mask_given = mask is not None
     axes = {"kv_heads": mesh_axis("kv_heads", k_pages.shape[0], mesh, rules=rules),
             "batch": mesh_axis("batch", b, mesh, rules=rules),
             "pages": page_axis(b, mesh, rules=rules)}
@@ -74,10 +78,15 @@ def per_shard_attention(
     if mask is not None:
         args.append(mask)
         specs.append(_spec(("batch", None, None), axes))
+    if k_scales is not None:
+        args += [k_scales, v_scales]
+        specs += [_spec(PAGES[1:-1], axes)] * 2
 
-    def local(q, k_pages, v_pages, page_table, kv_lens, q_lens, *maybe_mask):
-        return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens,
-                  maybe_mask[0] if maybe_mask else None, **kwargs)
+    def local(q, k_pages, v_pages, page_table, kv_lens, q_lens, *rest):
+        rest = list(rest)
+        mask = rest.pop(0) if mask_given else None
+        scales = dict(k_scales=rest[0], v_scales=rest[1]) if rest else {}
+        return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, **scales, **kwargs)
 
     # check_vma=False: kernels (pallas_call) carry no varying-axes annotations; outputs
     # over a replicated axis are identical on every shard by construction.

@@ -88,6 +88,8 @@ CACHE_AXES: dict[str, Logical] = {
     "v_pages": ("layers", "kv_heads", "pages", None, "head_dim"),
     "page_table": ("batch", None),  # [B, M]
     "lengths": ("batch",),  # [B]
+    "k_scales": ("layers", "kv_heads", "pages", None),  # [L, K, P, Z], int8 caches only
+    "v_scales": ("layers", "kv_heads", "pages", None),
 }
 
 
@@ -307,8 +309,9 @@ def cache_specs(cache_or_shapes: Any, mesh: Mesh | MeshShape, *, rules=RULES) ->
     pages = page_axis(cache_or_shapes.page_table.shape[0], mesh, rules=rules)
     rules = tuple((a, pages if a == "pages" else t) for a, t in rules)
     return type(cache_or_shapes)(**{
-        f: partition_spec(CACHE_AXES[f], getattr(cache_or_shapes, f).shape, mesh,
-                          name=f"cache.{f}", rules=rules) for f in CACHE_AXES})
+        f: None if getattr(cache_or_shapes, f) is None else partition_spec(
+            CACHE_AXES[f], getattr(cache_or_shapes, f).shape, mesh, name=f"cache.{f}",
+            rules=rules) for f in CACHE_AXES})
 
 
 def logical_spec(logical: Logical, shape, mesh: Mesh | MeshShape, *, name: str,
@@ -388,15 +391,17 @@ def use_mesh(mesh: Mesh | None):
 
 
 def create_cache(config: ModelConfig, page_table, *, num_pages: int, page_size: int,
-                 mesh: Mesh | None = None):
-    """A zeroed `PagedKVCache` created on `mesh` shard by shard (under jit), by the rules."""
+                 mesh: Mesh | None = None, dtype=None):
+    """A zeroed `PagedKVCache` (pages of `dtype`, default the config's; int8 with scales)
+    created on `mesh` shard by shard (under jit), by the rules."""
     from specjax.cache import PagedKVCache
 
     if mesh is None:
-        return PagedKVCache.create(config, page_table, num_pages=num_pages, page_size=page_size)
+        return PagedKVCache.create(config, page_table, num_pages=num_pages, page_size=page_size,
+                                   dtype=dtype)
     table = put(page_table, mesh, CACHE_AXES["page_table"], name="cache.page_table")
     make = functools.partial(PagedKVCache.create, config, num_pages=num_pages,
-                             page_size=page_size)
+                             page_size=page_size, dtype=dtype)
     with use_mesh(mesh):
         return jax.jit(make)(table)
 
