@@ -191,8 +191,9 @@ def _layout(config: ModelConfig, mesh: dict) -> dict:
                      "spec": _spec_json(specs[path])} for path, s in flat(shapes).items()}
     pages = (config.num_layers, config.num_kv_heads, 64, 16, config.head_dim)
     sds = jax.ShapeDtypeStruct
-    cache = PagedKVCache(sds(pages, jnp.bfloat16), sds(pages, jnp.bfloat16),
-                         sds((4, 16), jnp.int32), sds((4,), jnp.int32))
+    cache = PagedKVCache(sds(pages, jnp.int8), sds(pages, jnp.int8),  # int8: with scales
+                         sds((4, 16), jnp.int32), sds((4,), jnp.int32),
+                         sds(pages[:-1], jnp.float32), sds(pages[:-1], jnp.float32))
     cspecs = sharding.cache_specs(cache, mesh)
     return {"mesh": mesh, "params": params,
             "cache": {f: {"shape": list(getattr(cache, f).shape),
