@@ -14,7 +14,8 @@ from specjax.sharding import check_fits, make_mesh, plan_memory, shard_model
 __version__ = "0.1.0"
 
 __all__ = [
-    "DraftTree", "GenerationResult", "GenerationStats", "Model", "ModelConfig", "OutOfPagesError", "PagePool", "PagedKVCache", "VerifyCost", "forward",
+    "DraftTree", "GenerationResult", "GenerationStats", "Model", "ModelConfig",
+    "OutOfPagesError", "PagePool", "PagedKVCache", "VerifyCost", "forward",
     "init_model", "init_params", "load", "param_shapes", "restore_orbax", "save_hf",
     "Sampling", "save_orbax", "speculators", "step", "generate",
     "check_fits", "make_mesh", "plan_memory", "shard_model", "sharding", "heads",

@@ -126,7 +126,10 @@ def attend_parts(
     for p, (_, v, ok) in zip(probs, parts):
         # Zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN.
         v = jnp.where(jnp.any(ok, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
-        out = out + jnp.einsum("BKGTS,BSKH->BTKGH", (p / denom).astype(v.dtype), v,
+        # p in the wider of q's and v's dtype (bf16 for bf16 q and v; float32 queries keep
+        # float32 p over a bf16 cache, as the kernel computes in the wider dtype)
+        dt = jnp.promote_types(q.dtype, v.dtype)
+        out = out + jnp.einsum("BKGTS,BSKH->BTKGH", (p / denom).astype(dt), v.astype(dt),
                                preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)
 

@@ -82,9 +82,10 @@ class PagedKVCache:
         """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`.
 
         dtype: of the pages (default the config's); `jnp.int8` makes an int8 cache with
-        float32 scales beside the pages. Under an active mesh (`jax.set_mesh`) the cache is laid out by the sharding rules
-        (KV heads over `model`, rows over `data`); call it inside `jax.jit` so the pages
-        are created shard by shard rather than on one device first.
+        float32 scales beside the pages. Under an active mesh (`jax.set_mesh`) the cache
+        is laid out by the sharding rules (KV heads over `model`, rows over `data`); call
+        it inside `jax.jit` so the pages are created shard by shard rather than on one
+        device first.
         """
         from specjax.sharding.rules import constrain_cache
 
@@ -165,8 +166,8 @@ def write_layer_kv(
         return (write_kv(k_pages, layer, k, page, offset),
                 write_kv(v_pages, layer, v, page, offset), None, None)
     (kq, ks), (vq, vs) = kv_quant.quantize(k), kv_quant.quantize(v)
-    return (write_kv(k_pages, layer, kq, page, offset), write_kv(v_pages, layer, vq, page, offset),
-            write_kv(k_scales, layer, ks, page, offset), write_kv(v_scales, layer, vs, page, offset))
+    return tuple(write_kv(a, layer, new, page, offset)
+                 for a, new in ((k_pages, kq), (v_pages, vq), (k_scales, ks), (v_scales, vs)))
 
 
 def layer_kv(kv: tuple, layer) -> dict:

@@ -185,3 +185,20 @@ def test_attention_with_new_kv_beside_the_pages(name, soft_cap, window):
         attention.paged_attention(*map(jnp.asarray, (q, k_pages, v_pages, table, kv_lens,
                                                       q_lens)), scale=1.0, backend="pallas",
                                   new_kv=(jnp.asarray(k_new), jnp.asarray(v_new)))
+
+
+def test_float32_queries_over_a_bfloat16_cache_compute_in_float32():
+    """Mixed dtypes compute in the wider one, the probabilities included: float32 queries
+    over bf16 pages give exactly what the same pages upcast to float32 give. (Casting p to
+    the pages' bf16 made a bf16 KV cache's greedy decoding part from float32's after 9
+    tokens in `python -m specjax.bench.kv_cache`, against 64 of 64 equal with p in f32.)"""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 3, N, H)), jnp.float32)
+    pages = [jnp.asarray(rng.standard_normal((K, P, Z, H)), jnp.bfloat16) for _ in range(2)]
+    table = jnp.asarray(rng.permutation(P)[:2 * M].reshape(2, M), jnp.int32)
+    args = (table, jnp.asarray([7, 13], jnp.int32), jnp.asarray([3, 2], jnp.int32))
+    got = attention.reference_paged_attention(q, *pages, *args, scale=0.3)
+    want = attention.reference_paged_attention(q, *(p.astype(jnp.float32) for p in pages),
+                                               *args, scale=0.3)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -152,9 +152,9 @@ def test_int8_generate_equals_stepping_an_int8_cache_by_hand(tiny_target):
 
 def test_a_deferred_step_sees_what_a_written_one_reads_back():
     """Over an int8 cache, a tree verify that keeps its new keys/values out of the cache
-    (write_cache=False, the speculative loop's path on CPU) gives exactly the logits of
-    one that writes them and reads them back quantized (to float32 rounding); then committing the returned
-    keys/values (`write_slots`) leaves the cache the written step left."""
+    (write_cache=False, the speculative loop's path on CPU) gives the logits of one that
+    writes them and reads them back quantized (to float32 rounding); then committing the
+    returned keys/values (`write_slots`) leaves the cache the written step left."""
     model = specjax.init_model(tiny_llama(vocab_size=128), seed=0)
     cfg, params = model.config, model.params
     cache, _, _ = _filled_cache(cfg, jnp.int8, np.random.default_rng(4))
