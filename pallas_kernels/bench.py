@@ -285,6 +285,8 @@ def run_tune(args, interpret: bool) -> None:
     print(f"# measured {datetime.date.today()} on {jax.devices()[0].device_kind}: "
           f"{' '.join(sys.argv)}")
     for regime, s in tune_shapes(args.small).items():
+        if not re.search(args.only, s.name):
+            continue
         a = make_inputs(s, dtype)
         best = None
         for sizes in tune_candidates(s, args.small, dtype, lowering=lowering,
@@ -310,7 +312,8 @@ def main(argv=None) -> None:
     parser.add_argument("--int8", action="store_true", help="int8 KV pages + scales")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--copy-mib", type=int, default=None, help="bandwidth copy size")
-    parser.add_argument("--only", default="", help="regex: run only matching case names")
+    parser.add_argument("--only", default="",
+                        help="regex: run only matching case names (--tune: regimes' shapes)")
     parser.add_argument("--json", default=None, help="write results as JSON lines here")
     args = parser.parse_args(argv)
     interpret = jax.default_backend() == "cpu"
