@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import specjax
@@ -19,10 +20,17 @@ def test_variants_decode_the_same_tokens():
     cache = PagedKVCache.create(config, jnp.arange(4, dtype=jnp.int32)[None], num_pages=4,
                                 page_size=8, lengths=jnp.full((1,), 5, jnp.int32))
     args = (cache, jnp.full((1, 1), 7, jnp.int32), jnp.full((1, 1), 5, jnp.int32))
-    out = {name: int(jax.jit(fn)(*args)[0, 0])
-           for name, fn in branching.programs(config, params, steps=6).items()}
+    variants = branching.programs(config, params, steps=6, with_cache=True)
+    out = {name: jax.jit(fn)(*args) for name, fn in variants.items()}
     assert set(out) == {"bare", "cond", "cond, KV outside", "while"}
-    assert len(set(out.values())) == 1, out
+    tok, want = out["bare"]
+    assert int(want.lengths[0]) == 11 and float(jnp.abs(want.k_pages).max()) > 0
+    for name, (t, got) in out.items():  # the same token and the same 6 steps of K/V
+        assert int(t[0, 0]) == int(tok[0, 0]), name
+        assert int(got.lengths[0]) == 11, name
+        for a, b in ((got.k_pages, want.k_pages), (got.v_pages, want.v_pages)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
 
 
 def test_measure_and_cli(capsys):

@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 
-def programs(config, params, steps: int):
-    """name -> jitted fn(cache, token [B, 1], position [B, 1]) -> last token, per variant."""
+def programs(config, params, steps: int, with_cache: bool = False):
+    """name -> fn(cache, token [B, 1], position [B, 1]) -> last token, per variant
+    (with_cache: (last token, final cache), for tests; timed runs return the token)."""
     from specjax.cache import write_slots
     from specjax.model import step
 
@@ -61,7 +62,8 @@ def programs(config, params, steps: int):
 
     def loop(body):
         def run(cache, tok, pos):
-            return jax.lax.fori_loop(0, steps, lambda i, c: body(c), (cache, tok, pos))[1]
+            cache, tok, _ = jax.lax.fori_loop(0, steps, lambda i, c: body(c), (cache, tok, pos))
+            return (tok, cache) if with_cache else tok
         return run
 
     return {"bare": loop(bare), "cond": loop(in_cond), "cond, KV outside": loop(kv_outside),
