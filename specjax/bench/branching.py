@@ -41,8 +41,8 @@ def programs(config, params, steps: int, with_cache: bool = False):
 
     def bare(carry):
         cache, tok, pos = carry
-        nxt, cache = forward(cache, tok, pos)
-        return cache.replace(lengths=cache.lengths + 1), nxt, pos + 1
+        nxt, cache = forward(cache, tok, pos)  # the written step's cache: lengths + 1
+        return cache, nxt, pos + 1
 
     def in_cond(carry):
         return jax.lax.cond(carry[2][0, 0] >= 0, bare, bare, carry)
