@@ -259,11 +259,11 @@ def main(argv=None) -> int:
     except (KeyError, ValueError):
         parser.error(f"--arch={args.arch!r}: each must be one of {sorted(ARCHS)}")
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         parser.error("needs the `triton` wheel (pip install triton; Linux x86_64)")
-    print(f"# {datetime.date.today()}, jax {jax.__version__}, triton "
-          f"{sys.modules['triton'].__version__}: {' '.join(sys.argv)}")
+    print(f"# {datetime.date.today()}, jax {jax.__version__}, triton {triton.__version__}: "
+          f"{' '.join(sys.argv)}")
     print(f"{'arch':<6} {'case':<44} {'rows x pages':<16} {'regs':>4} {'spill':>5} "
           f"{'smem KiB':>7} {'mma':<9} {'loads':<9} {'/SM':>3}  verdict")
     reports = []

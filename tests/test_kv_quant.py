@@ -1,7 +1,6 @@
 """int8 KV cache: the quantization, the cache that holds it, attention over it, and the
 errors (`specjax.kv_quant`, `generate(..., kv_cache_dtype="int8")`)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

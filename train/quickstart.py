@@ -89,8 +89,9 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
     cost_ratios: {temperature: {method: measured c}} for the analytical figure
     (`bench.speculative.measured_cost_ratios`), else the run's own estimate."""
+    from specjax.bench.speculative import cost_ratio_of
+
     rows = []
-    cost_ratios = cost_ratios or {}
     for temp in temperatures:
         base = None
         outputs = {}
@@ -98,7 +99,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             tokens, r = speculative_run(target, spec, prompts, new_tokens=new_tokens,
                                         temperature=temp, seed=seed)
             base = base or r["tokens_per_s"]
-            c = cost_ratios.get(temp, {}).get(name, r["cost_ratio"])
+            c = cost_ratio_of(cost_ratios, temp, name, r["cost_ratio"])
             outputs[name] = tokens
             rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
                              speedup=r["tokens_per_s"] / base,

@@ -129,6 +129,12 @@ def measured_cost_ratios(target: specjax.Model, speculators: dict,
     return out
 
 
+def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, default=None):
+    """The measured c of method `name` at `temperature` from `measured_cost_ratios`'
+    {T: {method: c}} (None or a missing entry: `default`)."""
+    return (cost_ratios or {}).get(temperature, {}).get(name, default)
+
+
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
                  batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
                  cost_ratio: float | None = None, acceptance_prior=None):

@@ -196,18 +196,17 @@ def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *
     """{(category, temperature, method): acceptance per depth} from one full-depth pass
     (adaptive=False: every depth is tried whenever the one before was accepted) over
     the calibration prompts, batch 1. cost_ratios: {temperature: {method: c}}."""
-    from specjax.bench.speculative import specjax_pass
+    from specjax.bench.speculative import cost_ratio_of, specjax_pass
 
     priors = {}
     for category, prompts in calibration.items():
         for temp in temperatures:
             for name, spec in speculators.items():
                 if spec is not None:
+                    c = cost_ratio_of(cost_ratios, temp, name)
                     _, stats, _ = specjax_pass(target, spec, [p.ids for p in prompts], new=new,
                                                batch=1, temperature=temp, seed=seed + 1,
-                                               adaptive=False,
-                                               cost_ratio=(cost_ratios or {}).get(
-                                                   temp, {}).get(name))
+                                               adaptive=False, cost_ratio=c)
                     priors[category, temp, name] = stats.acceptance_by_position
     return priors
 
@@ -240,7 +239,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     estimate.
     priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
     generate's `acceptance_prior`, else the default prior."""
-    from specjax.bench.speculative import hf_pass, specjax_pass
+    from specjax.bench.speculative import cost_ratio_of, hf_pass, specjax_pass
 
     rows = []
     for category, prompts in prompt_sets.items():
@@ -250,7 +249,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             spec_kw = dict(run_kw, adaptive=adaptive)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
-                per = {name: dict(cost_ratio=(cost_ratios or {}).get(temp, {}).get(name),
+                per = {name: dict(cost_ratio=cost_ratio_of(cost_ratios, temp, name),
                                   acceptance_prior=(priors or {}).get((category, temp, name)))
                        for name in speculators}
                 for name, spec in speculators.items():  # warm-up: compiles, one call
