@@ -250,6 +250,20 @@ def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
     assert all(r["identical"] for r in fixed["rows"])
 
 
+def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
+    """--kv-cache-dtype int8: specjax's target decodes over an int8 cache; the draft's
+    greedy output equals the int8 target's own (the `identical` column), recorded."""
+    _, out, _ = finished
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            "draft", "--temperatures", "0", "--out", "", "--figures", "",
+            "--json", str(out / "int8.json"), "--kv-cache-dtype", "int8", "--no-adaptive"]
+    assert suite.main(argv) == 0
+    res = json.loads((out / "int8.json").read_text())
+    assert res["settings"]["kv_cache_dtype"] == "int8"
+    assert [r["method"] for r in res["rows"]] == ["autoregressive", "draft"]
+    assert all(r["identical"] for r in res["rows"])
+
+
 def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished, heldout):
     """--calibrate N: N prompts per category from other functions than the timed ones,
     one full-depth pass per method, and its acceptance per depth becomes that method's
@@ -309,6 +323,7 @@ def test_merged_stats_add_up(workdir, finished):
     (["--new", "0"], "--new=0"),
     (["--temperatures", "0,-1"], "must be >= 0"),
     (["--calibrate", "-1"], "--calibrate=-1"),
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype='int3'"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as err:

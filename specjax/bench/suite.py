@@ -37,6 +37,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from specjax import kv_quant
 from specjax.bench.prompts import CATEGORIES, Prompt, build_prompts
 
 START, END = "<!-- bench:suite:start -->", "<!-- bench:suite:end -->"
@@ -135,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="markdown file to write the section into ('' = don't write)")
     ap.add_argument("--figures", default="docs/figures", help="plots directory ('' = none)")
     ap.add_argument("--json", default="", help="also write every row as JSON here")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="specjax's target KV cache (e.g. int8; default the model's dtype)")
     ap.add_argument("--note", default="", help="a line to print in the section, e.g. why "
                     "the run is small")
     args = ap.parse_args(argv)
@@ -161,6 +164,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
     if args.calibrate < 0:
         ap.error(f"--calibrate={args.calibrate} must be >= 0")
+    try:
+        kv_quant.check_kv_cache_dtype(args.kv_cache_dtype)
+    except ValueError as e:
+        ap.error(str(e).replace("kv_cache_dtype=", "--kv-cache-dtype=", 1))
     args.prompts = args.prompts or max(args.batches)
     uneven = [b for b in args.batches if args.prompts % b]
     if args.prompts < 1 or uneven:
@@ -229,7 +236,7 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
-        log=print) -> list[dict]:
+        kv_cache_dtype=None, log=print) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
@@ -238,7 +245,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     measured cost of a draft call}} (`generate(cost_ratio=)`), else the parameter-count
     estimate.
     priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
-    generate's `acceptance_prior`, else the default prior."""
+    generate's `acceptance_prior`, else the default prior. kv_cache_dtype: specjax's
+    target cache (`generate(kv_cache_dtype=)`; transformers keeps its own)."""
     from specjax.bench.speculative import cost_ratio_of, hf_pass, specjax_pass
 
     rows = []
@@ -246,7 +254,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
         ids = [p.ids for p in prompts]
         for temp in temperatures:
             run_kw = dict(new=new, temperature=temp, seed=seed)
-            spec_kw = dict(run_kw, adaptive=adaptive)
+            spec_kw = dict(run_kw, adaptive=adaptive, kv_cache_dtype=kv_cache_dtype)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
                 per = {name: dict(cost_ratio=cost_ratio_of(cost_ratios, temp, name),
@@ -510,12 +518,12 @@ def suite(args, command: str, log=_log) -> dict:
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
-               cost_ratios=costs, priors=priors, log=log)
+               cost_ratios=costs, priors=priors, kv_cache_dtype=args.kv_cache_dtype, log=log)
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
                                               "methods", "k", "seed", "adaptive",
-                                              "calibrate")}
+                                              "calibrate", "kv_cache_dtype")}
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
         note=args.note,
