@@ -118,8 +118,9 @@ class Attention(nn.Module):
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
         elif ctx.defer:  # pages untouched; the caller writes what it keeps
             new_kv = (k, v)  # as computed: the caller's write quantizes them as ours would
-            seen = new_kv if kv[2] is None else (kv_quant.fake_quantize(k),
-                                                 kv_quant.fake_quantize(v))
+            k_scales = kv[2]  # None unless the pages are int8
+            seen = new_kv if k_scales is None else (kv_quant.fake_quantize(k),
+                                                    kv_quant.fake_quantize(v))
             out = attn_lib.paged_attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
                 mask=ctx.mask, new_kv=seen, **layer_kv(kv, layer), **opts)
