@@ -236,6 +236,14 @@ def tune_grid(small: bool) -> list[tuple[int, int, int, int]]:
             for warps in ((4, 8) if rows >= 64 else (4,))]
 
 
+def resolve_for(s: Shape, dtype, **options) -> dict:
+    """`resolve_block_sizes` for shape `s`: the static options `ragged_paged_attention`
+    would pick for it (`options`: lowering, interpret, device_kind, requested sizes)."""
+    return resolve_block_sizes(
+        (s.batch, s.t_len, s.num_heads, s.head_dim), (s.num_kv_heads, 1, s.page_size, s.head_dim),
+        -(-s.context // s.page_size), dtype, **options)
+
+
 def tune_candidates(s: Shape, small: bool, dtype, *, lowering: str, interpret: bool,
                     device_kind: str | None = None) -> list[dict]:
     """The distinct kernels of `tune_grid` for shape `s`: each candidate fitted as
@@ -249,11 +257,8 @@ def tune_candidates(s: Shape, small: bool, dtype, *, lowering: str, interpret: b
         elif splits > 1 or warps != 4:
             continue
         try:
-            opts = resolve_block_sizes(
-                (s.batch, s.t_len, s.num_heads, s.head_dim),
-                (s.num_kv_heads, 1, s.page_size, s.head_dim), -(-s.context // s.page_size),
-                dtype, lowering=lowering, interpret=interpret, device_kind=device_kind,
-                **requested)
+            opts = resolve_for(s, dtype, lowering=lowering, interpret=interpret,
+                               device_kind=device_kind, **requested)
         except ValueError as e:
             print(f"  skip {requested}: {e}")
             continue

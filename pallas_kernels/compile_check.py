@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import bench
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_block_sizes
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +87,8 @@ def cases() -> list[Case]:
 
 def kernel_options(case: Case, arch: Arch, **requested) -> dict:
     """The static options `ragged_paged_attention` would pick on `arch` (or `requested`)."""
-    s = case.shape
-    pages = (s.num_kv_heads, 1, s.page_size, s.head_dim)
-    return resolve_block_sizes(
-        (s.batch, s.t_len, s.num_heads, s.head_dim), pages, -(-s.context // s.page_size),
-        jnp.dtype(case.dtype), lowering="triton", interpret=False,
-        device_kind=arch.device_kind, **requested)
+    return bench.resolve_for(case.shape, jnp.dtype(case.dtype), lowering="triton",
+                             interpret=False, device_kind=arch.device_kind, **requested)
 
 
 @contextlib.contextmanager

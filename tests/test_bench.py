@@ -42,7 +42,6 @@ def test_tune_entries_resolve_to_the_timed_sizes(monkeypatch, lowering, kind):
     `resolve_block_sizes`, gives the same kernel options (splits and warps included)."""
     import jax.numpy as jnp
 
-    from pallas_kernels.ragged_paged_attention import resolve_block_sizes
     from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
 
     for s in bench.tune_shapes(small=False).values():
@@ -54,10 +53,8 @@ def test_tune_entries_resolve_to_the_timed_sizes(monkeypatch, lowering, kind):
             monkeypatch.setattr(tuned, "TUNED_BLOCK_SIZES", {
                 "TESTDEV": {r: entry for r in (tuned.DECODE, tuned.VERIFY, tuned.PREFILL)},
                 "": tuned.TUNED_BLOCK_SIZES[""]})
-            got = resolve_block_sizes(
-                (s.batch, s.t_len, s.num_heads, s.head_dim),
-                (s.num_kv_heads, 1, s.page_size, s.head_dim), -(-s.context // s.page_size),
-                jnp.bfloat16, lowering=lowering, interpret=False, device_kind="TESTDEV")
+            got = bench.resolve_for(s, jnp.bfloat16, lowering=lowering, interpret=False,
+                                    device_kind="TESTDEV")
             if lowering == "mosaic":
                 assert "num_warps" not in sizes and got["kv_splits"] == 1
                 got = {k: got[k] for k in sizes}
