@@ -18,7 +18,9 @@ goes through `paged_attention`. Its contract, shared by the Pallas backend in
 * With `new_kv=(k, v)` ([B, T, K, H] each) the new tokens are not in the pages: their
   slots `kv_lens - q_lens + t` may hold anything and are never read; the keys/values
   come from `new_kv` (reference backend, off-mesh: how verify forwards skip writing
-  a tree the loop mostly throws away, `reference_attention_with_new`).
+  a tree the loop mostly throws away, `reference_attention_with_new`). Beside int8
+  pages they are seen as the cache would hand them back (`kv_quant.fake_quantize`),
+  so the output is that of writing them and attending, as for float pages.
 
 Axis letters: B batch, T new tokens, S KV slots, N query heads, K KV heads,
 G = N // K query heads per KV head, H head_dim, P pages, Z page size, M pages per row.
@@ -247,6 +249,8 @@ def paged_attention(
         if backend != "reference" or mesh is not None:
             raise ValueError("new_kv (keys/values beside the pages) needs the reference "
                              f"backend off-mesh (got backend={backend!r}, mesh={mesh})")
+        if k_scales is not None:  # as a write to int8 pages and a read would see them
+            new_kv = tuple(kv_quant.fake_quantize(x) for x in new_kv)
         return reference_attention_with_new(
             q, *new_kv, q_lens, mask, k_pages, v_pages, page_table, kv_lens - q_lens,
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,

@@ -246,7 +246,8 @@ def move_slots(cache: PagedKVCache, src: jax.Array, dst: jax.Array,
         moved = per_shard.per_shard_pages(
             _move_slots, mesh, args, (rows,) * 4 + logical, logical,
             kv_heads=cache.k_pages.shape[1], batch=src.shape[0])
-    return cache.with_kv(tuple(moved) + (None, None) * (len(moved) == 2))
+    scales = tuple(moved[2:]) if cache.quantized else (None, None)
+    return cache.with_kv(tuple(moved[:2]) + scales)
 
 
 @dataclasses.dataclass

@@ -1,6 +1,8 @@
 """specjax.bench.kv_cache on a tiny model: every cache dtype runs, bytes per token are
 ordered as the dtypes, and bad arguments exit naming the value."""
 
+import argparse
+
 import pytest
 
 from specjax.bench import kv_cache
@@ -17,8 +19,8 @@ def test_runs_every_dtype_on_a_tiny_model(monkeypatch, capsys):
     # head_dim 16: float32 64 bytes a vector, bf16 32, int8 16 + a 4-byte scale
     assert by["float32"]["kv_bytes_per_token"] > by["bfloat16"]["kv_bytes_per_token"] > \
         by["int8"]["kv_bytes_per_token"]
-    text = kv_cache.markdown(rows, type("A", (), dict(batch=2, new_tokens=8, repeats=1)),
-                             "python -m specjax.bench.kv_cache")
+    args = argparse.Namespace(batch=2, new_tokens=8, repeats=1)
+    text = kv_cache.markdown(rows, args, "python -m specjax.bench.kv_cache")
     assert "| 48 | int8 |" in text and "- command: `python -m specjax.bench.kv_cache`" in text
 
 

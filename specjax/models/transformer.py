@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import attention as attn_lib
-from specjax import kv_quant
 from specjax.cache import PagedKVCache, layer_kv, slot_pages, write_layer_kv
 from specjax.config import ModelConfig
 from specjax.models.rope import apply_rope, rope_tables
@@ -118,12 +117,9 @@ class Attention(nn.Module):
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
         elif ctx.defer:  # pages untouched; the caller writes what it keeps
             new_kv = (k, v)  # as computed: the caller's write quantizes them as ours would
-            k_scales = kv[2]  # None unless the pages are int8
-            seen = new_kv if k_scales is None else (kv_quant.fake_quantize(k),
-                                                    kv_quant.fake_quantize(v))
             out = attn_lib.paged_attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
-                mask=ctx.mask, new_kv=seen, **layer_kv(kv, layer), **opts)
+                mask=ctx.mask, new_kv=new_kv, **layer_kv(kv, layer), **opts)
         else:
             kv = write_layer_kv(kv, layer, k, v, ctx.write_page, ctx.write_offset)
             out = attn_lib.paged_attention(
