@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     g.add_argument("--draft", help="draft model directory for --speculator draft")
     g.add_argument("--k", type=int, default=4)
     g.add_argument("--kv-cache-dtype", default=None,
-                   help="the target's KV cache: a float dtype, or int8 (per-token scales)")
+                   help="the KV caches (target, draft): a float dtype, or int8 (per-token scales)")
     g.add_argument("--json", action="store_true", help="also print stats as JSON")
     r = sub.add_parser("run", help="run a gin experiment (training or evaluation)")
     r.add_argument("config", help="a .gin file, e.g. configs/experiments/quickstart.gin")

@@ -126,15 +126,16 @@ def _logits_of(config: ModelConfig, params, h: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------- prefill
-@functools.partial(jax.jit, static_argnames=("config", "chunk", "num_chunks", "backend"),
+@functools.partial(jax.jit, static_argnames=("config", "chunk", "num_chunks", "backend",
+                                             "kv_dtype"),
                    donate_argnames=("cache", "tokens"))
 def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedKVCache,
              tokens: jax.Array, prompt_lens: jax.Array, sampling: sampling_lib.Sampling,
              key: jax.Array, max_new: jax.Array, eos_ids: jax.Array, *, chunk: int,
-             num_chunks: int, backend: str | None):
+             num_chunks: int, backend: str | None, kv_dtype=None):
     b, s = tokens.shape
     layers = spec.hidden_layers if spec is not None else ()
-    spec_state = spec.init(config, b, s) if spec is not None else ()
+    spec_state = spec.init(config, b, s, kv_dtype=kv_dtype) if spec is not None else ()
     d = config.hidden_size
     dt = jnp.dtype(config.dtype)
     last = Hidden(jnp.zeros((b, 1, d), dt), tuple(jnp.zeros((b, 1, d), dt) for _ in layers))
@@ -591,10 +592,12 @@ def generate(
       (`specjax.model.decode_params`).
     num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
       whose `data` axis splits the rows, split evenly between the data shards.
-    kv_cache_dtype: the target's KV cache: None (the model's dtype), a float dtype, or
-      "int8" (per-token scales, about half of bf16's bytes; `specjax.kv_quant`). The
-      output is then lossless against the target with that cache, which is not the
-      float target's output token for token. Speculators keep their own caches as is.
+    kv_cache_dtype: the KV caches' pages, the target's and the speculator's own (a draft
+      model's, an EAGLE head's), as vLLM's `kv_cache_dtype`: None (each model's dtype), a
+      float dtype, or "int8" (per-token scales, about half of bf16's bytes;
+      `specjax.kv_quant`). The output is then lossless against the target with that
+      cache, which is not the float target's output token for token; the speculator's
+      cache changes only what it proposes.
     """
     cfg = model.config
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -663,7 +666,8 @@ def generate(
     pre_args = (cfg, params, speculator, cache,
                 shard.put(buf, mesh, ("batch", None), name="tokens"), plens, sampling, key,
                 max_new, eos_arr)
-    pre_kw = dict(chunk=chunk, num_chunks=num_chunks, backend=attention_backend)
+    pre_kw = dict(chunk=chunk, num_chunks=num_chunks, backend=attention_backend,
+                  kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     pre = _compiled(_prefill, pre_args, pre_kw, mesh)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state

@@ -122,6 +122,10 @@ def test_plan_memory_counts_int8_pages_and_scales():
     slots = config.num_layers * config.num_kv_heads * 2 * 64 * 2  # layers x K x rows x len x (K, V)
     assert plans["float32"].kv_cache == slots * config.head_dim * 4 + table
     assert plans["int8"].kv_cache == slots * (config.head_dim + 4) + table
+    draft = tiny_llama(num_layers=1)  # generate gives the draft's cache the same dtype
+    with_draft = specjax.plan_memory(config, mesh, kv_cache_dtype="int8", draft_config=draft,
+                                     **kw)
+    assert with_draft.draft_kv_cache == slots // config.num_layers * (draft.head_dim + 4) + table
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
         specjax.plan_memory(config, mesh, kv_cache_dtype="fp8", **kw)
 

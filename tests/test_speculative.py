@@ -437,6 +437,46 @@ def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch)
     jax.clear_caches()
 
 
+def test_int8_kv_cache_dtype_applies_to_the_speculators_own_caches(monkeypatch):
+    """`kv_cache_dtype` sets the draft model's and the EAGLE head's caches too (vLLM's
+    engine-wide setting): `generate` hands it to `init`, whose cache is then int8; the
+    target as its own draft, both over int8, accepts every draft; both stay lossless
+    against the int8 target through both commit paths."""
+    import jax.numpy as jnp
+
+    from specjax import generation
+    from specjax.speculators import Eagle
+
+    target = _attention_sensitive_target()
+    eagle = Eagle.random(target, top_k=2, depth=3, total_tokens=6)
+    for spec in (DraftModel(model=target, k=4), eagle):
+        state = spec.init(target.config, 2, 64, kv_dtype=jnp.dtype(jnp.int8))
+        assert state.cache.quantized and state.cache.k_pages.dtype == jnp.int8
+        assert not spec.init(target.config, 2, 64).cache.quantized
+    asked = []
+    for cls in (DraftModel, Eagle):
+        def spy(self, *args, _init=cls.init, **kwargs):
+            asked.append((type(self).__name__, kwargs.get("kv_dtype")))
+            return _init(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "init", spy)
+    kw = dict(max_new_tokens=16, ignore_eos=True, kv_cache_dtype="int8")
+    want = specjax.generate(target, PROMPTS, **kw).tokens
+    for defer in (False, True):  # both commit paths
+        monkeypatch.setattr(generation, "_defer_kv_write", lambda backend, d=defer: d)
+        generation._COMPILED.clear()
+        jax.clear_caches()
+        asked.clear()
+        self_draft = specjax.generate(target, PROMPTS, speculator=DraftModel(model=target, k=4),
+                                      adaptive=False, **kw)
+        assert self_draft.tokens == want, defer
+        assert self_draft.stats.acceptance_rate == 1.0, defer
+        assert specjax.generate(target, PROMPTS, speculator=eagle, adaptive=False,
+                                **kw).tokens == want, defer
+        assert asked == [("DraftModel", jnp.int8), ("Eagle", jnp.int8)], asked
+    generation._COMPILED.clear()
+    jax.clear_caches()
+
+
 def test_expected_speedup_uses_acceptance_per_position():
     """All-or-nothing acceptance (half the steps accept all 4 drafts, half none): α is
     0.5 either way, but per position E[tokens] = 1 + 2 = 3, which the i.i.d. closed form

@@ -106,8 +106,9 @@ def plan_memory(
       Z = page_size, K split over `model` when the rules shard it and P over `data` when
       the rows are (each data shard owns its rows' pages), plus the int32 page table and
       lengths (rows over `data`); pages of `kv_cache_dtype` (default `dtype`; "int8" adds
-      float32 scales [L, K, P, Z] for K and for V), the target's only.
-    draft_*: the same for `draft_config` (a `DraftModel`) with the same batch and length.
+      float32 scales [L, K, P, Z] for K and for V).
+    draft_*: the same for `draft_config` (a `DraftModel`) with the same batch, length and
+      `kv_cache_dtype` (as `generate` gives the draft's cache the target's).
     activations (one layer live at a time, a prefill chunk of C = min(prefill_chunk,
       max_len) tokens, b = rows per data shard, N', K', F', V' = per-shard counts,
       S = ceil(max_len / page_size) × page_size):
@@ -135,7 +136,7 @@ def plan_memory(
     draft_p = draft_kv = 0
     if draft_config is not None:
         draft_p = params_bytes(draft_config, shape, dtype, rules=rules)
-        draft_kv = cache_bytes(draft_config, shape, **kw)
+        draft_kv = cache_bytes(draft_config, shape, **kw | dict(dtype=kv_dtype))
     return MemoryPlan(shape, params_bytes(config, shape, dtype, rules=rules),
                       cache_bytes(config, shape, **kw | dict(dtype=kv_dtype)), draft_p,
                       draft_kv, acts)

@@ -109,7 +109,11 @@ class Speculator:
         chain draft: one per position; Medusa: one). `cost_ratio` is per call."""
         return 0
 
-    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> Any:
+    def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
+             kv_dtype=None) -> Any:
+        """The speculator's state for `batch` rows of up to `capacity` tokens. kv_dtype: the
+        pages of its own KV cache, if it has one (None: its model's dtype; int8: quantized
+        with per-token scales, `specjax.kv_quant`), as `generate(kv_cache_dtype=)` asks."""
         return ()
 
     def prefill(self, state: Any, chunk: PrefillChunk, target_params: Any) -> Any:

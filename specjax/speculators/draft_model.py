@@ -113,10 +113,11 @@ class DraftModel(QueuedSpeculator):
     def draft_calls_per_step(self) -> int:
         return self.k
 
-    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> DraftState:
+    def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
+             kv_dtype=None) -> DraftState:
         extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
         m = -(-(capacity + extra) // self.page_size)
-        cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size)
+        cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size, dtype=kv_dtype)
         return DraftState(cache, jnp.zeros((batch, self.k + 1 + QUEUE_SLACK), jnp.int32),
                           jnp.zeros((batch,), jnp.int32), jnp.bool_(False))
 

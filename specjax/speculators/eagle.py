@@ -181,9 +181,11 @@ class Eagle(QueuedSpeculator):
         return self.max_depth  # the queue call, then one per further depth
 
     # -- protocol ----------------------------------------------------------------------
-    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> EagleState:
+    def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
+             kv_dtype=None) -> EagleState:
         m = -(-(capacity + self._extra_slots) // self.page_size)
-        cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size)
+        cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size,
+                                      dtype=kv_dtype)
         q = self.max_depth + 1 + QUEUE_SLACK
         d = target_config.hidden_size
         dt = jnp.dtype(target_config.dtype)

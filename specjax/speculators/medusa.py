@@ -128,7 +128,9 @@ class Medusa(Speculator):
         return 1
 
     # -- protocol ----------------------------------------------------------------------
-    def init(self, target_config: ModelConfig, batch: int, capacity: int) -> MedusaState:
+    def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
+             kv_dtype=None) -> MedusaState:
+        del kv_dtype  # the heads keep no KV cache
         return MedusaState(jnp.zeros((batch, target_config.hidden_size),
                                      jnp.dtype(target_config.dtype)))
 
