@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kv_quant
+from specjax.typing import (AllowedMask, NewKV, PageTable, Pages, Queries, RowKV, RowLengths,
+                            Scales, TreeMask)
 
 BACKENDS = ("reference", "pallas")
 _ENV = "SPECJAX_ATTENTION"
@@ -62,11 +64,11 @@ def resolve_backend(backend: str | None) -> str:
 def allowed_mask(
     t_len: int,
     s_len: int,
-    kv_lens: jax.Array,  # [B] int32
-    q_lens: jax.Array,  # [B] int32
-    mask: jax.Array | None,  # [B, T, T] bool
+    kv_lens: RowLengths,
+    q_lens: RowLengths,
+    mask: TreeMask | None,
     sliding_window: int | None = None,
-) -> jax.Array:
+) -> AllowedMask:
     """Which KV slot each query may see: [B, T, S] bool (the contract above, spelled out)."""
     t = jnp.arange(t_len)[None, :, None]  # [1, T, 1]
     j = jnp.arange(s_len)[None, None, :]  # [1, 1, S]
@@ -86,25 +88,25 @@ def allowed_mask(
 
 
 def attend(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, S, K, H]
-    v: jax.Array,  # [B, S, K, H]
-    ok: jax.Array,  # [B, T, S] bool
+    q: Queries,
+    k: RowKV,
+    v: RowKV,
+    ok: AllowedMask,
     *,
     scale: float,
     soft_cap: float | None = None,
-) -> jax.Array:  # [B, T, N, H]
+) -> Queries:
     """Masked softmax attention with float32 scores; queries that see nothing output 0."""
     return attend_parts(q, ((k, v, ok),), scale=scale, soft_cap=soft_cap)
 
 
 def attend_parts(
-    q: jax.Array,  # [B, T, N, H]
+    q: Queries,
     parts,  # ((k [B, S_i, K, H], v [B, S_i, K, H], ok [B, T, S_i] bool), ...)
     *,
     scale: float,
     soft_cap: float | None = None,
-) -> jax.Array:  # [B, T, N, H]
+) -> Queries:
     """`attend` over the concatenation of several KV parts, without concatenating them:
     one softmax across all parts (a shared max and denominator). Used to attend to the
     cached prefix and the step's own new keys/values kept out of the cache."""
@@ -137,27 +139,29 @@ def attend_parts(
 
 
 def reference_paged_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [K, P, Z, H]
-    v_pages: jax.Array,  # [K, P, Z, H]
-    page_table: jax.Array,  # [B, M] int32
-    kv_lens: jax.Array,  # [B] int32
-    q_lens: jax.Array,  # [B] int32
-    mask: jax.Array | None = None,  # [B, T, T] bool
+    q: Queries,
+    k_pages: Pages,
+    v_pages: Pages,
+    page_table: PageTable,
+    kv_lens: RowLengths,
+    q_lens: RowLengths,
+    mask: TreeMask | None = None,
     *,
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
-    v_scales: jax.Array | None = None,  # [K, P, Z] float32
-) -> jax.Array:  # [B, T, N, H]
+    k_scales: Scales | None = None,  # float32 when the pages are int8
+    v_scales: Scales | None = None,
+) -> Queries:
     """Plain-jnp paged attention: gather each row's pages, then `attend`."""
     k, v = _gather_rows(k_pages, v_pages, page_table, k_scales, v_scales, q.dtype)
     ok = allowed_mask(q.shape[1], k.shape[1], kv_lens, q_lens, mask, sliding_window)
     return attend(q, k, v, ok, scale=scale, soft_cap=soft_cap)
 
 
-def _gather_rows(k_pages, v_pages, page_table, k_scales=None, v_scales=None, dtype=None):
+def _gather_rows(k_pages: Pages, v_pages: Pages, page_table: PageTable,
+                 k_scales: Scales | None = None, v_scales: Scales | None = None,
+                 dtype=None) -> tuple[RowKV, RowKV]:
     """[K, P, Z, H] pages, [B, M] table -> each row's keys and values [B, M*Z, K, H];
     int8 pages dequantized to `dtype` with their scales [K, P, Z]."""
     b, m = page_table.shape
@@ -173,19 +177,19 @@ def _gather_rows(k_pages, v_pages, page_table, k_scales=None, v_scales=None, dty
 
 
 def reference_attention_with_new(
-    q: jax.Array,  # [B, T, N, H]
-    k_new: jax.Array,  # [B, T, K, H] the T new tokens' keys, not in the pages
-    v_new: jax.Array,  # [B, T, K, H]
-    q_lens: jax.Array,  # [B] int32
-    mask: jax.Array | None,  # [B, T, T] bool, None = causal
-    k_pages: jax.Array,  # [K, P, Z, H]
-    v_pages: jax.Array,  # [K, P, Z, H]
-    page_table: jax.Array,  # [B, M] int32
-    prefix_lens: jax.Array,  # [B] int32 cached slots each query sees
+    q: Queries,
+    k_new: NewKV,  # the T new tokens' keys, not in the pages
+    v_new: NewKV,
+    q_lens: RowLengths,
+    mask: TreeMask | None,  # None = causal
+    k_pages: Pages,
+    v_pages: Pages,
+    page_table: PageTable,
+    prefix_lens: RowLengths,  # cached slots each query sees
     *, scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
-    v_scales: jax.Array | None = None,
-) -> jax.Array:  # [B, T, N, H]
+    k_scales: Scales | None = None,  # float32 when the pages are int8
+    v_scales: Scales | None = None,
+) -> Queries:
     """The module contract with the new tokens' KV passed beside the pages instead of
     written into them: the same output as writing them at slots `prefix_lens + t` and
     calling `reference_paged_attention` with kv_lens = prefix_lens + q_lens.
@@ -218,23 +222,23 @@ def _pallas_backend() -> Callable:
 
 
 def paged_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [K, P, Z, H]
-    v_pages: jax.Array,  # [K, P, Z, H]
-    page_table: jax.Array,  # [B, M] int32
-    kv_lens: jax.Array,  # [B] int32
-    q_lens: jax.Array,  # [B] int32
-    mask: jax.Array | None = None,  # [B, T, T] bool
+    q: Queries,
+    k_pages: Pages,
+    v_pages: Pages,
+    page_table: PageTable,
+    kv_lens: RowLengths,
+    q_lens: RowLengths,
+    mask: TreeMask | None = None,
     *,
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
     mesh=None,
-    new_kv: tuple[jax.Array, jax.Array] | None = None,  # ([B, T, K, H], [B, T, K, H])
-    k_scales: jax.Array | None = None,  # [K, P, Z] float32 when the pages are int8
-    v_scales: jax.Array | None = None,  # [K, P, Z] float32
-) -> jax.Array:  # [B, T, N, H]
+    new_kv: tuple[NewKV, NewKV] | None = None,
+    k_scales: Scales | None = None,  # float32 when the pages are int8
+    v_scales: Scales | None = None,
+) -> Queries:
     """Attention of T new query tokens per row against a paged KV cache (see module doc).
 
     With a mesh (`mesh`, or the one `jax.set_mesh` made active) the backend runs once per

@@ -33,6 +33,8 @@ from flax import struct
 
 from specjax import kv_quant
 from specjax.config import ModelConfig
+from specjax.typing import (HostPageTable, HostRowLengths, LayerIndex, NewKV, PageTable,
+                            SlotIndex, SlotValid)
 
 
 class OutOfPagesError(ValueError):
@@ -77,8 +79,9 @@ class PagedKVCache:
         return self.page_table.shape[1] * self.page_size
 
     @classmethod
-    def create(cls, config: ModelConfig, page_table: jax.Array, *, num_pages: int,
-               page_size: int, dtype=None, lengths: jax.Array | None = None) -> "PagedKVCache":
+    def create(cls, config: ModelConfig, page_table: HostPageTable, *, num_pages: int,
+               page_size: int, dtype=None,
+               lengths: HostRowLengths | None = None) -> "PagedKVCache":
         """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`.
 
         dtype: of the pages (default the config's); `jnp.int8` makes an int8 cache with
@@ -113,8 +116,8 @@ class PagedKVCache:
                           dtype=dtype)
 
 
-def slot_pages(page_table: jax.Array, slots: jax.Array, valid: jax.Array, page_size: int,
-               num_pages: int) -> tuple[jax.Array, jax.Array]:
+def slot_pages(page_table: PageTable, slots: SlotIndex, valid: SlotValid,
+               page_size: int, num_pages: int) -> tuple[SlotIndex, SlotIndex]:
     """(page id, offset) of each row's KV slot [B, T]; invalid slots map past the pool (dropped)."""
     m = page_table.shape[1]
     page_idx = jnp.clip(slots // page_size, 0, m - 1)
@@ -153,11 +156,11 @@ def write_kv(
 
 def write_layer_kv(
     kv: tuple,  # PagedKVCache.kv: (k_pages, v_pages, k_scales | None, v_scales | None)
-    layer: jax.Array,  # [] int32
-    k: jax.Array,  # [B, T, K, H]
-    v: jax.Array,  # [B, T, K, H]
-    page: jax.Array,  # [B, T] int32 (>= P = drop)
-    offset: jax.Array,  # [B, T] int32
+    layer: LayerIndex,
+    k: NewKV,
+    v: NewKV,
+    page: SlotIndex,  # >= P = drop
+    offset: SlotIndex,
 ) -> tuple:
     """One layer's new keys and values written into `kv`; int8 pages get them quantized
     (`kv_quant.quantize`) and their scales beside them."""

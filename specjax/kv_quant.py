@@ -13,14 +13,15 @@ speculative decoding stays exactly lossless against the int8-cache target.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from specjax.typing import FloatVectors, Int8Vectors, VectorScales
 
 INT8_MAX = 127.0
 KV_CACHE_DTYPES = ("int8",)  # besides float dtypes (which store the values as they are)
 
 
-def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize(x: FloatVectors) -> tuple[Int8Vectors, VectorScales]:
     """[..., H] float -> (int8 [..., H], float32 scales [...]): symmetric, per vector."""
     xf = x.astype(jnp.float32)
     scales = jnp.max(jnp.abs(xf), axis=-1) / INT8_MAX
@@ -28,12 +29,12 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scales
 
 
-def dequantize(q: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+def dequantize(q: Int8Vectors, scales: VectorScales, dtype) -> FloatVectors:
     """int8 [..., H] x scales [...] -> `dtype` (float32 product, then the cast)."""
     return (q.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-def fake_quantize(x: jax.Array) -> jax.Array:
+def fake_quantize(x: FloatVectors) -> FloatVectors:
     """`x` as an int8 cache hands it back: quantized, then dequantized to x's dtype."""
     return dequantize(*quantize(x), x.dtype)
 

@@ -10,15 +10,13 @@ discharges to plain XLA loops and ran ~1000x faster per call than the TPU interp
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention import _common as common
-from pallas_kernels.ragged_paged_attention import gpu, tpu
+from pallas_kernels.ragged_paged_attention import launch
 from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
 from pallas_kernels.ragged_paged_attention import validation
 
@@ -80,55 +78,6 @@ def native_lowering() -> Lowering | None:
     return _NATIVE.get(jax.default_backend())
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "soft_cap", "sliding_window", "lowering", "block_rows", "pages_per_block",
-    "kv_splits", "num_warps", "num_stages", "interpret", "debug"))
-def _ragged_paged_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [K, P, Z, H]
-    v_pages: jax.Array,  # [K, P, Z, H]
-    page_table: jax.Array,  # [B, M] int32
-    kv_lens: jax.Array,  # [B] int32
-    q_lens: jax.Array,  # [B] int32
-    mask: jax.Array | None,  # [B, T, T] bool
-    k_scales: jax.Array | None,  # [K, P, Z] float32, with int8 pages
-    v_scales: jax.Array | None,  # [K, P, Z] float32
-    *,
-    scale: float,
-    soft_cap: float | None,
-    sliding_window: int | None,
-    lowering: Lowering,
-    block_rows: int,
-    pages_per_block: int,
-    kv_splits: int,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
-    debug: bool,
-) -> jax.Array:  # [B, T, N, H]
-    b, t, n, h = q.shape
-    kh, p, _, _ = k_pages.shape
-    group = n // kh
-    rows_pad = common.cdiv(t * group, block_rows) * block_rows
-    # Float pages of another dtype: compute in the wider one, as the reference's einsum.
-    compute = q.dtype if k_scales is not None else jnp.promote_types(q.dtype, k_pages.dtype)
-    q_rows = common.rows_from_q(q.astype(compute), kh, rows_pad)  # [B, K, R_pad, H]
-    words = None if mask is None else common.mask_words(mask, group, rows_pad)
-    table = common.pad_page_table(page_table, p, pages_per_block)  # [B, M_pad]
-    kv_scales = None if k_scales is None else (k_scales[..., None], v_scales[..., None])
-    args = (q_rows, k_pages, v_pages, table, kv_lens, q_lens, words, kv_scales)
-    opts = dict(group=group, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                block_rows=block_rows, pages_per_block=pages_per_block, debug=debug)
-    if lowering == "triton":
-        out = gpu.ragged_paged_attention_gpu(*args, **opts, splits=kv_splits,
-                                             num_warps=num_warps, num_stages=num_stages,
-                                             interpret=interpret)
-    else:
-        out = tpu.ragged_paged_attention_tpu(
-            *args, **opts, interpret=pltpu.InterpretParams() if interpret else False)
-    return common.q_from_rows(out, t, n).astype(q.dtype)
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [B, T, N, H]
     k_pages: jax.Array,  # [K, P, Z, H]
@@ -179,7 +128,7 @@ def ragged_paged_attention(
         q.shape, k_pages.shape, page_table.shape[1], q.dtype, lowering=lowering,
         interpret=interpret, block_rows=block_rows, pages_per_block=pages_per_block,
         kv_splits=kv_splits, num_warps=num_warps, num_stages=num_stages)
-    return _ragged_paged_attention(
+    return launch.launch(
         q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, k_scales, v_scales,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
