@@ -578,7 +578,8 @@ def generate(
       tokens costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target
       steps (or measured ratios, `VerifyCost.from_table`), times 1 + branch inside the
       speculative step's verify switch
-      (a batch's verify forward counts rows × T tokens); used by the adaptive rule
+      (a batch's verify forward counts rows × T tokens, or reads tables measured at
+      larger batches, `from_table(by_rows=)`); used by the adaptive rule
       and the analytical speedup. None takes this backend's `specjax.stats.VERIFY_COST`;
       `VerifyCost()` is Leviathan et al.'s free verify.
     acceptance_prior: the acceptance α_d per draft depth d = 1, 2, ... the adaptive rule

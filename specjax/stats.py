@@ -28,6 +28,15 @@ import numpy as np
 from flax import struct
 
 
+def _interpolate(t, ts, vs):
+    """vs at t, linear between the points (ts rising) and along the last segment past
+    them (a forward past the table keeps its last per-token cost)."""
+    import jax.numpy as jnp
+
+    last = (vs[-1] - vs[-2]) / (ts[-1] - ts[-2])
+    return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, jnp.interp(t, ts, vs))
+
+
 @struct.dataclass
 class VerifyCost:
     """The cost of a target forward over T inputs relative to a one-token step:
@@ -53,6 +62,11 @@ class VerifyCost:
     inside a `lax.switch` over widths (XLA:CPU 1.08x a bare step, `python -m
     specjax.bench.branching`, "cond, KV outside"), while a step that drafts nothing
     runs bare in the plain-step loop (`speculative`).
+
+    rows, by_rows: tables measured at larger batches ([A] batch sizes > 1, rising;
+    [A, P] cost(T) / cost(1) at each, on `measured`'s T grid; `from_table(by_rows=)`).
+    A batch-1 table scaled by rows × T (`relative`) overpriced verification at batch 16
+    on XLA:CPU by up to 2.3x, because 16 rows at T = 1 already run a GEMM.
     """
 
     jump: Any = 0.0
@@ -60,33 +74,70 @@ class VerifyCost:
     per_token: Any = 0.0
     branch: Any = 0.0
     measured: Any = None
+    rows: Any = None
+    by_rows: Any = None
 
     @classmethod
-    def from_table(cls, ratios: dict, branch: float = 0.0) -> "VerifyCost":
-        """From measured {T: cost(T) / cost(1)} (`python -m specjax.bench.verify_cost`)."""
+    def from_table(cls, ratios: dict, branch: float = 0.0,
+                   by_rows: dict | None = None) -> "VerifyCost":
+        """From measured {T: cost(T) / cost(1)} at batch 1 (`python -m
+        specjax.bench.verify_cost`), and optionally {batch: {T: ratio}} measured at larger
+        batches (`--batch N`) over the same T."""
         ts = sorted(ratios)
+        rows = table = None
+        if by_rows:
+            rows = sorted(by_rows)
+            for b in rows:
+                if sorted(by_rows[b]) != ts:
+                    raise ValueError(f"by_rows[{b}] measures T = {sorted(by_rows[b])}; "
+                                     f"the batch-1 table measures T = {ts}")
+            table = np.asarray([[by_rows[b][t] for t in ts] for b in rows], np.float64)
+            rows = np.asarray(rows, np.float64)
         return cls(branch=branch, measured=np.asarray([ts, [ratios[t] for t in ts]],
-                                                      np.float64))
+                                                      np.float64), rows=rows, by_rows=table)
 
     def __call__(self, tokens):
-        """v at `tokens` inputs in one forward (numpy or jax arrays, or a float >= 1)."""
+        """v at `tokens` inputs in one forward at batch 1 (numpy or jax arrays, or a
+        float >= 1)."""
         import jax.numpy as jnp
 
         t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
         if self.measured is not None:
-            ts, vs = jnp.asarray(self.measured[0]), jnp.asarray(self.measured[1])
-            last = (vs[-1] - vs[-2]) / (ts[-1] - ts[-2])  # extrapolate the last segment
-            return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, jnp.interp(t, ts, vs))
+            return _interpolate(t, jnp.asarray(self.measured[0]), jnp.asarray(self.measured[1]))
         return jnp.maximum(1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t),
                            self.per_token * t)
 
     def relative(self, tokens_per_row, rows):
         """Cost of a forward verifying `tokens_per_row` for each of `rows` rows, relative
-        to the plain decode step of those rows: v(rows · T) / v(rows) (batch 1: v(T))."""
+        to the plain decode step of those rows: v(rows · T) / v(rows) (batch 1: v(T)).
+
+        With tables at larger batches (`by_rows`; batch 1 is `measured`): at a measured
+        batch, its own ratio; between two, their ratios at T blended linearly in
+        log2(rows); past the largest, b, that table scaled as above:
+        v_b(rows/b · T) / v_b(rows/b). rows: a scalar (the loop's static batch)."""
         import jax.numpy as jnp
 
         rows = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
-        return self(rows * jnp.asarray(tokens_per_row, jnp.float32)) / self(rows)
+        t = jnp.asarray(tokens_per_row, jnp.float32)
+        if self.by_rows is None:
+            return self(rows * t) / self(rows)
+        if rows.ndim:
+            raise ValueError(f"rows has shape {rows.shape}; one batch size (a scalar) "
+                             "is what picks the measured tables")
+        anchors = jnp.concatenate([jnp.ones((1,), jnp.float32),
+                                   jnp.asarray(self.rows, jnp.float32)])  # [A+1]
+        tables = jnp.concatenate([jnp.asarray(self.measured[1], jnp.float32)[None],
+                                  jnp.asarray(self.by_rows, jnp.float32)])  # [A+1, P]
+        ts = jnp.asarray(self.measured[0], jnp.float32)
+        t = jnp.maximum(t, 1.0)
+        i = jnp.sum(anchors <= rows) - 1  # the largest measured batch <= rows
+        j = jnp.minimum(i + 1, anchors.shape[0] - 1)
+        w = jnp.log2(rows / anchors[i]) / jnp.maximum(jnp.log2(anchors[j] / anchors[i]), 1e-9)
+        between = ((1.0 - w) * _interpolate(t, ts, tables[i])
+                   + w * _interpolate(t, ts, tables[j]))
+        scale = rows / anchors[i]
+        past = _interpolate(scale * t, ts, tables[i]) / _interpolate(scale, ts, tables[i])
+        return jnp.where(i == j, past, between)
 
     def speculative(self, tokens_per_row, rows):
         """`relative` for a forward the speculative step runs (inside its verify
@@ -100,6 +151,11 @@ class VerifyCost:
             points = ", ".join(f"{int(t)}: {float(v):.2f}" for t, v in
                                zip(*np.asarray(self.measured)))
             out = f"v(T) interpolated from measured {{T: v}} = {{{points}}}"
+            if self.by_rows is not None:
+                for r, vs in zip(np.asarray(self.rows), np.asarray(self.by_rows)):
+                    points = ", ".join(f"{int(t)}: {float(v):.2f}" for t, v in
+                                       zip(np.asarray(self.measured)[0], vs))
+                    out += f"; at batch {int(r)} {{{points}}}"
         elif float(self.per_token) > 0:
             out = f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
         if float(self.branch) > 0:
@@ -123,17 +179,43 @@ class VerifyCost:
                     f"VerifyCost measured={self.measured!r} must be [2, P >= 2] rows (T, "
                     "cost) with T rising from 1, cost(1) = 1 and every cost finite and > 0")
             table = table.astype(np.float32)
+        rows, by_rows = self._validated_rows(table)
         return VerifyCost(np.float32(self.jump), np.float32(self.slope),
-                          np.float32(self.per_token), np.float32(self.branch), table)
+                          np.float32(self.per_token), np.float32(self.branch), table,
+                          rows, by_rows)
+
+    def _validated_rows(self, table):
+        """(rows, by_rows) as float32, checked against the batch-1 `table`."""
+        if self.rows is None and self.by_rows is None:
+            return None, None
+        rows = np.asarray(self.rows, np.float64)
+        by_rows = np.asarray(self.by_rows, np.float64)
+        if (table is None or rows.ndim != 1 or rows.size == 0 or np.any(rows <= 1)
+                or np.any(rows != np.round(rows)) or np.any(np.diff(rows) <= 0)):
+            raise ValueError(f"VerifyCost rows={self.rows!r} must be batch sizes > 1, "
+                             "rising, beside a measured batch-1 table")
+        if (by_rows.shape != (rows.size, table.shape[1]) or not np.all(np.isfinite(by_rows))
+                or np.any(by_rows <= 0) or np.any(by_rows[:, 0] != 1)):
+            raise ValueError(
+                f"VerifyCost by_rows={self.by_rows!r} must be [{rows.size}, {table.shape[1]}]"
+                " costs (one row per batch size, on measured's T), each finite and > 0, 1 "
+                "at T = 1")
+        return rows.astype(np.float32), by_rows.astype(np.float32)
 
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on the 25M
-# benchmark Llama, branch from `python -m specjax.bench.branching` (docs/benchmarks.md).
+# benchmark Llama at batch 1, 4 and 16 (`--batch`), branch from `python -m
+# specjax.bench.branching` (docs/benchmarks.md).
 # GPU/TPU: not measured yet; set to the memory-bound regime (the kernel issue's target
 # is 64 nodes for <= 1.3x one token).
-VERIFY_COST = {"cpu": VerifyCost.from_table({1: 1.0, 2: 1.65, 3: 1.71, 5: 1.71, 9: 1.91,
-                                             17: 2.21, 33: 3.45, 65: 5.15, 129: 9.56},
-                                            branch=0.08),
+VERIFY_COST = {"cpu": VerifyCost.from_table(
+                   {1: 1.0, 2: 1.65, 3: 1.71, 5: 1.71, 9: 1.91, 17: 2.21, 33: 3.45, 65: 5.15,
+                    129: 9.56},
+                   branch=0.08,
+                   by_rows={4: {1: 1.0, 2: 1.19, 3: 1.30, 5: 1.50, 9: 2.20, 17: 3.16,
+                                33: 5.29, 65: 9.36, 129: 16.78},
+                            16: {1: 1.0, 2: 1.04, 3: 1.16, 5: 1.35, 9: 1.88, 17: 2.79,
+                                 33: 4.59, 65: 8.17, 129: 15.81}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 

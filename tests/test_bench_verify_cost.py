@@ -83,6 +83,42 @@ def test_measured_table_interpolates_and_extrapolates():
             VerifyCost.from_table(bad).validated()
 
 
+def test_tables_at_larger_batches_anchor_the_batch_scaling():
+    """`from_table(by_rows=)`: at a measured batch the cost is that batch's own table;
+    between two, a blend linear in log2(rows); past the largest, that table scaled by
+    rows x T (as batch 1 alone is: v(rows·T) / v(rows)); inside a traced loop too; bad
+    tables are named."""
+    import jax
+
+    from specjax.stats import VerifyCost
+
+    one = {1: 1.0, 2: 1.6, 10: 2.0, 20: 4.0}
+    four = {1: 1.0, 2: 1.1, 10: 1.5, 20: 2.5}
+    vc = VerifyCost.from_table(one, by_rows={4: four}).validated()
+    plain = VerifyCost.from_table(one).validated()
+    ts = np.asarray([1, 2, 10, 20])
+    np.testing.assert_allclose(vc.relative(ts, 4), [1.0, 1.1, 1.5, 2.5], rtol=1e-6)
+    np.testing.assert_allclose(vc.relative(ts, 1), plain.relative(ts, 1), rtol=1e-6)
+    # batch 2, halfway from 1 to 4 in log2: the mean of the two tables' ratios
+    np.testing.assert_allclose(vc.relative(ts, 2), [1.0, 1.35, 1.75, 3.25], rtol=1e-6)
+    # batch 8 = 4 rows anchored, x2: v4(2T) / v4(2); T = 5 -> v4(10) / v4(2)
+    np.testing.assert_allclose(vc.relative(5, 8), 1.5 / 1.1, rtol=1e-6)
+    assert float(vc.relative(5, 8)) < float(plain.relative(5, 8))  # 1.36 against 2.5
+    traced = jax.jit(lambda v, t: v.speculative(t, 8))(vc, np.float32(5))
+    np.testing.assert_allclose(traced, 1.5 / 1.1, rtol=1e-6)
+    assert "at batch 4 {1: 1.00, 2: 1.10, 10: 1.50, 20: 2.50}" in vc.describe()
+    with pytest.raises(ValueError, match=r"by_rows\[4\] measures T = \[1, 2\]"):
+        VerifyCost.from_table(one, by_rows={4: {1: 1.0, 2: 1.1}})
+    bad_rows = [(dict(rows=[1.0], by_rows=[[1.0, 1.1, 1.5, 2.5]]), "rows="),
+                (dict(rows=[4.0], by_rows=[[1.2, 1.1, 1.5, 2.5]]), "by_rows="),
+                (dict(rows=[4.0], by_rows=[[1.0, 1.1]]), "by_rows=")]
+    for kw, match in bad_rows:
+        with pytest.raises(ValueError, match=match):
+            VerifyCost(measured=vc.measured, **kw).validated()
+    with pytest.raises(ValueError, match="one batch size"):
+        vc.relative(5, np.asarray([4, 8]))
+
+
 @pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),
                                          (["--tokens", "1,x"], "--tokens='1,x'"),
                                          (["--repeats", "0"], "--repeats=0")])
