@@ -66,7 +66,7 @@ class VerifyCost:
     rows, by_rows: tables measured at larger batches ([A] batch sizes > 1, rising;
     [A, P] cost(T) / cost(1) at each, on `measured`'s T grid; `from_table(by_rows=)`).
     A batch-1 table scaled by rows × T (`relative`) overpriced verification at batch 16
-    on XLA:CPU by up to 2.3x, because 16 rows at T = 1 already run a GEMM.
+    on XLA:CPU 1.2–4x, because 16 rows at T = 1 already run a GEMM (docs/benchmarks.md).
     """
 
     jump: Any = 0.0
