@@ -27,26 +27,31 @@ def _one(config, params, spec, state, sampling):
 
 def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
                     temperature: float = 0.0, seed: int = 0, page_size: int = 16,
-                    params=None) -> tuple[gen.LoopState, Sampling]:
-    """The loop state after prefilling `prompt` (batch 1) and sampling its first token,
-    as `generate` leaves it before the first speculative step, and the sampling settings.
-    params: the target's params in the layout to run (default `model.params`)."""
+                    params=None, batch: int = 1) -> tuple[gen.LoopState, Sampling]:
+    """The loop state after prefilling `prompt` and sampling its first token, as
+    `generate` leaves it before the first speculative step, and the sampling settings.
+    params: the target's params in the layout to run (default `model.params`); batch:
+    rows, each holding the same prompt (what timing a batch needs)."""
+    if not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be an integer >= 1")
     cfg = model.config
     params = model.params if params is None else params
     ids = gen._as_token_lists(model, [prompt])[0]
     width = gen._bucket(len(ids) + speculator.num_nodes + 2, 64)
-    pool = PagePool(-(-width // page_size), page_size)
-    pool.allocate(0, width)
-    cache = PagedKVCache.create(cfg, pool.page_table([0], pool.num_pages),
+    per_row = -(-width // page_size)
+    pool = PagePool(batch * per_row, page_size)
+    for r in range(batch):
+        pool.allocate(r, width)
+    cache = PagedKVCache.create(cfg, pool.page_table(range(batch), per_row),
                                 num_pages=pool.num_pages, page_size=page_size)
-    buf = np.zeros((1, width), np.int32)
-    buf[0, :len(ids)] = ids
+    buf = np.zeros((batch, width), np.int32)
+    buf[:, :len(ids)] = ids
     sampling = Sampling.create(temperature)
     chunk = 1 << (len(ids) - 1).bit_length()
     state = gen._prefill(cfg, params, speculator, cache, jnp.asarray(buf),
-                         jnp.asarray([len(ids)], jnp.int32), sampling, jax.random.key(seed),
-                         jnp.int32(2), jnp.full((8,), -1, jnp.int32), chunk=chunk,
-                         num_chunks=1, backend=None)
+                         jnp.full((batch,), len(ids), jnp.int32), sampling,
+                         jax.random.key(seed), jnp.int32(2), jnp.full((8,), -1, jnp.int32),
+                         chunk=chunk, num_chunks=1, backend=None)
     return state.replace(done=jnp.zeros_like(state.done)), sampling
 
 

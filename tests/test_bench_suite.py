@@ -264,6 +264,45 @@ def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
     assert all(r["identical"] for r in res["rows"])
 
 
+def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, monkeypatch):
+    """c (a draft call's cost relative to a target step) moves with the batch, so the
+    suite measures it at every batch it times and each row's adaptive rule and
+    analytical figure use its own batch's (`measured_cost_ratio(batch=)`)."""
+    from specjax.bench import speculative as bench
+
+    _, out, _ = finished
+    asked = []
+
+    def fake(target, spec, temperature, batch):
+        asked.append(batch)
+        return 0.01 * batch
+    monkeypatch.setattr(bench, "measured_cost_ratio", fake)
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            "draft", "--temperatures", "0", "--batches", "1,2", "--out", "", "--figures",
+            "", "--json", str(out / "batches.json")]
+    assert suite.main(argv) == 0
+    rows = json.loads((out / "batches.json").read_text())["rows"]
+    assert sorted(asked) == [1, 2]
+    assert {r["batch"]: r["cost_ratio"] for r in rows if r["method"] == "draft"} == {
+        1: pytest.approx(0.01), 2: pytest.approx(0.02)}
+
+
+def test_prefilled_state_holds_the_prompt_in_every_row(workdir):
+    """`inspect.prefilled_state(batch=)`: what `measured_cost_ratio` times at a batch."""
+    from specjax.inspect import prefilled_state
+    from specjax.speculators import NGram
+
+    target = specjax.load(workdir / "target" / "export")
+    prompt = [5, 6, 7, 8, 9]
+    one, _ = prefilled_state(target, prompt, NGram(k=2))
+    three, _ = prefilled_state(target, prompt, NGram(k=2), batch=3)
+    assert three.tokens.shape == (3, one.tokens.shape[1])
+    assert (three.lengths == one.lengths[0]).all() and int(one.lengths[0]) == len(prompt) + 1
+    assert (three.tokens == one.tokens).all()  # greedy: the same first token in every row
+    with pytest.raises(ValueError, match="batch=0"):
+        prefilled_state(target, prompt, NGram(k=2), batch=0)
+
+
 def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished, heldout):
     """--calibrate N: N prompts per category from other functions than the timed ones,
     one full-depth pass per method, and its acceptance per depth becomes that method's

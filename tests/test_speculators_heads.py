@@ -295,6 +295,10 @@ def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
     c = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20, repeats=2,
                             temperature=1.0 if name == "draft_tree" else 0.0)
     assert np.isfinite(c) and c > 0
+    if name == "eagle2":  # over several rows (the tree's top-k and reranking per row)
+        c3 = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20,
+                                 repeats=2, batch=3)
+        assert np.isfinite(c3) and c3 > 0
     assert measured_cost_ratio(tiny_target, NGram(k=3)) == 0.0
 
 
@@ -305,10 +309,10 @@ def test_measured_cost_ratios_time_greedy_and_sampled_drafts_apart(tiny_target, 
     from specjax.speculators import NGram
 
     calls = []
-    monkeypatch.setattr(bench, "measured_cost_ratio", lambda target, spec, temperature: (
-        calls.append((spec.k, temperature)) or spec.k + temperature))
+    monkeypatch.setattr(bench, "measured_cost_ratio", lambda target, spec, temperature, batch: (
+        calls.append((spec.k, temperature, batch)) or spec.k + temperature))
     specs = {"autoregressive": None, "a": NGram(k=2), "b": NGram(k=3)}
     got = bench.measured_cost_ratios(tiny_target, specs, temperatures=(0.7, 0.0, 1.0))
-    assert sorted(calls) == [(2, 0.0), (2, 0.7), (3, 0.0), (3, 0.7)]
+    assert sorted(calls) == [(2, 0.0, 1), (2, 0.7, 1), (3, 0.0, 1), (3, 0.7, 1)]
     assert got == {0.0: {"a": 2.0, "b": 3.0}, 0.7: {"a": 2.7, "b": 3.7},
                    1.0: {"a": 2.7, "b": 3.7}}

@@ -60,10 +60,14 @@ def _time(fn, repeats: int) -> tuple[float, object]:
 
 
 def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128,
-                        repeats: int = 20, seed: int = 0, temperature: float = 0.0) -> float:
+                        repeats: int = 20, seed: int = 0, temperature: float = 0.0,
+                        batch: int = 1) -> float:
     """c as Leviathan et al. define it, measured: the wall time of one draft call
-    relative to one target decode step (batch 1, T = 1), both as `generate` runs them
-    (its layer layout and compiler options, timed interleaved).
+    relative to one target decode step (T = 1), both over `batch` rows and as `generate`
+    runs them (its layer layout and compiler options, timed interleaved). The ratio
+    moves with the batch (a small draft's fixed work per call is spread over more rows,
+    and the target step turns from a GEMV into a GEMM), so time it at the batch it will
+    price.
 
     The draft side is the speculator's whole `propose` at full depth after a
     `context`-token prompt (the draft model's queue forward and chain, Medusa's heads,
@@ -86,7 +90,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     params = decode_params(cfg, target.params)  # the layout generate uses
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).tolist()
     state, sampling = prefilled_state(target, prompt, spec, params=params,
-                                      temperature=temperature)
+                                      temperature=temperature, batch=batch)
 
     def propose(p, sp, st: LoopState):
         ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling, st.key,
@@ -112,18 +116,18 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
 
 
 def measured_cost_ratios(target: specjax.Model, speculators: dict,
-                         temperatures=(0.0,)) -> dict:
-    """{temperature: {method: `measured_cost_ratio`}} for every speculator (None:
-    autoregressive, skipped). Sampling costs the draft more than argmax does (the
-    distilled draft: c 0.042 greedy, 0.070 at T = 1 on CPU, docs/benchmarks.md), and
-    any T > 0 runs the same sampling code, so c is measured once greedy and once
-    sampled."""
+                         temperatures=(0.0,), batch: int = 1) -> dict:
+    """{temperature: {method: `measured_cost_ratio`}} at `batch` rows for every
+    speculator (None: autoregressive, skipped). Sampling costs the draft more than argmax
+    does (the distilled draft: c 0.042 greedy, 0.070 at T = 1 on CPU,
+    docs/benchmarks.md), and any T > 0 runs the same sampling code, so c is measured
+    once greedy and once sampled."""
     greedy = [t for t in temperatures if t == 0]
     sampled = [t for t in temperatures if t > 0]
     out = {}
     for group in (greedy, sampled):
         if group:
-            c = {name: measured_cost_ratio(target, spec, temperature=group[0])
+            c = {name: measured_cost_ratio(target, spec, temperature=group[0], batch=batch)
                  for name, spec in speculators.items() if spec is not None}
             out.update({t: c for t in group})
     return out

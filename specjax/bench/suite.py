@@ -241,9 +241,9 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     then `repeats` interleaved timed rounds over all the category's prompts.
 
     hf: transformers' target model, hf_methods: {name: generate arguments}; they run
-    prompt by prompt and are reported at batch 1. cost_ratios: {temperature: {method:
-    measured cost of a draft call}} (`generate(cost_ratio=)`), else the parameter-count
-    estimate.
+    prompt by prompt and are reported at batch 1. cost_ratios: {batch: {temperature:
+    {method: measured cost of a draft call}}} (`generate(cost_ratio=)`, measured at each
+    batch), else the parameter-count estimate.
     priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
     generate's `acceptance_prior`, else the default prior. kv_cache_dtype: specjax's
     target cache (`generate(kv_cache_dtype=)`; transformers keeps its own)."""
@@ -257,7 +257,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             spec_kw = dict(run_kw, adaptive=adaptive, kv_cache_dtype=kv_cache_dtype)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
-                per = {name: dict(cost_ratio=cost_ratio_of(cost_ratios, temp, name),
+                per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
+                                                           name),
                                   acceptance_prior=(priors or {}).get((category, temp, name)))
                        for name in speculators}
                 for name, spec in speculators.items():  # warm-up: compiles, one call
@@ -375,7 +376,7 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         "E[tokens per step] / (n·c + v) with α per draft position (E = 1 + accepted drafts "
         "per target call), n the draft calls per target call (the adaptive rule picks the "
         "depth; a chain draft makes one call per position, Medusa one per step) and c one "
-        "call's cost relative to a target step, measured for every method "
+        "call's cost relative to a target step, measured for every method at every batch "
         "(`bench.speculative.measured_cost_ratio`: the speculator's propose at full depth "
         "per call), with the verify forward's modelled cost "
         f"({default_verify_cost().describe()} on this backend); i.i.d. α = "
@@ -507,13 +508,15 @@ def suite(args, command: str, log=_log) -> dict:
         hf_methods = {m: extra for m, extra in hf_variants(
             load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
             if m in args.methods}
-    costs = measured_cost_ratios(target, speculators, args.temperatures)
+    # c at every batch the run times (and at 1 for the calibration passes)
+    costs = {b: measured_cost_ratios(target, speculators, args.temperatures, batch=b)
+             for b in sorted(set(args.batches) | ({1} if args.calibrate else set()))}
     priors = {}
     if args.calibrate:
         calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
                                  args.seed)
         priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
-                           new=args.new, seed=args.seed, cost_ratios=costs)
+                           new=args.new, seed=args.seed, cost_ratios=costs.get(1))
         log(f"calibrated acceptance priors: {priors}")
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
