@@ -33,8 +33,7 @@ from flax import struct
 
 from specjax import kv_quant
 from specjax.config import ModelConfig
-from specjax.typing import (HostPageTable, HostRowLengths, LayerIndex, NewKV, PageTable,
-                            SlotIndex, SlotValid)
+from specjax.typing import LayerIndex, NewKV, PageTable, RowLengths, SlotIndex, SlotValid
 
 
 class OutOfPagesError(ValueError):
@@ -79,9 +78,9 @@ class PagedKVCache:
         return self.page_table.shape[1] * self.page_size
 
     @classmethod
-    def create(cls, config: ModelConfig, page_table: HostPageTable, *, num_pages: int,
+    def create(cls, config: ModelConfig, page_table: PageTable, *, num_pages: int,
                page_size: int, dtype=None,
-               lengths: HostRowLengths | None = None) -> "PagedKVCache":
+               lengths: RowLengths | None = None) -> "PagedKVCache":
         """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`.
 
         dtype: of the pages (default the config's); `jnp.int8` makes an int8 cache with

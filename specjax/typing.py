@@ -21,39 +21,41 @@ from __future__ import annotations
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Int8, Shaped
 
+# jax arrays (tracers included) or numpy arrays: every entry point runs jnp ops on its
+# arguments, so host arrays are valid input and the annotations must say so.
+_A = Array | np.ndarray
+
 # Tokens and positions of T new tokens per row.
-Tokens = Int[Array, "B T"]
-Positions = Int[Array, "B T"]
-RowLengths = Int[Array, "B"]  # per-row counts: KV lengths, new-token counts, prefixes
-HostRowLengths = Int[Array | np.ndarray, "B"]
+Tokens = Int[_A, "B T"]
+Positions = Int[_A, "B T"]
+RowLengths = Int[_A, "B"]  # per-row counts: KV lengths, new-token counts, prefixes
 
 # The paged KV cache (specjax.cache): one layer's pages, all layers', int8 scales.
-Pages = Shaped[Array, "K P Z H"]  # float, or int8 with Scales
-LayerPages = Shaped[Array, "L K P Z H"]
-Scales = Float[Array, "K P Z"]
-PageTable = Int[Array, "B M"]
-HostPageTable = Int[Array | np.ndarray, "B M"]  # what a PagePool hands out, or on device
-SlotIndex = Int[Array, "B T"]  # a page id or an offset in it, per row and new token
-SlotValid = Bool[Array, "B T"]
-LayerIndex = Int[Array, ""] | int  # traced in a layer scan, a Python int unrolled
+Pages = Shaped[_A, "K P Z H"]  # float, or int8 with Scales
+LayerPages = Shaped[_A, "L K P Z H"]
+Scales = Float[_A, "K P Z"]
+PageTable = Int[_A, "B M"]
+SlotIndex = Int[_A, "B T"]  # a page id or an offset in it, per row and new token
+SlotValid = Bool[_A, "B T"]
+LayerIndex = Int[_A, ""] | int  # traced in a layer scan, a Python int unrolled
 
 # int8 quantization (specjax.kv_quant): per vector of H values, any leading axes.
-FloatVectors = Float[Array, "*lead H"]
-Int8Vectors = Int8[Array, "*lead H"]
-VectorScales = Float[Array, "*lead"]
+FloatVectors = Float[_A, "*lead H"]
+Int8Vectors = Int8[_A, "*lead H"]
+VectorScales = Float[_A, "*lead"]
 
 # Attention: T queries per row, keys/values as rows see them, masks.
-Queries = Float[Array, "B T N H"]
-RowKV = Float[Array, "B S K H"]  # a row's keys or values gathered from its pages
-NewKV = Float[Array, "B T K H"]  # the T new tokens' keys or values
-TreeMask = Bool[Array, "B T T"]  # [b, i, j]: new token i may see new token j
-AllowedMask = Bool[Array, "B T S"]  # [b, i, s]: query i may see key slot s
+Queries = Float[_A, "B T N H"]
+RowKV = Float[_A, "B S K H"]  # a row's keys or values gathered from its pages
+NewKV = Float[_A, "B T K H"]  # the T new tokens' keys or values
+TreeMask = Bool[_A, "B T T"]  # [b, i, j]: new token i may see new token j
+AllowedMask = Bool[_A, "B T S"]  # [b, i, s]: query i may see key slot s
 
 # Model outputs.
-Logits = Float[Array, "B T V"]
-Hidden = Float[Array, "B T D"]
+Logits = Float[_A, "B T V"]
+Hidden = Float[_A, "B T D"]
 
-__all__ = ["AllowedMask", "FloatVectors", "Hidden", "HostPageTable", "HostRowLengths",
-           "Int8Vectors", "LayerIndex", "LayerPages", "Logits", "NewKV", "PageTable", "Pages",
-           "Positions", "Queries", "RowKV", "RowLengths", "Scales", "SlotIndex", "SlotValid",
-           "Tokens", "TreeMask", "VectorScales"]
+__all__ = ["AllowedMask", "FloatVectors", "Hidden", "Int8Vectors", "LayerIndex", "LayerPages",
+           "Logits", "NewKV", "PageTable", "Pages", "Positions", "Queries", "RowKV",
+           "RowLengths", "Scales", "SlotIndex", "SlotValid", "Tokens", "TreeMask",
+           "VectorScales"]

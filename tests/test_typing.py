@@ -1,6 +1,7 @@
 """specjax.typing: the shape annotations are checked at run time under the tests."""
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 import pytest
 
 from specjax import attention, kv_quant
@@ -24,6 +25,11 @@ def test_a_call_whose_shapes_disagree_fails_naming_the_argument():
     ok = attention.reference_paged_attention(q, pages, pages, jnp.zeros((2, 2), jnp.int32),
                                              lens, lens, scale=1.0)
     assert ok.shape == q.shape
+    # host (numpy) arrays are valid input to the entry point, and the annotations say so
+    host = attention.paged_attention(*map(np.asarray, (q, pages, pages)),
+                                     np.zeros((2, 2), np.int32), np.asarray(lens),
+                                     np.asarray(lens), scale=1.0, backend="reference")
+    np.testing.assert_array_equal(host, ok)
 
 
 def test_dtype_annotations_are_checked_too():
