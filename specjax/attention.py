@@ -22,8 +22,7 @@ goes through `paged_attention`. Its contract, shared by the Pallas backend in
   pages they are seen as the cache would hand them back (`kv_quant.fake_quantize`),
   so the output is that of writing them and attending, as for float pages.
 
-Axis letters: B batch, T new tokens, S KV slots, N query heads, K KV heads,
-G = N // K query heads per KV head, H head_dim, P pages, Z page size, M pages per row.
+Axis letters and the shape aliases in the signatures: `specjax.typing`.
 """
 
 from __future__ import annotations

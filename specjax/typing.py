@@ -25,14 +25,10 @@ from jaxtyping import Array, Bool, Float, Int, Int8, Shaped
 # arguments, so host arrays are valid input and the annotations must say so.
 _A = Array | np.ndarray
 
-# Tokens and positions of T new tokens per row.
-Tokens = Int[_A, "B T"]
-Positions = Int[_A, "B T"]
 RowLengths = Int[_A, "B"]  # per-row counts: KV lengths, new-token counts, prefixes
 
-# The paged KV cache (specjax.cache): one layer's pages, all layers', int8 scales.
+# The paged KV cache (specjax.cache): one layer's pages and int8 scales, the table.
 Pages = Shaped[_A, "K P Z H"]  # float, or int8 with Scales
-LayerPages = Shaped[_A, "L K P Z H"]
 Scales = Float[_A, "K P Z"]
 PageTable = Int[_A, "B M"]
 SlotIndex = Int[_A, "B T"]  # a page id or an offset in it, per row and new token
@@ -51,11 +47,6 @@ NewKV = Float[_A, "B T K H"]  # the T new tokens' keys or values
 TreeMask = Bool[_A, "B T T"]  # [b, i, j]: new token i may see new token j
 AllowedMask = Bool[_A, "B T S"]  # [b, i, s]: query i may see key slot s
 
-# Model outputs.
-Logits = Float[_A, "B T V"]
-Hidden = Float[_A, "B T D"]
-
-__all__ = ["AllowedMask", "FloatVectors", "Hidden", "Int8Vectors", "LayerIndex", "LayerPages",
-           "Logits", "NewKV", "PageTable", "Pages", "Positions", "Queries", "RowKV",
-           "RowLengths", "Scales", "SlotIndex", "SlotValid", "Tokens", "TreeMask",
-           "VectorScales"]
+__all__ = ["AllowedMask", "FloatVectors", "Int8Vectors", "LayerIndex", "NewKV", "PageTable",
+           "Pages", "Queries", "RowKV", "RowLengths", "Scales", "SlotIndex", "SlotValid",
+           "TreeMask", "VectorScales"]

@@ -414,40 +414,19 @@ def test_both_kv_commit_paths_are_lossless(monkeypatch):
 
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):
     """With an int8 KV cache, greedy speculative output equals target-only greedy decoding
-    over the same int8 cache, through both commit paths: Medusa's tree written and
-    compacted (its keys' scales moved with them), and a draft's chain verified with its
-    keys kept out of the cache (seen fake-quantized, then written;
-    tests/test_kv_quant.py checks that step's logits)."""
-    from specjax import generation
-    from specjax.speculators import Medusa
-
-    target = _attention_sensitive_target()
-    kw = dict(max_new_tokens=16, ignore_eos=True, kv_cache_dtype="int8")
-    cases = [(False, Medusa.random(target, num_heads=4, seed=0)),
-             (True, DraftModel(model=target, k=4))]
-    for defer, spec in cases:
-        monkeypatch.setattr(generation, "_defer_kv_write", lambda backend, d=defer: d)
-        generation._COMPILED.clear()
-        jax.clear_caches()
-        want = specjax.generate(target, PROMPTS, **kw).tokens
-        out = specjax.generate(target, PROMPTS, speculator=spec, adaptive=False, **kw)
-        assert out.tokens == want, (defer, type(spec).__name__)
-        assert out.stats.acceptance_rate > 0.3  # drafts were verified and kept
-    generation._COMPILED.clear()
-    jax.clear_caches()
-
-
-def test_int8_kv_cache_dtype_applies_to_the_speculators_own_caches(monkeypatch):
-    """`kv_cache_dtype` sets the draft model's and the EAGLE head's caches too (vLLM's
-    engine-wide setting): `generate` hands it to `init`, whose cache is then int8; the
-    target as its own draft, both over int8, accepts every draft; both stay lossless
-    against the int8 target through both commit paths."""
+    over the same int8 cache, through both commit paths: a tree written and compacted
+    (its keys' scales moved with them), and one verified with its keys kept out of the
+    cache (seen fake-quantized, then written; tests/test_kv_quant.py checks that step's
+    logits). `kv_cache_dtype` sets the draft model's and the EAGLE head's own caches too
+    (vLLM's engine-wide setting): `generate` hands it to their `init`, whose cache is
+    then int8, and the target as its own draft, both over int8, accepts every draft."""
     import jax.numpy as jnp
 
     from specjax import generation
-    from specjax.speculators import Eagle
+    from specjax.speculators import Eagle, Medusa
 
     target = _attention_sensitive_target()
+    medusa = Medusa.random(target, num_heads=4, seed=0)
     eagle = Eagle.random(target, top_k=2, depth=3, total_tokens=6)
     for spec in (DraftModel(model=target, k=4), eagle):
         state = spec.init(target.config, 2, 64, kv_dtype=jnp.dtype(jnp.int8))
@@ -466,12 +445,13 @@ def test_int8_kv_cache_dtype_applies_to_the_speculators_own_caches(monkeypatch):
         generation._COMPILED.clear()
         jax.clear_caches()
         asked.clear()
-        self_draft = specjax.generate(target, PROMPTS, speculator=DraftModel(model=target, k=4),
-                                      adaptive=False, **kw)
-        assert self_draft.tokens == want, defer
-        assert self_draft.stats.acceptance_rate == 1.0, defer
-        assert specjax.generate(target, PROMPTS, speculator=eagle, adaptive=False,
-                                **kw).tokens == want, defer
+        runs = {type(spec).__name__: specjax.generate(target, PROMPTS, speculator=spec,
+                                                      adaptive=False, **kw)
+                for spec in (medusa, DraftModel(model=target, k=4), eagle)}
+        for name, out in runs.items():
+            assert out.tokens == want, (defer, name)
+        assert runs["Medusa"].stats.acceptance_rate > 0.3, defer  # drafts were kept
+        assert runs["DraftModel"].stats.acceptance_rate == 1.0, defer
         assert asked == [("DraftModel", jnp.int8), ("Eagle", jnp.int8)], asked
     generation._COMPILED.clear()
     jax.clear_caches()
