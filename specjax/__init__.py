@@ -8,7 +8,7 @@ from specjax.model import Model, forward, init_model, init_params, param_shapes,
 from specjax.sampling import Sampling
 from specjax.stats import GenerationStats, VerifyCost
 from specjax.tree import DraftTree
-from specjax import heads, kv_quant, sharding, speculators
+from specjax import compile_cache, heads, kv_quant, sharding, speculators
 from specjax.sharding import check_fits, make_mesh, plan_memory, shard_model
 
 __version__ = "0.1.0"
@@ -19,5 +19,5 @@ __all__ = [
     "init_model", "init_params", "load", "param_shapes", "restore_orbax", "save_hf",
     "Sampling", "save_orbax", "speculators", "step", "generate",
     "check_fits", "make_mesh", "plan_memory", "shard_model", "sharding", "heads",
-    "kv_quant",
+    "kv_quant", "compile_cache",
 ]

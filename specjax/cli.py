@@ -6,6 +6,9 @@
   specjax bench speculative [...]
   specjax bench suite --workdir RUN [...]
 
+Every command takes --compilation-cache DIR|off: where jax's persistent compilation
+cache lives (default $SPECJAX_COMPILATION_CACHE, else ~/.cache/specjax/jax; `off`
+disables it), so a second run reads its compiled programs back instead of compiling.
 Errors in arguments exit non-zero with a one-line message naming the value.
 """
 
@@ -92,11 +95,23 @@ def _bench(args, rest) -> int:
     raise ValueError(f"unknown benchmark {args.what!r}")
 
 
+def _cache_option(parser, default=None) -> None:
+    parser.add_argument("--compilation-cache", metavar="DIR|off", default=default,
+                        help="jax's persistent compilation cache (default: "
+                             "$SPECJAX_COMPILATION_CACHE, else ~/.cache/specjax/jax); "
+                             "off disables it")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _cache_option(parser)
+    # The option also after the subcommand; SUPPRESS keeps a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    _cache_option(common, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate from a model (default: a random tiny one)")
+    g = sub.add_parser("generate", help="generate from a model (default: a random tiny one)",
+                       parents=[common])
     g.add_argument("--model", help="Hugging Face or orbax directory")
     g.add_argument("--prompt", help="text prompt (needs the model's tokenizer)")
     g.add_argument("--ids", help="comma-separated prompt token ids")
@@ -109,19 +124,24 @@ def main(argv=None) -> int:
     g.add_argument("--kv-cache-dtype", default=None,
                    help="the KV caches (target, draft): a float dtype, or int8 (per-token scales)")
     g.add_argument("--json", action="store_true", help="also print stats as JSON")
-    r = sub.add_parser("run", help="run a gin experiment (training or evaluation)")
+    r = sub.add_parser("run", help="run a gin experiment (training or evaluation)",
+                       parents=[common])
     r.add_argument("config", help="a .gin file, e.g. configs/experiments/quickstart.gin")
     r.add_argument("--gin", action="append", default=[], metavar="BINDING",
                    help="extra binding, e.g. 'target/trainer.TrainConfig.steps = 10'")
     r.add_argument("--workdir", default=None,
                    help="run directory (default runs/<config name>); re-running resumes")
     # No -h of its own: `specjax bench suite --help` shows the benchmark's flags.
-    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False)
+    b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False,
+                       parents=[common])
     b.add_argument("what", choices=["decode", "speculative", "suite"])
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command in ("generate", "run") and rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from specjax import compile_cache
+
+        compile_cache.enable(args.compilation_cache)
         if args.command == "generate":
             return _generate(args)
         if args.command == "run":

@@ -8,6 +8,9 @@ import os
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+# Tests call the CLI in-process, which turns jax's persistent compilation cache on; keep
+# the suite from writing to ~/.cache (set the variable to a directory to opt in).
+os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
 
 import numpy as np
 import pytest

@@ -8,7 +8,8 @@ Library modules never import gin; the .gin files name them through
 `run.launch.job = @jobs.pretrain` (or `@jobs.distill`). Unknown or misspelled
 bindings are errors (`skip_unknown=False`), and `%gin.REQUIRED` values must be bound.
 The full config is written to `<workdir>/config.gin` (a previous, different one is
-kept as `config.gin.<n>`).
+kept as `config.gin.<n>`). jax's persistent compilation cache is on, as for `specjax
+run` (`--compilation-cache DIR|off`, `specjax.compile_cache`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workdir", required=True, help="run directory (resumed if it exists)")
     parser.add_argument("--gin", action="append", default=[], metavar="BINDING",
                         help="extra gin binding, e.g. 'trainer.TrainConfig.steps = 10'")
+    parser.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                        help="jax's persistent compilation cache (default: "
+                             "$SPECJAX_COMPILATION_CACHE, else ~/.cache/specjax/jax)")
     args = parser.parse_args(argv)
+    from specjax import compile_cache
+
+    try:
+        compile_cache.enable(args.compilation_cache)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("train").setLevel(logging.INFO)
     result = run_config(args.gin_file, args.gin, workdir=args.workdir)
