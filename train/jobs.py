@@ -259,6 +259,8 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
         if vd is not None and vd < target.config.vocab_size:
             counts = np.bincount(data.train.reshape(-1), minlength=target.config.vocab_size)
             d2t = build_vocab_map(counts, vd)
+        if method.init_from_target:
+            init = method.initial_params(target.params, d2t, train_config.seed)
         frozen = {"target": target.params, "d2t": d2t}
     else:
         raise ValueError(f"head_config={head_config!r} must be a MedusaConfig or EagleConfig")

