@@ -1,7 +1,7 @@
 """specjax: speculative decoding for large language models in JAX/XLA."""
 
 from specjax.cache import OutOfPagesError, PagedKVCache, PagePool
-from specjax.checkpoint import load, restore_orbax, save_hf, save_orbax
+from specjax.checkpoint import load, restore_orbax, save_gguf, save_hf, save_orbax
 from specjax.config import ModelConfig
 from specjax.generation import GenerationResult, generate
 from specjax.model import Model, forward, init_model, init_params, param_shapes, step
@@ -19,5 +19,5 @@ __all__ = [
     "init_model", "init_params", "load", "param_shapes", "restore_orbax", "save_hf",
     "Sampling", "save_orbax", "speculators", "step", "generate",
     "check_fits", "make_mesh", "plan_memory", "shard_model", "sharding", "heads",
-    "kv_quant", "compile_cache",
+    "kv_quant", "compile_cache", "save_gguf",
 ]

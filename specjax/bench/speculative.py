@@ -250,10 +250,14 @@ def run_transformers(target, draft, prompts, new, k: int, repeats: int) -> list[
 
 
 def workdir_paths(workdir: str | Path) -> dict[str, Path]:
-    """Where a quickstart run directory keeps what the benchmarks load."""
+    """Where a quickstart run directory keeps what the benchmarks load. `eagle` is
+    eagle/heads, or the quickstart's EAGLE-3 head in eagle3/heads when only that exists."""
     w = Path(workdir)
+    eagle = w / "eagle" / "heads"
+    if not eagle.exists() and (w / "eagle3" / "heads").exists():
+        eagle = w / "eagle3" / "heads"
     return {"target": w / "target" / "export", "draft": w / "draft" / "export",
-            "medusa": w / "medusa" / "heads", "eagle": w / "eagle" / "heads"}
+            "medusa": w / "medusa" / "heads", "eagle": eagle}
 
 
 def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = None,

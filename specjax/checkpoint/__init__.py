@@ -17,10 +17,11 @@ from pathlib import Path
 from specjax.checkpoint.hf import (check_hf_tensors, hf_names, hf_to_params, load_dir,
                                    params_to_hf, restore_orbax, safetensors_files, save_hf,
                                    save_orbax)
+from specjax.checkpoint.gguf_write import save_gguf
 from specjax.model import Model
 
 __all__ = ["check_hf_tensors", "hf_names", "hf_to_params", "load", "params_to_hf",
-           "restore_orbax", "safetensors_files", "save_hf", "save_orbax"]
+           "restore_orbax", "safetensors_files", "save_gguf", "save_hf", "save_orbax"]
 
 
 def load(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
