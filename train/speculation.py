@@ -66,20 +66,33 @@ def head_speculator(heads_dir: str | Path, target: specjax.Model,
 
 
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,
-                    temperature: float = 0.0, seed: int = 0, adaptive: bool = False
+                    temperature: float = 0.0, seed: int = 0, adaptive: bool = False,
+                    batch: int | None = None, cost_ratio: float | None = None
                     ) -> tuple[list[list[int]], dict[str, Any]]:
-    """(generated tokens, record) of one `specjax.generate` run: α, τ, mean k, tokens/s,
-    TTFT/TPOT, the accepted-length histogram and compile time.
+    """(generated tokens, record) of `specjax.generate` over `prompts`: α, τ, mean k,
+    tokens/s, TTFT/TPOT, the accepted-length histogram and compile time.
 
     Full depth every step by default, so α and τ measure the drafts themselves: the
     adaptive rule would turn drafting off wherever it does not pay on this machine
-    (on CPU most small trees; docs/speculators.md), and τ would then measure the rule."""
-    out = specjax.generate(target, prompts, max_new_tokens=new_tokens, temperature=temperature,
-                           seed=seed, ignore_eos=True, speculator=speculator, adaptive=adaptive)
-    s = out.stats
-    return out.tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
-                            draft_calls_per_call=s.draft_calls / max(s.target_calls, 1),
-                            cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
-                            mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
-                            ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
-                            accepted_hist=s.accepted_hist, compile_s=s.compile_s)
+    (on CPU most small trees; docs/speculators.md), and τ would then measure the rule.
+    batch: rows per generate call (None: all prompts in one call); the record then sums
+    the calls (α, τ and k over all steps, tokens/s over all decode time).
+    cost_ratio: the draft's measured cost, for the adaptive rule and the analytical figure."""
+    from specjax.stats import merge_stats
+
+    rows = len(prompts) if batch is None else batch
+    tokens, parts = [], []
+    for i in range(0, len(prompts), rows):
+        out = specjax.generate(target, prompts[i:i + rows], max_new_tokens=new_tokens,
+                               temperature=temperature, seed=seed + i, ignore_eos=True,
+                               speculator=speculator, adaptive=adaptive,
+                               cost_ratio=cost_ratio)
+        tokens += out.tokens
+        parts.append(out.stats)
+    s = parts[0] if len(parts) == 1 else merge_stats(parts)
+    return tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
+                        draft_calls_per_call=s.draft_calls / max(s.target_calls, 1),
+                        cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
+                        mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
+                        ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
+                        accepted_hist=s.accepted_hist, compile_s=s.compile_s)
