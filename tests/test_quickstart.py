@@ -103,7 +103,10 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     assert draft.config.num_layers == 1
     assert draft.config.replace(num_layers=target.config.num_layers) == target.config
     summary = json.loads((tmp_path / "eagle3" / "summary.json").read_text())
-    assert summary["features"] == "offline" and summary["speculative"]["tau"] >= 1.0
+    assert summary["features"] == "online" and "speculative" not in summary  # the table's
+    eagle = [r for r in res["rows"] if r["method"] == "eagle3"]
+    assert len(eagle) == 2 and all(r["tau"] >= 1.0 for r in eagle)
+    assert res["settings"]["batch"] == 1 and res["settings"]["adaptive"] is True
 
 
 def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys):

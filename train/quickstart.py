@@ -401,11 +401,12 @@ def default_head_stages(train_config: TrainConfig, data_config: DataConfig = Dat
 
 def real_head_stages(train_config: TrainConfig, data_config: DataConfig = DataConfig(),
                      draft_vocab_size: int = 8192, ttt_steps: int = 3,
-                     features: str = "offline",
+                     features: str = "online",
                      eagle_tree: tuple[int, int, int] = (4, 4, 16)) -> dict[str, HeadStage]:
     """The quickstart's head stage on a real target: an EAGLE-3 head (fused low/mid/high
     features, a reduced draft vocabulary, training-time test) started from the target's
-    own weights, trained on features the target computes once."""
+    own weights (features "online": the target runs in each step; "offline": dumped
+    once, for recipes that pass over their rows several times)."""
     from specjax.heads import EagleConfig
 
     head = EagleConfig(version=3, draft_vocab_size=draft_vocab_size)

@@ -258,7 +258,12 @@ class Transformer(nn.Module):
             carry, new_kv = self.layers(carry, ctx, tap_slots)
         else:
             per_layer = []
-            for layer in self.layer_list:
+            for i, layer in enumerate(self.layer_list):
+                # The layer index as a value XLA cannot fold: with a constant index each
+                # layer's cache slicing and writing fuses into kernels of its own, which
+                # XLA:CPU compiles once per layer; opaque, they are one kernel reused.
+                carry = (carry[0], carry[1], jax.lax.optimization_barrier(jnp.int32(i)),
+                         carry[3])
                 carry, kv = layer(carry, ctx, tap_slots)
                 per_layer.append(kv)
             new_kv = None if not ctx.defer else tuple(
