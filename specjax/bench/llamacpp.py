@@ -15,7 +15,7 @@ target at any temperature. Timing excludes model loading; every prompt starts fr
 KV cache (no prefix reuse between calls).
 
 The CLI compares llama.cpp's plain and prompt-lookup decoding (and draft, with --draft) with
-specjax's `generate` on HumanEval prompts, interleaved, median of the repeats, and counts
+specjax's `generate`, plain and with n-gram speculation (`NGram(k)`), on HumanEval prompts, interleaved, median of the repeats, and counts
 how many prompts' greedy tokens agree with specjax's.
 """
 
@@ -295,23 +295,30 @@ def _compare(target, runners: dict, prompts, args) -> dict:
     """specjax generate (batch 1, prompt by prompt) and every runner, interleaved."""
     import specjax
 
-    def spec(p):
+    from specjax.speculators import NGram
+
+    ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
+
+    def spec(p, speculator):
         t0 = time.perf_counter()
-        out = specjax.generate(target, [p], max_new_tokens=args.new, ignore_eos=True)
+        out = specjax.generate(target, [p], max_new_tokens=args.new, ignore_eos=True,
+                               speculator=speculator)
         return out.tokens[0], time.perf_counter() - t0
 
     for p in prompts:  # compiles every prompt shape once
-        spec(p)
+        for speculator in ours.values():
+            spec(p, speculator)
     for r in runners.values():
         r.generate(prompts[0], 4)
-    names = ["specjax_generate", *(f"llamacpp_{m}" for m in runners)]
+    names = [*ours, *(f"llamacpp_{m}" for m in runners)]
     walls = {n: [[] for _ in prompts] for n in names}
     tokens = {n: [None] * len(prompts) for n in names}
     calls = {n: 0 for n in names}
     for _ in range(args.repeats):
         for i, p in enumerate(prompts):
-            tokens["specjax_generate"][i], w = spec(p)
-            walls["specjax_generate"][i].append(w)
+            for n, speculator in ours.items():
+                tokens[n][i], w = spec(p, speculator)
+                walls[n][i].append(w)
             for m, r in runners.items():
                 tokens[f"llamacpp_{m}"][i], w, c = r.generate(p, args.new)
                 walls[f"llamacpp_{m}"][i].append(w)
@@ -320,8 +327,9 @@ def _compare(target, runners: dict, prompts, args) -> dict:
     for n in names:
         ms = [statistics.median(w) / args.new * 1e3 for w in walls[n]]
         out[n] = dict(ms_per_token=ms, tokens=tokens[n])
-        if n != "specjax_generate":
+        if n.startswith("llamacpp_"):
             out[n]["tau"] = args.new * len(prompts) * args.repeats / calls[n]
+        if n != "specjax_generate":
             out[n].update(agreement(tokens["specjax_generate"], tokens[n]))
     return dict(settings={k: v for k, v in vars(args).items()}, prompt_tokens=[len(p) for p in
                                                                              prompts],
