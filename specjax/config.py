@@ -2,7 +2,7 @@
 
 One config covers LlamaForCausalLM (Llama 2/3/3.1 RoPE scaling), MistralForCausalLM,
 Qwen2ForCausalLM (qkv bias) and Qwen3ForCausalLM (q/k RMSNorm, free head_dim) through
-flags, so one `Transformer` serves all four (DESIGN.md decision 1). It converts to and
+flags, so one `Transformer` serves all four. It converts to and
 from Hugging Face `config.json` dicts, in both the older form (`rope_theta`,
 `rope_scaling`) and the newer `rope_parameters` form that transformers 5 writes.
 """
