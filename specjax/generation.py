@@ -9,7 +9,7 @@ Invariant of the loop state: row b has `lengths[b]` tokens in `tokens[b]`; the p
 cache holds KV for all but the last of them (the "root"), which the next step feeds.
 With a speculator a step is propose -> verify (one target forward over [root, tree])
 -> commit (keep the accepted nodes' KV, compact them into place, append the bonus);
-every row advances by its own count (DESIGN decisions 4-6).
+every row advances by its own count.
 """
 
 from __future__ import annotations

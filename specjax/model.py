@@ -1,6 +1,6 @@
 """`Model`: config + params + tokenizer, and the pure functions that run it.
 
-The params are a plain pytree, separate from the Flax module (DESIGN decision 1): orbax
+The params are a plain pytree, separate from the Flax module: orbax
 saves them, `jax.sharding` places them, `train/` differentiates only what it trains.
 """
 

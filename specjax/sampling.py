@@ -3,7 +3,7 @@
 `Sampling` holds the three knobs as arrays, so changing them never recompiles. The
 distribution a row samples from is `probs(logits, sampling)`; speculative verification
 applies the very same function to target and draft logits, which is what keeps
-rejection sampling lossless with top-k/top-p (DESIGN decision 5).
+rejection sampling lossless with top-k/top-p.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Generation statistics, named once (DESIGN "Metrics"): per row and in total.
+"""Generation statistics, named once: per row and in total.
 
 - acceptance_rate α = accepted draft tokens / drafted positions (for a chain, k per
   step; for a tree, its depth per step: α is per speculated position).

@@ -1,6 +1,6 @@
 """`DraftTree`: what every speculator proposes and the one verifier consumes.
 
-A chain is a tree whose parents are -1, 0, 1, ... (DESIGN decision 4). Node n of row b
+A chain is a tree whose parents are -1, 0, 1, and so on. Node n of row b
 holds a draft token, the index of its parent node (-1 = the root, i.e. the last
 committed token that the target has not yet seen), its depth (root children have
 depth 1) and, optionally, the distribution it was drawn from. Nodes are topologically

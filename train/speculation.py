@@ -1,5 +1,5 @@
 """Short real speculative generations for evaluation: held-out prompts, the speculator
-that trained heads go into, and its α and τ (DESIGN "Metrics"). The heads job records one
+that trained heads go into, and its α and τ. The heads job records one
 at the end of every run; the quickstart's comparison runs every method through it.
 """
 

@@ -282,7 +282,7 @@ class Transformer(nn.Module):
 
 @struct.dataclass
 class Hidden:
-    """Hidden states a step returns (DESIGN decision 2)."""
+    """Hidden states a step returns."""
 
     final: jax.Array  # [B, T, D] after the final norm (Medusa, EAGLE-1/2 read this)
     layers: tuple  # outputs of the requested decoder layers, each [B, T, D] (EAGLE-3)

@@ -1,5 +1,5 @@
 """Logical axis names for every param and cache array, and the one table that maps them
-to mesh axes (DESIGN decision 7).
+to mesh axes.
 
 An array's layout is decided in two steps, as in t5x and maxtext:
 

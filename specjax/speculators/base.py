@@ -1,6 +1,6 @@
 """The speculator protocol: a pytree (params + static settings) and four pure functions.
 
-A speculator never mutates Python state inside the loop (DESIGN decision 8). Its
+A speculator never mutates Python state inside the loop. Its
 per-generation state is a pytree it creates in `init` and threads through:
 
   init(target_config, batch, capacity)            -> state
