@@ -153,15 +153,10 @@ def quickstart_workdir(tmp_path_factory) -> Path:
     EAGLE-3 head in eagle3/heads, no Medusa, and target/DONE.json naming a GGUF source."""
     from specjax.speculators import Eagle
     from tests.hf_models import random_params
-    from tests.test_bench_suite import VOCAB, write_corpus
-    from train.corpus import CorpusConfig, load_corpus
-    from train.tokenizer import train_bpe
+    from tests.test_bench_suite import VOCAB, corpus_and_tokenizer
 
     root = tmp_path_factory.mktemp("llamacpp_suite")
-    (root / "corpus").mkdir()
-    write_corpus(root / "corpus")
-    corpus = CorpusConfig(source=str(root / "corpus"), eval_fraction=0.5)
-    tok = train_bpe(load_corpus(corpus).train, VOCAB)
+    corpus, tok = corpus_and_tokenizer(root)
     w = root / "run"
     ids = dict(bos_token_id=0, eos_token_id=1)
     cfg = specjax.config.tiny_llama(VOCAB, num_layers=1, **ids)

@@ -51,15 +51,21 @@ def write_corpus(root: Path, files: int = 12) -> None:
         (root / f"mod{i:02d}.py").write_text("".join(parts))
 
 
+def corpus_and_tokenizer(root: Path):
+    """The suite tests' corpus written under root/corpus (half held out) and a BPE
+    tokenizer trained on its train split."""
+    (root / "corpus").mkdir()
+    write_corpus(root / "corpus")
+    corpus = CorpusConfig(source=str(root / "corpus"), eval_fraction=0.5)
+    return corpus, train_bpe(load_corpus(corpus).train, VOCAB)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A finished quickstart run in miniature: target/draft exports with the tokenizer,
     random Medusa and EAGLE heads, and target/DONE.json naming the corpus."""
     root = tmp_path_factory.mktemp("suite")
-    (root / "corpus").mkdir()
-    write_corpus(root / "corpus")
-    corpus = CorpusConfig(source=str(root / "corpus"), eval_fraction=0.5)
-    tok = train_bpe(load_corpus(corpus).train, VOCAB)
+    corpus, tok = corpus_and_tokenizer(root)
     w = root / "run"
     ids = dict(bos_token_id=0, eos_token_id=1)
     target = specjax.init_model(tiny_llama(VOCAB, num_layers=1, **ids), seed=0)
