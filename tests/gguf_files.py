@@ -1,6 +1,7 @@
 """Tiny GGUF files for the tests, written with `gguf.GGUFWriter` the way llama.cpp's
 converter writes them (tensor names, Q/K row permutation for Llama, quantized 2-D
-weights, F32 norms), beside the Hugging Face tensors they stand for."""
+weights, F32 norms), beside the Hugging Face tensors they stand for. Unlike
+`specjax.save_gguf` they take any quant type, K-quants included (random blocks)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import quants
+
+from specjax.checkpoint.gguf import permute_qk as permute
+from specjax.checkpoint.gguf_write import gguf_name
 
 QT = gguf.GGMLQuantizationType
 # The tiny model's widths are multiples of 256 so every 2-D weight splits into K-quant
@@ -19,29 +23,9 @@ TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_l
 # Byte offsets of the float16 scales in one block of the K-quants gguf cannot quantize
 # (ggml-common.h's block_q4_K / block_q5_K / block_q6_K); the rest of a block is any bits.
 _K_SCALES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
-
-_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-
-def gguf_name(hf: str) -> str:
-    """HF tensor name -> llama.cpp's (the converter's tensor map, for this family)."""
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-           "output_norm.weight", "lm_head.weight": "output.weight"}
-    if hf in top:
-        return top[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
-
-
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's `LlamaModel.permute`: HF's rotate-half rows -> interleaved pairs."""
-    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
-            .reshape(w.shape))
+# The name map and the Q/K permutation are the library's (`gguf_write.gguf_name`,
+# `gguf.permute_qk`): transformers' own GGUF loader reading these files
+# (tests/test_gguf.py) is what checks that they are llama.cpp's.
 
 
 def quantized(w: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:

@@ -176,14 +176,14 @@ def test_transformers_gguf_loader_gives_the_same_logits(tmp_path, family):
 
 
 def test_pre_tokenizer_names_invert_the_readers_table():
-    from specjax.checkpoint.gguf_tokenizer import _BYTE_LEVEL_PRE, _IGNORE_MERGES
+    from specjax.checkpoint.gguf_tokenizer import BYTE_LEVEL_PRE, IGNORE_MERGES
 
     for name in gguf_write._PRE_NAMES:
-        tok = tokenizers.Tokenizer(models.BPE(ignore_merges=name in _IGNORE_MERGES))
-        tok.pre_tokenizer = _BYTE_LEVEL_PRE[name]()
+        tok = tokenizers.Tokenizer(models.BPE(ignore_merges=name in IGNORE_MERGES))
+        tok.pre_tokenizer = BYTE_LEVEL_PRE[name]()
         assert gguf_write.pre_tokenizer_name(tok) == name
     tok = tokenizers.Tokenizer(models.BPE())  # Llama 3's split without ignore_merges
-    tok.pre_tokenizer = _BYTE_LEVEL_PRE["llama-bpe"]()
+    tok.pre_tokenizer = BYTE_LEVEL_PRE["llama-bpe"]()
     assert gguf_write.pre_tokenizer_name(tok) == "smaug-bpe"
 
 

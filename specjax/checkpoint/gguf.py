@@ -26,12 +26,12 @@ from specjax.model import Model
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Architectures whose converter permutes Q/K rows (llama.cpp's LLAMA_ROPE_TYPE_NORM);
 # qwen2/qwen3 keep HF's rotate-half layout (NEOX) and are stored as they are.
-_PERMUTED_QK = {"llama", "mistral"}
+PERMUTED_QK = {"llama", "mistral"}
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
            "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
-_LAYER = {"attn_norm.weight": "input_layernorm.weight",
+LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight",
           "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
           "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
@@ -141,13 +141,21 @@ def config_from_metadata(meta: Mapping[str, Any], tensor_names: set[str],
 def hf_name(gguf_name: str, source: str) -> str:
     """llama.cpp's tensor name -> the Hugging Face name (`blk.3.attn_q.weight` ->
     `model.layers.3.self_attn.q_proj.weight`)."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
     raise ValueError(f"{source}: tensor {gguf_name!r} has no Hugging Face counterpart in a "
                      "Llama-family model")
+
+
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute`: rows [heads, 2, H/2] (HF's rotate-half order) to
+    [heads, H/2, 2] (interleaved pairs). w: [heads*H, ...] (weight or bias)."""
+    rows = w.shape[0]
+    return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
 
 
 def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -183,7 +191,7 @@ def read_tensors(reader, config: ModelConfig, arch: str,
     for t in reader.tensors:
         name = hf_name(t.name, source)
         x = dequantize(t, source)
-        if arch in _PERMUTED_QK:
+        if arch in PERMUTED_QK:
             if ".q_proj." in name:
                 x = unpermute_qk(x, config.num_heads)
             elif ".k_proj." in name:

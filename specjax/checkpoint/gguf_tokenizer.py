@@ -73,7 +73,7 @@ def _family(names: str, build: Callable[[], pre_tokenizers.PreTokenizer]) -> dic
 # `tokenizer.ggml.pre` -> the pre-tokenizer of a byte-level ("gpt2") vocabulary. "default" (also
 # what a missing key means) is GPT-2's regex, as transformers reads it; llama.cpp's own
 # "default" is a guess it warns about.
-_BYTE_LEVEL_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+BYTE_LEVEL_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     **_family("default gpt-2 phi-2 mpt olmo", _gpt2_pre),
     **_family("smollm starcoder refact codeshell", _digits_then_gpt2_pre),
     **_family("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 dbrx smaug-bpe",
@@ -86,9 +86,9 @@ _BYTE_LEVEL_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 # Names whose vocabulary looks a whole word up before merging it (llama.cpp's ignore_merges; Llama
 # 3's tokenizer.json says "ignore_merges": true). For the same names llama.cpp adds BOS when the
 # file does not say (as it does for every "llama" vocabulary).
-_IGNORE_MERGES = frozenset(
+IGNORE_MERGES = frozenset(
     "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 tekken".split())
-_BOS_BY_DEFAULT = _IGNORE_MERGES
+_BOS_BY_DEFAULT = IGNORE_MERGES
 
 _MODELS = ("gpt2", "llama")
 
@@ -148,15 +148,15 @@ def _pre_name(metadata: Mapping[str, Any]) -> str:
 def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str],
                     source: str) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
     pre = _pre_name(metadata)
-    if pre not in _BYTE_LEVEL_PRE:
+    if pre not in BYTE_LEVEL_PRE:
         raise ValueError(f"{source}: {_KEY}pre={pre!r} is not supported for a byte-level (gpt2) "
-                         f"vocabulary; supported: {', '.join(sorted(_BYTE_LEVEL_PRE))}")
+                         f"vocabulary; supported: {', '.join(sorted(BYTE_LEVEL_PRE))}")
     merges = _merges(_required(metadata, _KEY + "merges", source), source)
     vocab = {_byte_level_spelling(token): index for index, token in enumerate(tokens)}
     tokenizer = tokenizers.Tokenizer(models.BPE(
         vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-        end_of_word_suffix="", fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES))
-    tokenizer.pre_tokenizer = _BYTE_LEVEL_PRE[pre]()
+        end_of_word_suffix="", fuse_unk=False, ignore_merges=pre in IGNORE_MERGES))
+    tokenizer.pre_tokenizer = BYTE_LEVEL_PRE[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, vocab
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.checkpoint.gguf import _GLOBAL, _LAYER, _PERMUTED_QK
+from specjax.checkpoint.gguf import GLOBAL_NAMES, LAYER_NAMES, PERMUTED_QK, permute_qk
 from specjax.checkpoint.hf import params_to_hf
 from specjax.config import ModelConfig
 from specjax.model import Model
@@ -27,8 +27,8 @@ __all__ = ["DTYPES", "save_gguf", "gguf_architecture", "pre_tokenizer_name"]
 DTYPES = ("F32", "F16", "Q8_0")
 # specjax model_type -> general.architecture (llama.cpp's converter writes Mistral as llama).
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL.items()}
-_TO_GGUF_LAYER = {v: k for k, v in _LAYER.items()}
+_TO_GGUF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
+_TO_GGUF_LAYER = {v: k for k, v in LAYER_NAMES.items()}
 # `tokenizer.ggml.pre` names written for each pre-tokenizer, first choice first: the names
 # convert_hf_to_gguf.py writes. "smaug-bpe" is Llama 3's split without ignore_merges.
 _PRE_NAMES = ("gpt-2", "smollm", "llama-bpe", "smaug-bpe", "qwen2", "qwen35", "tekken",
@@ -90,7 +90,7 @@ def save_gguf(model: Model, path: str | os.PathLike, *, dtype: str = "F32") -> P
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     for name, x in params_to_hf(config, model.params).items():
         x = np.ascontiguousarray(np.asarray(x, np.float32))
-        if arch in _PERMUTED_QK:
+        if arch in PERMUTED_QK:
             for proj, n in heads.items():
                 if f".{proj}." in name:
                     x = permute_qk(x, n)
@@ -116,14 +116,6 @@ def gguf_name(hf: str) -> str:
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _TO_GGUF_LAYER:
         return f"blk.{parts[2]}.{_TO_GGUF_LAYER[parts[3]]}"
     raise ValueError(f"tensor {hf!r} has no llama.cpp name in a Llama-family model")
-
-
-def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's `LlamaModel.permute`: rows [heads, 2, H/2] (HF's rotate-half order) to
-    [heads, H/2, 2] (interleaved pairs); inverse of `gguf.unpermute_qk`."""
-    rows = w.shape[0]
-    return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2)
-            .reshape(w.shape))
 
 
 def _write_config(writer, c: ModelConfig) -> None:
@@ -181,17 +173,17 @@ def pre_tokenizer_name(tokenizer, source: str = "tokenizer") -> str:
     """The `tokenizer.ggml.pre` name of a byte-level BPE `tokenizers.Tokenizer`'s
     pre-tokenizer: the inverse of gguf_tokenizer's table, so both llama.cpp and specjax split
     text as the tokenizer does. A pre-tokenizer with no name is a ValueError showing it."""
-    from specjax.checkpoint.gguf_tokenizer import _BYTE_LEVEL_PRE, _IGNORE_MERGES
+    from specjax.checkpoint.gguf_tokenizer import BYTE_LEVEL_PRE, IGNORE_MERGES
 
     spec = json.loads(tokenizer.to_str())
     pre = _canonical(spec.get("pre_tokenizer"))
     ignore_merges = bool(spec["model"].get("ignore_merges", False))
-    same = [n for n in _PRE_NAMES if _canonical(_pre_json(_BYTE_LEVEL_PRE[n]())) == pre]
+    same = [n for n in _PRE_NAMES if _canonical(_pre_json(BYTE_LEVEL_PRE[n]())) == pre]
     if not same:
         raise ValueError(
             f"{source}: its pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} has no "
             f"llama.cpp tokenizer.ggml.pre name; known: the splits of {', '.join(_PRE_NAMES)}")
-    exact = [n for n in same if (n in _IGNORE_MERGES) == ignore_merges]
+    exact = [n for n in same if (n in IGNORE_MERGES) == ignore_merges]
     if not exact:
         warnings.warn(f"{source}: tokenizer.ggml.pre={same[0]!r} splits as this tokenizer does "
                       f"but {'does not ignore' if ignore_merges else 'ignores'} merges for "
