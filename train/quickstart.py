@@ -377,10 +377,8 @@ class HeadStage:
         return _jsonable(self)
 
     def __call__(self, stage_dir: Path, target_export: Path,
-                 speculative: SpeculativeEval | None | str = "default"):
+                 speculative: SpeculativeEval | None):
         """Trains the heads; `speculative` is the end-of-run τ record (None: none)."""
-        if speculative == "default":
-            speculative = SpeculativeEval(eagle_tree=self.eagle_tree)
         return jobs.heads(stage_dir, target_export, self.head_config, self.train_config,
                           self.data_config, features=self.features, speculative=speculative,
                           **dict(self.options))

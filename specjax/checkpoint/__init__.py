@@ -42,8 +42,9 @@ def load(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
                              "or a checkpoint directory")
         return gguf.load_gguf(p, dtype, mesh=mesh)
     if p.is_dir():
-        if not (p / "config.json").exists() and gguf.find_gguf(p) is not None:
-            return gguf.load_gguf(gguf.find_gguf(p), dtype, mesh=mesh)
+        found = None if (p / "config.json").exists() else gguf.find_gguf(p)
+        if found is not None:
+            return gguf.load_gguf(found, dtype, mesh=mesh)
         return load_dir(p, dtype, mesh=mesh)
     if hub.looks_like_repo_id(str(path)):
         return load(hub.resolve(str(path)), dtype, mesh=mesh)
