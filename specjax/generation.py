@@ -537,6 +537,22 @@ def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+PREFILL_MULTIPLE = 16  # chunk lengths above this are padded to a multiple of it
+
+
+def prefill_chunks(max_len: int, prefill_chunk: int) -> tuple[int, int]:
+    """(chunk, num_chunks) for prompts of up to `max_len` tokens: as few chunks of at most
+    `prefill_chunk` tokens as cover them, of equal length padded to a power of two up to
+    PREFILL_MULTIPLE and to a multiple of it beyond, so that a 150-token prompt runs 160
+    padded positions rather than 256 and prompt lengths share compiled programs in steps
+    of 16."""
+    num_chunks = -(-max_len // prefill_chunk)
+    need = -(-max_len // num_chunks)
+    chunk = (1 << (need - 1).bit_length() if need <= PREFILL_MULTIPLE
+             else _bucket(need, PREFILL_MULTIPLE))
+    return min(chunk, prefill_chunk), num_chunks
+
+
 def generate(
     model: Model,
     prompts,
@@ -556,7 +572,7 @@ def generate(
     layer_layout: str = "auto",
     page_size: int = 16,
     num_pages: int | None = None,
-    prefill_chunk: int = 128,
+    prefill_chunk: int = 256,
     attention_backend: str | None = None,
     kv_cache_dtype=None,
 ) -> GenerationResult:
@@ -591,6 +607,8 @@ def generate(
     layer_layout: "auto" (unrolled layers on CPU, where XLA's layer scan copies every
       layer's weights each step; scanned elsewhere), "scan" or "unrolled"
       (`specjax.model.decode_params`).
+    prefill_chunk: the most prompt tokens one prefill forward takes; prompts run in as few
+      equal chunks as cover the longest, padded to a multiple of 16 (`prefill_chunks`).
     num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
       whose `data` axis splits the rows, split evenly between the data shards.
     kv_cache_dtype: the KV caches' pages, the target's and the speculator's own (a draft
@@ -631,9 +649,10 @@ def generate(
         eos = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
     b = len(rows)
     slack = speculator.num_nodes + 1 if speculator is not None else 1
-    chunk = min(prefill_chunk, 1 << (max(lens) - 1).bit_length())
-    num_chunks = -(-max(lens) // chunk)
-    width = _bucket(num_chunks * chunk + max_new_tokens + slack, 64)  # token buffer S
+    chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
+    # token buffer S: the padded prompt chunks (and the token after them) and every row's
+    # prompt, new tokens and draft slack
+    width = _bucket(max(num_chunks * chunk + 1, max(lens) + max_new_tokens + slack), 64)
     pages_per_row = -(-width // page_size)
     # Default pool: a full table per row, so the cache shape (and the compiled program)
     # depends only on the bucketed buffer width, not on the exact prompt lengths. On a

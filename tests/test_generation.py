@@ -4,6 +4,7 @@ import pytest
 
 import specjax
 from specjax.cache import OutOfPagesError
+from specjax.generation import PREFILL_MULTIPLE, prefill_chunks
 from tests.conftest import PROMPTS, greedy_reference
 
 
@@ -15,12 +16,23 @@ def test_greedy_equals_full_forward(tiny_target):
     assert out.stats.mean_accepted_length == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("chunk,page", [(2, 3), (4, 16), (128, 5)])
+@pytest.mark.parametrize("chunk,page", [(2, 3), (4, 16), (7, 4), (128, 5)])
 def test_prefill_chunk_and_page_size_do_not_change_output(tiny_target, chunk, page):
     base = specjax.generate(tiny_target, PROMPTS, max_new_tokens=6, ignore_eos=True)
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=6, ignore_eos=True,
                            prefill_chunk=chunk, page_size=page)
     assert out.tokens == base.tokens
+
+
+@pytest.mark.parametrize("max_len", [1, 3, 16, 17, 100, 129, 155, 256, 257, 2100])
+@pytest.mark.parametrize("limit", [7, 128, 256])
+def test_prefill_chunks_cover_the_prompt_in_equal_padded_chunks(max_len, limit):
+    chunk, num = prefill_chunks(max_len, limit)
+    assert chunk <= limit and chunk * num >= max_len
+    assert num == -(-max_len // limit)  # no more forwards than the limit forces
+    if chunk < limit:  # padded by less than one step of the bucket
+        step = PREFILL_MULTIPLE if chunk > PREFILL_MULTIPLE else chunk // 2 or 1
+        assert chunk * num - max_len < step * num
 
 
 def test_batch_rows_are_independent(tiny_target):

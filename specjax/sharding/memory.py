@@ -94,7 +94,7 @@ def plan_memory(
     page_size: int,
     dtype=None,
     draft_config: ModelConfig | None = None,
-    prefill_chunk: int = 128,
+    prefill_chunk: int = 256,
     kv_cache_dtype=None,
     rules=RULES,
 ) -> MemoryPlan:
