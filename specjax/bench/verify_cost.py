@@ -5,16 +5,17 @@ That holds while the forward is memory-bound (GPU/TPU decode at small T). On XLA
 token runs a memory-bound GEMV and two or more a GEMM that repacks the weights per call,
 so the cost jumps at T = 2 and then grows slowly. This script times the jitted cached
 target step (`specjax.step`, the same call the decode loop makes, tree mask included)
-at T = 1 and larger T, interleaved, on the ~25M-param benchmark Llama at a 128-token
-context, compiled as `generate` compiles (`specjax.xla_options`) and with XLA's
+at T = 1 and larger T, interleaved, at a 128-token context, on the target's shapes
+(default: the packaged SmolLM2-135M-Instruct, random weights of its config; `--target
+bench`: the ~25M-param benchmark Llama), compiled as `generate` compiles (`specjax.xla_options`) and with XLA's
 defaults side by side, and fits cost(T) / cost(1) = 1 + jump·[T > 1] + slope·log2(T)
 by least squares over T < 33, and per_token·T over T >= 33 where the forward turns
 compute-bound (a batch verifies rows × T tokens at once, so wide trees at batch > 1 land
 there). `specjax.stats.VERIFY_COST` holds the measured ratios themselves
 (`VerifyCost.from_table`; the adaptive draft length and the analytical speedup use it).
 
-  python -m specjax.bench.verify_cost [--tokens 1,2,3,5,9,17,33,65,129] [--batch 1]
-      [--repeats 30]
+  python -m specjax.bench.verify_cost [--target CKPT|bench] [--tokens 1,2,3,5,9,17,33,65,129]
+      [--batch 1] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
             fn(*args).block_until_ready()
             times[key].append(time.perf_counter() - t0)
     med = {key: statistics.median(v) for key, v in times.items()}
-    out = dict(params=model.num_params())
+    out = dict(params=model.num_params(),
+               name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
     for variant, suffix in (("generate", ""), ("xla_default", "_xla_default")):
         sec = {t: med[variant, t] for t in tokens}
         out["seconds" + suffix] = sec
@@ -124,7 +126,8 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
     lines = [START, "## Verify cost: T tokens vs one (the adaptive rule's cost model)", "",
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {_machine()}",
              f"- versions: {_versions()}", f"- command: `{command}`",
-             f"- model: random Llama, {result['params']:,} params, float32, batch {batch}, "
+             f"- model: {result['name']}, random weights, {result['params']:,} params, float32, "
+             f"batch {batch}, "
              f"128-token context; median of {repeats} interleaved rounds",
              "- generate's options: `specjax.xla_options.DECODE_OPTIONS` (on CPU, no YNNPACK "
              "fusions); XLA defaults: the same program compiled without them", "",
@@ -145,9 +148,23 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def target_config(target: str | None):
+    """The config `--target` names: a checkpoint's (None: the packaged SmolLM2), or None
+    for 'bench' (`measure`'s default, the benchmark Llama)."""
+    if target == "bench":
+        return None
+    import specjax
+    from specjax.checkpoint import packaged
+
+    return specjax.load(str(packaged.smollm2() if target is None else target)).config
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specjax.bench.verify_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="a checkpoint whose config to time "
+                    "(anything specjax.load reads; default: the packaged SmolLM2), or "
+                    "'bench' for the ~25M benchmark Llama")
     ap.add_argument("--tokens", default="1,2,3,5,9,17,33,65,129")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=30)
@@ -161,7 +178,7 @@ def main(argv=None) -> int:
     if tokens[0] != 1 or args.batch < 1 or args.repeats < 1:
         ap.error(f"--tokens must start at 1 (got {args.tokens!r}); --batch={args.batch} and "
                  f"--repeats={args.repeats} must be >= 1")
-    result = measure(tokens, args.batch, args.repeats)
+    result = measure(tokens, args.batch, args.repeats, config=target_config(args.target))
     for t in tokens:
         print(f"T={t:3d}: {result['seconds'][t] * 1e3:7.2f} ms  ({result['ratio'][t]:.2f}x T=1)"
               f"   XLA defaults {result['seconds_xla_default'][t] * 1e3:7.2f} ms  "

@@ -1,0 +1,227 @@
+"""The comparison every quickstart ends with: each method on the same held-out prompts,
+greedy and sampled, timed in interleaved rounds; the table, results.json / results.md and
+plots, and the check that every greedy output is identical (lossless speculation)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import specjax
+from specjax.stats import leviathan_speedup
+from train.corpus import CorpusConfig, load_corpus
+from train.speculation import heldout_prompts, speculative_run
+
+DONE = "DONE.json"  # a finished stage's marker in its directory (train.quickstart)
+
+
+def versions() -> dict[str, str]:
+    import flax
+    import optax
+    import orbax.checkpoint as ocp
+
+    commit = "unknown"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return {"python": platform.python_version(), "jax": jax.__version__,
+            "flax": flax.__version__, "optax": optax.__version__, "orbax": ocp.__version__,
+            "device": jax.devices()[0].device_kind, "machine": platform.machine(),
+            "git_commit": commit}
+
+
+def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
+            temperatures=(0.0, 1.0), seed: int = 0, cost_ratios: dict | None = None,
+            batch: int | None = None, adaptive: bool = False, repeats: int = 1,
+            priors: dict | None = None) -> list:
+    """Every method on the same prompts, per temperature: stats and speedup vs plain.
+
+    After one warm-up pass per method (compilation), `repeats` rounds run every method
+    in turn, so that each sees the same machine load; tokens/s is the median over the
+    rounds, the stats are the last round's (greedy ones are the same in every round).
+    cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
+    analytical figure (`bench.speculative.measured_cost_ratios`), else the run's own
+    estimate. priors: {temperature: {method: acceptance per depth}} for the adaptive
+    rule's start (`calibrated_priors`). batch: rows per generate call (None: all prompts
+    at once). adaptive: the draft-length rule on (what `generate` does by default), else
+    full depth every step."""
+    from specjax.bench.speculative import cost_ratio_of
+
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    rows = []
+    for temp in temperatures:
+        def run(name, spec):
+            return speculative_run(target, spec, prompts, new_tokens=new_tokens,
+                                   temperature=temp, seed=seed, batch=batch,
+                                   adaptive=adaptive, cost_ratio=cost_ratio_of(
+                                       cost_ratios, temp, name),
+                                   acceptance_prior=(priors or {}).get(temp, {}).get(name))
+
+        for name, spec in speculators.items():
+            run(name, spec)  # compiles
+        speeds = {name: [] for name in speculators}
+        last = {}
+        for _ in range(repeats):
+            for name, spec in speculators.items():
+                last[name] = run(name, spec)
+                speeds[name].append(last[name][1]["tokens_per_s"])
+        base = None
+        for name, (tokens, r) in last.items():
+            tps = float(np.median(speeds[name]))
+            base = base or tps
+            measured = cost_ratio_of(cost_ratios, temp, name)
+            c = measured if measured is not None else r["cost_ratio"]
+            rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
+                             tokens_per_s=tps, speedup=tps / base,
+                             analytical=leviathan_speedup(r["alpha"], r["k"], c,
+                                                         r["verify_cost"],
+                                                         r["draft_calls_per_call"]),
+                             identical_to_plain=tokens == next(iter(last.values()))[0]))
+    return rows
+
+
+def calibrated_priors(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
+                      temperatures, seed: int, cost_ratios: dict | None = None) -> dict:
+    """{temperature: {method: acceptance per depth}}: each speculator at full depth
+    (every depth tried whenever the one before was accepted) over calibration prompts, as
+    `generate(acceptance_prior=)` takes it, so that the adaptive rule starts from what the
+    draft does rather than from the default prior, and a draft that does not pay never
+    drafts to find that out."""
+    from specjax.bench.speculative import cost_ratio_of
+
+    return {temp: {name: speculative_run(
+        target, spec, prompts, new_tokens=new_tokens, temperature=temp, seed=seed, batch=1,
+        cost_ratio=cost_ratio_of(cost_ratios, temp, name))[1]["acceptance_by_position"]
+        for name, spec in speculators.items() if spec is not None} for temp in temperatures}
+
+
+def table(rows: list) -> str:
+    lines = ["| method | T | α | τ | tokens/s | speedup (measured) | speedup (analytical) "
+             "| greedy identical |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = str(r["identical_to_plain"]) if r["temperature"] == 0 else "–"
+        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['alpha']:.3f} | "
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+                     f"{r['analytical']:.2f}× | {same} |")
+    return "\n".join(lines)
+
+
+def plots(rows: list, sweep: list, out: Path) -> list[str]:
+    """acceptance by draft position, speedup vs k, τ per method -> PNG files."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    greedy = [r for r in rows if r["temperature"] == 0 and r["method"] != "autoregressive"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for r in greedy:
+        h = np.asarray(r["accepted_hist"], float)
+        if h.sum() == 0 or len(h) < 2:
+            continue
+        at_least = [h[j:].sum() / h.sum() for j in range(1, len(h))]  # P(accepted >= j)
+        ax.plot(range(1, len(h)), at_least, marker="o", label=r["method"])
+    ax.set_xlabel("draft position"); ax.set_ylabel("P(accepted)"); ax.legend()
+    ax.set_title("acceptance by draft position (greedy)")
+    fig.tight_layout(); fig.savefig(out / "acceptance_by_position.png"); plt.close(fig)
+    names.append("acceptance_by_position.png")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for method in sorted({s["method"] for s in sweep}):
+            pts = sorted((s["k"], s["speedup"]) for s in sweep if s["method"] == method)
+            ax.plot(*zip(*pts), marker="o", label=method)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("k (draft length)"); ax.set_ylabel("speedup vs autoregressive")
+        ax.legend(); fig.tight_layout(); fig.savefig(out / "speedup_vs_k.png"); plt.close(fig)
+        names.append("speedup_vs_k.png")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for i, temp in enumerate(sorted({r["temperature"] for r in rows})):
+        rs = [r for r in rows if r["temperature"] == temp]
+        ax.bar(np.arange(len(rs)) + 0.4 * i, [r["tau"] for r in rs], width=0.4,
+               label=f"T={temp:g}")
+        ax.set_xticks(np.arange(len(rs)) + 0.2, [r["method"] for r in rs], rotation=20)
+    ax.set_ylabel("τ (tokens per target call)"); ax.legend(); fig.tight_layout()
+    fig.savefig(out / "tau_per_method.png"); plt.close(fig)
+    names.append("tau_per_method.png")
+    return names
+
+
+def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, specs: dict,
+             settings: dict, prompt_corpus: CorpusConfig, *, num_prompts: int,
+             prompt_len: int, new_tokens: int, k: int, sweep_k: tuple[int, ...],
+             temperatures, seed: int, batch: int | None = None,
+             adaptive: bool = False, repeats: int = 1, calibrate: int = 0) -> dict:
+    """Every method on prompts from `prompt_corpus`'s held-out split (greedy and
+    sampled), the k sweep, the table, results.json / results.md / plots; a finished
+    evaluation with the same settings is printed again, not recomputed. Raises if greedy
+    outputs differ (lossy speculation). repeats: interleaved timed rounds (`compare`);
+    calibrate: with `adaptive`, other held-out prompts whose full-depth acceptance
+    starts the rule (`calibrated_priors`; 0: the default prior)."""
+    from specjax.speculators import DraftModel, NGram
+
+    settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
+                    k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
+                    **({} if batch is None else {"batch": batch}),
+                    **({"adaptive": True} if adaptive else {}),
+                    **({"repeats": repeats} if repeats != 1 else {}),
+                    **({"calibrate": calibrate} if calibrate and adaptive else {}),
+                    methods=list(specs), stages={p.name: json.loads((p / DONE).read_text())
+                                                 ["settings"] for p in workdir.iterdir()
+                                                 if (p / DONE).exists()})
+    res_file = workdir / "results.json"
+    if res_file.exists():
+        old = json.loads(res_file.read_text())
+        if old.get("settings") == settings:
+            print(old["table"])
+            print(f"(finished earlier: {res_file})")
+            return old
+    prompts = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
+                              num_prompts, prompt_len, seed)
+    from specjax.bench.speculative import measured_cost_ratios
+
+    costs = measured_cost_ratios(target, specs, temperatures, batch=batch or 1)
+    priors = None
+    if calibrate and adaptive:
+        pool = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
+                               calibrate + num_prompts, prompt_len, seed + 1)
+        calib = [p for p in pool if p not in prompts][:calibrate]
+        priors = calibrated_priors(target, specs, calib, new_tokens=new_tokens,
+                                   temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
+    rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
+                   seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
+                   repeats=repeats, priors=priors)
+    sweep = []
+    for kk in sweep_k:
+        sub = {"autoregressive": None, "ngram": NGram(k=kk)}
+        if draft is not None:
+            sub["draft"] = DraftModel(model=draft, k=kk)
+        for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
+                         seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
+                         repeats=repeats):
+            if r["method"] != "autoregressive":
+                sweep.append(dict(method=r["method"], k=kk, speedup=r["speedup"],
+                                  alpha=r["alpha"], tau=r["tau"]))
+    greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
+    text = table(rows)
+    results = dict(settings=settings, rows=rows, sweep=sweep, table=text, priors=priors,
+                   greedy_identical=greedy_same, versions=versions(),
+                   date=time.strftime("%Y-%m-%d"),
+                   target_params=target.num_params(),
+                   draft_params=draft.num_params() if draft is not None else None,
+                   plots=plots(rows, sweep, workdir))
+    res_file.write_text(json.dumps(results, indent=2))
+    (workdir / "results.md").write_text(text + "\n")
+    print(text)
+    print(f"greedy outputs identical across methods: {greedy_same}")
+    if not greedy_same:
+        raise AssertionError("greedy outputs differ between methods: speculation was lossy")
+    return results
