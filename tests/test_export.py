@@ -245,3 +245,160 @@ def _same_files(a: Path, b: Path):
     for k in ta:
         assert ta[k].dtype == tb[k].dtype
         np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
+
+
+def test_imported_head_drafts_losslessly(interop, target):
+    """A head speculators saved drafts inside `specjax.generate`: greedy output is the
+    target's own, and the head's drafts are accepted at the rate its logits give."""
+    eagle = Eagle(heads=interop["work"] / "saved_plain", target=target, top_k=2, depth=2,
+                  total_tokens=4)
+    prompts = [[5, 17, 33, 2, 9, 71, 40, 8]]
+    plain = specjax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
+    out = specjax.generate(target, prompts, speculator=eagle, max_new_tokens=12,
+                           ignore_eos=True)
+    assert out.tokens == plain.tokens
+    assert out.stats.draft_calls > 0
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def _copy_head(src: Path, dst: Path, config=None, drop=()) -> Path:
+    """A copy of an exported head with its config.json edited by `config` and tensors
+    `drop` removed."""
+    dst.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    if config is not None:
+        config(raw)
+    (dst / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k not in drop}, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_head_for_another_target_is_refused(interop, tmp_path):
+    src = interop["work"] / "spec_plain"
+    other = _target(vocab_size=100).config
+    with pytest.raises(ValueError, match=r"made for another target: vocab_size=96.*100"):
+        Eagle(heads=src, target=other)
+    with pytest.raises(ValueError, match=r"made for another target: .*num_layers=6.*8"):
+        Eagle(heads=interop["work"] / "original", target=_target(num_layers=8).config)
+    # a head from elsewhere (no specjax fingerprint): what the format says is checked
+    bare = _copy_head(src, tmp_path / "bare", lambda c: c.pop("specjax_target"))
+    with pytest.raises(ValueError, match=r"made for another target: vocab_size=96 "
+                                         r"\(target has 100\)"):
+        Eagle(heads=bare, target=other)
+    with pytest.raises(ValueError, match=r"verifier architectures=\['LlamaForCausalLM'\] "
+                                         r"\(target is Qwen3ForCausalLM\)"):
+        Eagle(heads=bare, target=_target(model_type="qwen3", qk_norm=True).config)
+
+
+def test_reduced_vocabulary_without_d2t_is_refused(interop, target, tmp_path):
+    for name in ("spec_plain", "original"):
+        head = _copy_head(interop["work"] / name, tmp_path / name, drop=("d2t",))
+        with pytest.raises(ValueError, match=r"draft_vocab_size=48 is smaller than the "
+                                             r"target's vocab_size=96, but there is no 'd2t'"):
+            Eagle(heads=head, target=target)
+
+
+def _set_layer(key, value):
+    return lambda c: c["transformer_layer_config"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set_layer("num_hidden_layers", 2), r"num_hidden_layers=2 \(specjax runs "
+                                         r"num_hidden_layers=1\)"),
+    (_set_layer("intermediate_size", 80), r"intermediate_size=80 \(the target's layer has 64\)"),
+    (_set_layer("model_type", "gemma"), r"model_type='gemma'"),
+    (lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [1, 2, 3, 4]),
+     r"eagle_aux_hidden_state_layer_ids=\[1, 2, 3, 4\]: specjax fuses exactly 3"),
+    (lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [0, 2, 4]),
+     r"ids in \[1, 6\]"),
+    (lambda c: c.__setitem__("speculators_model_type", "mtp"), r"speculators_model_type='mtp'"),
+])
+def test_fields_specjax_cannot_honour_are_refused(interop, target, tmp_path, edit, message):
+    head = _copy_head(interop["work"] / "spec_plain", tmp_path / "h", edit)
+    with pytest.raises(ValueError, match=message):
+        Eagle(heads=head, target=target)
+
+
+def test_unknown_layout_and_unwritable_heads_are_refused(interop, target, tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(target.config.to_json())
+    with pytest.raises(ValueError, match=r"describes no head format specjax reads "
+                                         r"\(architectures=\['LlamaForCausalLM'\]\)"):
+        read_heads(tmp_path / "llama", target.config)
+    with pytest.raises(ValueError, match=r"original EAGLE-3 layout cannot express "
+                                         r"\['norm_before_residual', 'norm_output'\]"):
+        specjax.export.export_eagle3(interop["heads"]["residual_output"], tmp_path / "o")
+    clamped = Eagle.random(target, version=3, hidden_layers=(1, 1, 4), draft_vocab_size=VD)
+    with pytest.raises(ValueError, match=r"hidden_layers=\(1, 1, 4\) repeats a layer"):
+        specjax.export.export_speculators(clamped, tmp_path / "s")
+    qwen2 = _target(model_type="qwen2", qkv_bias=True)
+    with pytest.raises(ValueError, match=r"q/k/v biases only \(qkv_bias=True\)"):
+        specjax.export.export_speculators(Eagle.random(qwen2, version=3, hidden_layers=LAYERS),
+                                          tmp_path / "q")
+    with pytest.raises(ValueError, match=r"EAGLE-3 heads; this is a version-1 head"):
+        specjax.export.export_speculators(Eagle.random(target, version=1), tmp_path / "v1")
+
+
+# ---- Medusa ------------------------------------------------------------------------------
+
+
+def _medusa_keys(m, r):
+    """The Medusa repository's `medusa_head` state dict names."""
+    keys = set()
+    for i in range(m):
+        keys |= {f"{i}.{j}.linear.{w}" for j in range(r) for w in ("weight", "bias")}
+        keys.add(f"{i}.{r}.weight")
+    return keys
+
+
+@pytest.mark.parametrize("r", [0, 1])
+def test_medusa_round_trip_and_key_names(target, tmp_path, r):
+    heads = Medusa.random(target, num_heads=4, num_residual_layers=r, seed=4)
+    heads = Medusa(_perturbed(heads.params, 4), heads.config, target=target)
+    path = specjax.export.export_medusa(heads, tmp_path / "m", base_model_name_or_path="t")
+    tensors = load_file(str(path / "medusa_lm_head.safetensors"))
+    assert set(tensors) == _medusa_keys(4, r)
+    assert tensors[f"3.{r}.weight"].shape == (96, 32)  # [V, D]: nn.Linear(D, V, bias=False)
+    raw = json.loads((path / "config.json").read_text())
+    assert (raw["medusa_num_heads"], raw["medusa_num_layers"],
+            raw["base_model_name_or_path"]) == (4, r, "t")
+    back = Medusa(heads=path, target=target)
+    assert back.config == heads.config
+    _same_tree(back.params, heads.params)
+    again = specjax.export.export_medusa(back, tmp_path / "again", base_model_name_or_path="t")
+    assert json.loads((again / "config.json").read_text()) == raw
+    for k, v in load_file(str(again / "medusa_lm_head.safetensors")).items():
+        np.testing.assert_array_equal(v, tensors[k], err_msg=k)
+    if r:  # the ResBlock computes x + silu(linear(x)) with linear.weight [out, in]
+        x = np.random.default_rng(0).standard_normal(32).astype(np.float32)
+        w, b = tensors["0.0.linear.weight"], tensors["0.0.linear.bias"]
+        y = x + (x @ w.T + b) / (1 + np.exp(-(x @ w.T + b)))
+        ours = medusa_logits_np(heads, target, x)[0]
+        np.testing.assert_allclose(ours, y @ tensors[f"0.{r}.weight"].T, atol=1e-4, rtol=0)
+
+
+def medusa_logits_np(heads: Medusa, target, x):
+    from specjax.heads.medusa import medusa_logits
+    return np.asarray(medusa_logits(heads.config, target.config, heads.params,
+                                    jnp.asarray(x)[None, None]))[0, 0]
+
+
+def test_medusa_layouts_it_cannot_hold_are_refused(target, tmp_path):
+    heads = Medusa.random(target, num_heads=4, num_residual_layers=2, seed=1)  # distinct
+    with pytest.raises(ValueError, match=r"num_residual_layers=2 with distinct ResBlocks"):
+        specjax.export.export_medusa(heads, tmp_path / "m")
+    p = dict(heads.params)
+    p["res_kernel"] = jnp.repeat(p["res_kernel"][:, :1], 2, axis=1)  # one ResBlock repeated
+    p["res_bias"] = jnp.repeat(p["res_bias"][:, :1], 2, axis=1)
+    path = specjax.export.export_medusa(Medusa(p, heads.config, target=target), tmp_path / "ok")
+    _same_tree(Medusa(heads=path, target=target).params, p)
+    with pytest.raises(ValueError, match=r"made for another target: vocab_size=96"):
+        Medusa(heads=path, target=_target(vocab_size=100).config)
+    tensors = load_file(str(path / "medusa_lm_head.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "1.2.weight"},
+              str(path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['1.2.weight'\]"):
+        Medusa(heads=path, target=target)

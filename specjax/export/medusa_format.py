@@ -89,14 +89,12 @@ def read_medusa(path, target_config: ModelConfig) -> HeadCheckpoint:
             raise ValueError(f"{path}: tensor {k!r} has shape {tuple(tensors[k].shape)}, "
                              f"expected {shape} for a target of hidden_size={d}, "
                              f"vocab_size={v}")
-    f32 = lambda k: np.asarray(tensors[k], np.float32)
-    params = {
-        "res_kernel": jnp.asarray(np.stack([np.stack([f32(f"{i}.{j}.linear.weight").T
-                                                      for j in range(r)]).reshape(r, d, d)
-                                            for i in range(m)])),
-        "res_bias": jnp.asarray(np.stack([np.stack([f32(f"{i}.{j}.linear.bias")
-                                                    for j in range(r)]).reshape(r, d)
-                                          for i in range(m)])),
-        "lm_head": jnp.asarray(np.stack([f32(f"{i}.{r}.weight").T for i in range(m)])),
-    }
+    w, b = np.zeros((m, r, d, d), np.float32), np.zeros((m, r, d), np.float32)
+    lm = np.zeros((m, d, v), np.float32)
+    for i in range(m):
+        for j in range(r):
+            w[i, j] = np.asarray(tensors[f"{i}.{j}.linear.weight"], np.float32).T
+            b[i, j] = tensors[f"{i}.{j}.linear.bias"]
+        lm[i] = np.asarray(tensors[f"{i}.{r}.weight"], np.float32).T
+    params = {"res_kernel": jnp.asarray(w), "res_bias": jnp.asarray(b), "lm_head": jnp.asarray(lm)}
     return HeadCheckpoint("medusa", config, params)
