@@ -402,3 +402,79 @@ def test_medusa_layouts_it_cannot_hold_are_refused(target, tmp_path):
               str(path / "medusa_lm_head.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['1.2.weight'\]"):
         Medusa(heads=path, target=target)
+
+
+# ---- training jobs and the CLI -----------------------------------------------------------
+
+
+def test_training_jobs_write_the_serving_layout(interop, target, tmp_path):
+    """What `train.jobs.heads` writes beside its own heads: speculators' format for EAGLE-3
+    (read back exactly), Medusa's layout, and a reason where a head cannot be written."""
+    from train import jobs
+
+    eagle = interop["heads"]["plain"]
+    out = jobs.serving_export(tmp_path, "eagle", eagle.config, eagle.params, target, "tgt",
+                              np.asarray(eagle.d2t))
+    assert out == tmp_path / "speculators"
+    _same_head(Eagle(heads=out, target=target), eagle, target)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "tgt"
+    medusa = Medusa.random(target, num_heads=2, num_residual_layers=1, seed=2, tree=[[0]])
+    out = jobs.serving_export(tmp_path, "medusa", medusa.config, medusa.params, target, "tgt")
+    assert out == tmp_path / "medusa"
+    _same_tree(medusa_format.read_medusa(out, target.config).params, medusa.params)
+    clamped = EagleConfig(3, (1, 1, 4), VD).resolved(target.config)
+    why = jobs.serving_export(tmp_path / "c", "eagle", clamped,
+                              init_eagle_params(clamped, target.config, 0), target, "tgt")
+    assert why.startswith("not written: hidden_layers=(1, 1, 4) repeats a layer")
+    assert not (tmp_path / "c").exists()
+
+
+def _cli(*args) -> int:
+    from specjax.cli import main
+    return main(["export", *map(str, args)])
+
+
+def test_cli_exports_a_runs_heads(interop, target, tmp_path, capsys):
+    """`specjax export` reads the run's heads and its recorded target; every format writes
+    what the export functions write; bad requests exit 2 naming the value."""
+    from specjax.heads import save_heads
+
+    eagle = interop["heads"]["plain"]
+    run = tmp_path / "run"
+    save_heads(run / "heads", "eagle", eagle.config, eagle.params, target.config,
+               vocab_map=np.asarray(eagle.d2t))
+    (run / "config.json").write_text(json.dumps(
+        {"settings": {"target_dir": str(interop["verifier"])}}))
+    assert _cli("--format", "speculators", run, tmp_path / "s") == 0
+    _same_files(tmp_path / "s", interop["work"] / "spec_plain")
+    assert _cli("--format", "eagle3", run / "heads", tmp_path / "o") == 0
+    _same_files(tmp_path / "o", interop["work"] / "original")
+    # an exported layout converts to the other one (the target named)
+    assert _cli("--format", "speculators", tmp_path / "o", tmp_path / "s2", "--target",
+                interop["verifier"]) == 0
+    _same_files(tmp_path / "s2", interop["work"] / "spec_plain")
+    capsys.readouterr()
+    for args, message in [
+        (("--format", "onnx", run, tmp_path / "x"), "--format 'onnx' is unknown; choose one "
+                                                     "of speculators, eagle3, medusa, gguf"),
+        (("--format", "medusa", run, tmp_path / "x"), "holds eagle heads; --format medusa "
+                                                       "writes medusa heads"),
+        (("--format", "eagle3", tmp_path / "o", tmp_path / "x"), "pass --target DIR"),
+        (("--format", "speculators", tmp_path, tmp_path / "x"), "is neither a training run"),
+    ]:
+        assert _cli(*args) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_cli_exports_a_draft_as_gguf(tmp_path):
+    """--format gguf writes the draft of a distillation run (its export/) as the GGUF file
+    specjax.save_gguf writes, which specjax's own GGUF reader loads back exactly."""
+    draft = _target(seed=3, num_layers=1)
+    specjax.save_hf(draft, tmp_path / "run" / "export")
+    assert _cli("--format", "gguf", tmp_path / "run", tmp_path / "d.gguf") == 0
+    back = specjax.load(tmp_path / "d.gguf", dtype="float32")
+    assert back.config == draft.config
+    _same_tree(back.params, draft.params)
+    assert _cli("--format", "gguf", tmp_path / "run", tmp_path / "q.gguf", "--dtype",
+                "Q4_K") == 2
