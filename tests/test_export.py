@@ -478,3 +478,27 @@ def test_cli_exports_a_draft_as_gguf(tmp_path):
     _same_tree(back.params, draft.params)
     assert _cli("--format", "gguf", tmp_path / "run", tmp_path / "q.gguf", "--dtype",
                 "Q4_K") == 2
+
+
+@pytest.mark.slow  # llama-cpp-python is the bench extra (built from source), not a test dep
+def test_llama_cpp_runs_an_exported_draft(tmp_path):
+    """A draft exported by `specjax export --format gguf` (F32) is llama.cpp's model and
+    draft model: its greedy tokens are specjax's, alone and drafting for a target."""
+    pytest.importorskip("llama_cpp", reason="pip install -e '.[bench]'")
+    from specjax.bench import llamacpp as lc
+    from tests.test_gguf_write import tiny_model
+
+    target, draft = tiny_model("llama"), tiny_model("llama", seed=1, num_layers=1)
+    specjax.save_hf(draft, tmp_path / "run" / "export")
+    assert _cli("--format", "gguf", tmp_path / "run", tmp_path / "draft.gguf") == 0
+    target_path = specjax.save_gguf(target, tmp_path / "target.gguf")
+    prompts = [np.random.default_rng(0).integers(3, 300, 16).tolist()]
+    n_ctx = lc.context_size(prompts, 16, 4)
+    for model, path, method in ((draft, tmp_path / "draft.gguf", "plain"),
+                                (target, target_path, "draft")):
+        ours = specjax.generate(model, prompts, max_new_tokens=16, ignore_eos=True).tokens
+        runner = lc.Runner(path, method, k=4, draft=tmp_path / "draft.gguf", n_ctx=n_ctx,
+                           threads=1)
+        tokens, _ = lc.llamacpp_pass(runner, prompts, new=16)
+        runner.close()
+        assert tokens == ours, (method, lc.agreement(ours, tokens))
