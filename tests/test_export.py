@@ -115,8 +115,8 @@ def interop(target, tmp_path_factory):
                      "flags": flags, "inputs": str(work / f"in_saved_{name}.npz"),
                      "out": str(work / f"saved_{name}.npz")})
     orig = specjax.export.export_eagle3(heads["plain"], work / "original", target=target)
-    ids = json.loads((orig / "config.json").read_text())["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"]
+    ids = [i + 1 for i in json.loads((orig / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"]]  # as speculators counts them
     jobs.append({"op": "convert", "dir": str(orig), "verifier": str(verifier), "layer_ids": ids,
                  "to": str(work / "converted"), "out": str(work / "convert.npz")})
     jobs.append({"op": "forward", "dir": str(work / "converted"),
@@ -207,7 +207,7 @@ def test_original_layout_keys_and_config(interop):
     assert raw["model_type"] == "llama" and raw["num_hidden_layers"] == 1
     assert raw["draft_vocab_size"] == VD and raw["vocab_size"] == 96
     assert raw["hidden_size"] == raw["target_hidden_size"] == 32
-    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
     assert raw["tie_word_embeddings"] is False
 
 

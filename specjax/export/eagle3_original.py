@@ -3,8 +3,10 @@ repository and SpecForge read and write.
 
 `config.json` is a Llama config of the head's one decoder layer with
 `architectures: ["LlamaForCausalLMEagle3"]`, the target's `vocab_size`, `draft_vocab_size`,
-`target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids` (servers default
-to [2, L // 2, L - 3] without it). Weights: `fc`, `midlayer.*`, `norm`, `lm_head`,
+`target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang's ids,
+the decoder layers whose outputs it fuses (0-based, specjax's `hidden_layers`; it captures
+the inputs of the next layers), one less than speculators' and vLLM's ids; without it
+servers fuse transformers' hidden_states [2, L // 2, L - 3]. Weights: `fc`, `midlayer.*`, `norm`, `lm_head`,
 optionally `embed_tokens`, and `d2t`/`t2d`. The layout has no norm flags, so a head using
 any is refused (write speculators' format instead); reading accepts the three flags
 speculators' converter reads from this config.
@@ -42,7 +44,7 @@ def eagle3_config(config: EagleConfig, target_config: ModelConfig) -> dict[str, 
     cfg.update(architectures=[ARCHITECTURE], draft_vocab_size=config.draft_vocab_size,
                target_hidden_size=target_config.hidden_size,
                eagle_config={"eagle_aux_hidden_state_layer_ids": T.aux_layer_ids(
-                   config.hidden_layers, target_config.num_layers),
+                   config.hidden_layers, target_config.num_layers, base=0),
                    "use_aux_hidden_state": True},
                **files.fingerprint(target_config))
     return cfg
@@ -76,11 +78,11 @@ def read_eagle3(path, target_config: ModelConfig) -> HeadCheckpoint:
                        hidden_size=raw.get("target_hidden_size") or raw.get("hidden_size"))
     T.check_layer_config({**raw, "model_type": raw.get("model_type", "llama")},
                          target_config, source)
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
-        T.default_aux_layer_ids(target_config.num_layers)
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = T.default_hidden_layers(target_config.num_layers) if ids is None else \
+        T.hidden_layers_from_aux(ids, target_config.num_layers, source, base=0)
     vd = raw.get("draft_vocab_size") or target_config.vocab_size
-    config = EagleConfig(3, T.hidden_layers_from_aux(ids, target_config.num_layers, source),
-                         int(vd), **{f: bool(raw.get(f, False)) for f in READ_FLAGS})
+    config = EagleConfig(3, layers, int(vd), **{f: bool(raw.get(f, False)) for f in READ_FLAGS})
     config.check(target_config)
     tensors = files.read_tensors(path, (files.WEIGHTS,))
     params = T.tensors_to_params(config, target_config, tensors, PREFIX, str(path))

@@ -21,8 +21,8 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.heads.eagle import OWN_EMBEDDING, EagleConfig, layer_config
 
-__all__ = ["aux_layer_ids", "check_exportable", "check_layer_config", "hidden_layers_from_aux",
-           "layer_config_dict", "params_to_tensors", "tensor_names",
+__all__ = ["aux_layer_ids", "check_exportable", "check_layer_config", "default_hidden_layers",
+           "hidden_layers_from_aux", "layer_config_dict", "params_to_tensors", "tensor_names",
            "tensors_to_params", "vocab_from_tensors", "vocab_tensors"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -230,11 +230,13 @@ def check_layer_config(raw: dict[str, Any], target_config: ModelConfig, source: 
                          "which specjax runs it with: " + "; ".join(diff))
 
 
-def aux_layer_ids(hidden_layers: tuple[int, ...], num_layers: int) -> list[int]:
-    """specjax's fused layers (decoder-layer outputs, 0-based) -> the aux hidden-state ids
-    vLLM, SGLang and speculators use (index into transformers' `hidden_states`, whose entry
-    0 is the embedding output): j -> j + 1. They must be distinct."""
-    ids = [int(j) + 1 for j in hidden_layers]
+def aux_layer_ids(hidden_layers: tuple[int, ...], num_layers: int, base: int = 1) -> list[int]:
+    """specjax's fused layers (decoder-layer outputs, 0-based) -> the layer ids a server
+    reads. base=1: vLLM's and speculators' `eagle_aux_hidden_state_layer_ids`, indices into
+    transformers' `hidden_states` (entry 0 is the embedding output), so j -> j + 1;
+    base=0: SGLang's `eagle_config` ids, the decoder layers whose outputs it captures.
+    The ids must be distinct (a server captures each layer once)."""
+    ids = [int(j) + base for j in hidden_layers]
     if len(set(ids)) != len(ids):
         raise ValueError(f"hidden_layers={tuple(hidden_layers)} repeats a layer; the aux "
                          f"layer ids servers read must be distinct (a {num_layers}-layer "
@@ -242,16 +244,20 @@ def aux_layer_ids(hidden_layers: tuple[int, ...], num_layers: int) -> list[int]:
     return ids
 
 
-def hidden_layers_from_aux(ids, num_layers: int, source: str) -> tuple[int, ...]:
-    """The inverse of `aux_layer_ids`; ids outside [1, num_layers] (0 is the embedding
-    output, which specjax does not hand to heads) or not three of them are a ValueError."""
+def hidden_layers_from_aux(ids, num_layers: int, source: str, base: int = 1
+                           ) -> tuple[int, ...]:
+    """The inverse of `aux_layer_ids`; ids that name no decoder-layer output of the target
+    (base=1: 0 is the embedding output, which specjax does not hand to heads) or are not
+    three are a ValueError."""
     ids = [int(i) for i in ids]
-    if len(ids) != 3 or not all(1 <= i <= num_layers for i in ids):
+    lo, hi = base, num_layers - 1 + base
+    if len(ids) != 3 or not all(lo <= i <= hi for i in ids):
         raise ValueError(f"{source}: eagle_aux_hidden_state_layer_ids={ids}: specjax fuses "
-                         f"exactly 3 decoder-layer outputs, ids in [1, {num_layers}]")
-    return tuple(i - 1 for i in ids)
+                         f"exactly 3 decoder-layer outputs, ids in [{lo}, {hi}]")
+    return tuple(i - base for i in ids)
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """The ids servers use when a head names none: EAGLE-3's [2, L // 2, L - 3]."""
-    return [2, num_layers // 2, num_layers - 3]
+def default_hidden_layers(num_layers: int) -> tuple[int, ...]:
+    """The layers servers fuse when a head names none: EAGLE-3's [2, L // 2, L - 3] as
+    transformers `hidden_states` indices, i.e. decoder-layer outputs [1, L // 2 - 1, L - 4]."""
+    return (1, num_layers // 2 - 1, num_layers - 4)

@@ -94,12 +94,12 @@ def read_speculators(path, target_config: ModelConfig) -> HeadCheckpoint:
                        hidden_size=target_hidden,
                        architectures=verifier.get("architectures") or ())
     T.check_layer_config(layer, target_config, source)
-    ids = raw.get("eagle_aux_hidden_state_layer_ids") or \
-        T.default_aux_layer_ids(target_config.num_layers)
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    layers = T.default_hidden_layers(target_config.num_layers) if ids is None else \
+        T.hidden_layers_from_aux(ids, target_config.num_layers, source)
     if "draft_vocab_size" not in raw:
         raise ValueError(f"{source}: draft_vocab_size is missing")
-    config = EagleConfig(3, T.hidden_layers_from_aux(ids, target_config.num_layers, source),
-                         int(raw["draft_vocab_size"]),
+    config = EagleConfig(3, layers, int(raw["draft_vocab_size"]),
                          **{flag: bool(raw.get(flag, False)) for flag in NORM_FLAGS})
     config.check(target_config)
     tensors = files.read_tensors(path, (files.WEIGHTS,))
