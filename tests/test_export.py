@@ -502,3 +502,35 @@ def test_llama_cpp_runs_an_exported_draft(tmp_path):
         tokens, _ = lc.llamacpp_pass(runner, prompts, new=16)
         runner.close()
         assert tokens == ours, (method, lc.agreement(ours, tokens))
+
+
+def test_published_heads_load_by_hub_id_and_from_pytorch_bin(interop, target, tmp_path):
+    """A head published on the hub loads by its id (from the local cache, offline), and the
+    EAGLE repository's pytorch_model.bin reads as its safetensors do."""
+    import shutil
+
+    import torch
+
+    from tests.test_hub import SHA, _run
+
+    repo = tmp_path / "hub" / "models--Org--eagle3-head"
+    shutil.copytree(interop["work"] / "spec_plain", repo / "snapshots" / SHA)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    out = _run("import json, numpy as np, specjax\n"
+               "from specjax.speculators import Eagle\n"
+               f"t = specjax.load({str(interop['verifier'])!r}, dtype='float32')\n"
+               "e = Eagle(heads='Org/eagle3-head', target=t)\n"
+               "print(json.dumps(np.asarray(e.d2t).tolist()))\n", tmp_path / "hub")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == \
+        np.asarray(interop["heads"]["plain"].d2t).tolist()
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(interop["work"] / "original" / "config.json", bin_dir)
+    tensors = load_file(str(interop["work"] / "original" / "model.safetensors"))
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()},
+               bin_dir / "pytorch_model.bin")
+    back = Eagle(heads=bin_dir, target=target)
+    _same_head(back, interop["heads"]["plain"], target)

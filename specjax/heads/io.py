@@ -100,7 +100,12 @@ def save_heads(path, kind: str, head_config, params, target_config: ModelConfig,
 def load_heads(path, target_config: ModelConfig, kind: str | None = None) -> HeadCheckpoint:
     """Reads heads saved by `save_heads` (or, without its `heads.json`, exported in a
     public layout: `specjax.export.read_heads`), checking they were made for
-    `target_config` (and, if given, that they are of `kind`)."""
+    `target_config` (and, if given, that they are of `kind`). A hub id ("Org/name") is
+    read from the local Hugging Face cache (downloaded unless `HF_HUB_OFFLINE`)."""
+    from specjax.checkpoint import hub
+
+    if not Path(path).exists() and hub.looks_like_repo_id(str(path)):
+        path = hub.resolve(str(path), patterns=hub.HEAD_PATTERNS)
     path = Path(path)
     meta_file = path / _META
     if not meta_file.is_file():
