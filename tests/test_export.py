@@ -114,6 +114,15 @@ def interop(target, tmp_path_factory):
                      "seed": 30 + i, "draft_vocab_size": VD, "layer_ids": [j + 1 for j in LAYERS],
                      "flags": flags, "inputs": str(work / f"in_saved_{name}.npz"),
                      "out": str(work / f"saved_{name}.npz")})
+    # a Qwen3 target: the head's layer has q/k norms (speculators' qwen3 layer class)
+    qwen3 = _target(seed=5, model_type="qwen3", qk_norm=True)
+    specjax.save_hf(qwen3, work / "verifier_qwen3")
+    heads["qwen3"], inputs["qwen3"] = _eagle(qwen3, seed=15), _inputs(qwen3, 25)
+    np.savez(work / "in_qwen3.npz", **inputs["qwen3"])
+    specjax.export.export_speculators(heads["qwen3"], work / "spec_qwen3", target=qwen3,
+                                      verifier=str(work / "verifier_qwen3"))
+    jobs.append({"op": "forward", "dir": str(work / "spec_qwen3"),
+                 "inputs": str(work / "in_qwen3.npz"), "out": str(work / "fwd_qwen3.npz")})
     orig = specjax.export.export_eagle3(heads["plain"], work / "original", target=target)
     ids = [i + 1 for i in json.loads((orig / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"]]  # as speculators counts them
@@ -122,15 +131,17 @@ def interop(target, tmp_path_factory):
     jobs.append({"op": "forward", "dir": str(work / "converted"),
                  "inputs": str(work / "in_plain.npz"), "out": str(work / "fwd_converted.npz")})
     run_jobs(jobs, work)
-    return {"work": work, "heads": heads, "inputs": inputs, "verifier": verifier}
+    return {"work": work, "heads": heads, "inputs": inputs, "verifier": verifier,
+            "qwen3": qwen3}
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [*VARIANTS, "qwen3"])
 def test_speculators_runs_specjax_export(interop, target, name):
     """speculators' Eagle3DraftModel loads the export (its config validation passes) and its
     forward gives specjax's draft logits."""
     theirs = np.load(interop["work"] / f"fwd_{name}.npz")["logits"][0]
-    ours = specjax_logits(interop["heads"][name], target, interop["inputs"][name])[0]
+    tgt = interop["qwen3"] if name == "qwen3" else target
+    ours = specjax_logits(interop["heads"][name], tgt, interop["inputs"][name])[0]
     assert theirs.shape == ours.shape == (T, interop["heads"][name].config.draft_vocab_size)
     assert np.abs(ours).max() > 1.0  # logits a wrong layout would change
     np.testing.assert_allclose(theirs, ours, atol=ATOL, rtol=0)
@@ -166,10 +177,11 @@ def _same_head(back: Eagle, eagle: Eagle, target):
 def test_speculators_round_trip_is_exact(interop, target, tmp_path):
     for name, eagle in interop["heads"].items():
         path = interop["work"] / f"spec_{name}"
-        back = Eagle(heads=path, target=target)
-        _same_head(back, eagle, target)
-        again = specjax.export.export_speculators(back, tmp_path / name,
-                                                  verifier=str(interop["verifier"]))
+        tgt = interop["qwen3"] if name == "qwen3" else target
+        back = Eagle(heads=path, target=tgt)
+        _same_head(back, eagle, tgt)
+        verifier = interop["work"] / "verifier_qwen3" if name == "qwen3" else interop["verifier"]
+        again = specjax.export.export_speculators(back, tmp_path / name, verifier=str(verifier))
         _same_files(path, again)
 
 
@@ -331,6 +343,9 @@ def test_unknown_layout_and_unwritable_heads_are_refused(interop, target, tmp_pa
     with pytest.raises(ValueError, match=r"original EAGLE-3 layout cannot express "
                                          r"\['norm_before_residual', 'norm_output'\]"):
         specjax.export.export_eagle3(interop["heads"]["residual_output"], tmp_path / "o")
+    with pytest.raises(ValueError, match=r"a qwen3 layer \(q/k norms: True\); this layout "
+                                         r"holds only llama layers"):
+        specjax.export.export_eagle3(interop["heads"]["qwen3"], tmp_path / "q3")
     clamped = Eagle.random(target, version=3, hidden_layers=(1, 1, 4), draft_vocab_size=VD)
     with pytest.raises(ValueError, match=r"hidden_layers=\(1, 1, 4\) repeats a layer"):
         specjax.export.export_speculators(clamped, tmp_path / "s")

@@ -196,7 +196,8 @@ def layer_config_dict(target_config: ModelConfig, model_type: str) -> dict[str, 
 
 
 _LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                 "rms_norm_eps", "rope_theta", "rope_scaling", "qk_norm")
+                 "rms_norm_eps", "rope_theta", "rope_scaling", "qk_norm", "qkv_bias",
+                 "sliding_window")
 
 
 def check_layer_config(raw: dict[str, Any], target_config: ModelConfig, source: str) -> None:
