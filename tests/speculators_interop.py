@@ -10,8 +10,8 @@ JOBS.json is a list of jobs; each writes its results to the .npz file `out`:
   {"op": "init_save", "verifier": V, "dir": D, "seed": S, "draft_vocab_size": Vd,
    "layer_ids": [...], "inputs": NPZ, "out": NPZ, "flags": {...}}
       a head initialised by Eagle3DraftModel.from_training_args for verifier V, the
-      weights its training changes then drawn at random (torch seed S), saved with save_pretrained to D; its
-      logits on the inputs.
+      weights its training changes then drawn at random (torch seed S), saved with
+      save_pretrained to D; its logits on the inputs.
   {"op": "convert", "dir": D, "verifier": V, "to": D2, "layer_ids": [...], "out": NPZ}
       speculators' legacy converter (Eagle3Converter, given the aux layer ids as its CLI
       takes them) turns the original-layout head D into its format at D2; the missing and

@@ -110,7 +110,8 @@ def interop(target, tmp_path_factory):
         ins["d2t"] = _d2t(target.config.vocab_size, VD, 30 + i)
         np.savez(work / f"in_saved_{name}.npz", **ins)
         inputs[f"saved_{name}"] = ins
-        jobs.append({"op": "init_save", "verifier": str(verifier), "dir": str(work / f"saved_{name}"),
+        jobs.append({"op": "init_save", "verifier": str(verifier),
+                     "dir": str(work / f"saved_{name}"),
                      "seed": 30 + i, "draft_vocab_size": VD, "layer_ids": [j + 1 for j in LAYERS],
                      "flags": flags, "inputs": str(work / f"in_saved_{name}.npz"),
                      "out": str(work / f"saved_{name}.npz")})

@@ -34,7 +34,8 @@ def resolve(repo_id: str, *, revision: str | None = None, patterns=None) -> Path
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns or _PATTERNS))
+        path = Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=patterns or _PATTERNS))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
             f"hub id {repo_id!r} is not in the local Hugging Face cache and downloading is "

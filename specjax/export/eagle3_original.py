@@ -6,10 +6,10 @@ repository and SpecForge read and write.
 `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`: SGLang's ids,
 the decoder layers whose outputs it fuses (0-based, specjax's `hidden_layers`; it captures
 the inputs of the next layers), one less than speculators' and vLLM's ids; without it
-servers fuse transformers' hidden_states [2, L // 2, L - 3]. Weights: `fc`, `midlayer.*`, `norm`, `lm_head`,
-optionally `embed_tokens`, and `d2t`/`t2d`. The layout has no norm flags, so a head using
-any is refused (write speculators' format instead); reading accepts the three flags
-speculators' converter reads from this config.
+servers fuse transformers' hidden_states [2, L // 2, L - 3]. Weights: `fc`, `midlayer.*`,
+`norm`, `lm_head`, optionally `embed_tokens`, and `d2t`/`t2d`. The layout has no norm
+flags, so a head using any is refused (write speculators' format instead); reading
+accepts the three flags speculators' converter reads from this config.
 """
 
 from __future__ import annotations

@@ -246,7 +246,8 @@ def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_p
                q_lens: jax.Array | None = None, backend: str | None = None):
     """The head's pure step: tokens [B,T] (embedded by `embed_tokens`: the target's frozen
     embedding or the head's own), head features [B,T,D] (already fused) and positions
-    [B,T] -> (features out [B,T,D], cache with the T pairs written). `cache=None` is a plain masked forward (training)."""
+    [B,T] -> (features out [B,T,D], cache with the T pairs written). `cache=None` is a
+    plain masked forward (training)."""
     b, t = tokens.shape
     q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
     emb = embed_tokens(target_config, params, target_params, tokens)
