@@ -550,3 +550,14 @@ def test_published_heads_load_by_hub_id_and_from_pytorch_bin(interop, target, tm
                bin_dir / "pytorch_model.bin")
     back = Eagle(heads=bin_dir, target=target)
     _same_head(back, interop["heads"]["plain"], target)
+
+
+def test_imported_head_params_have_sharding_rules(interop, target):
+    """Every param an imported head can hold (the norm flags' norms, its own embedding) has
+    logical axes in the sharding rules, so it lays out on a mesh as trained heads do."""
+    from specjax.sharding.rules import tree_specs
+
+    for name in ("fc_norm", "norm_before_fc_full_vocab"):
+        back = Eagle(heads=interop["work"] / f"spec_{name}", target=target)
+        specs = tree_specs(back.params, {"data": 1, "model": 2}, config=target.config)
+        assert specs["embed_tokens"]["embedding"] == jax.sharding.PartitionSpec("model", None)
