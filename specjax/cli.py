@@ -6,7 +6,7 @@
   specjax bench speculative [...]
   specjax bench suite --workdir RUN [...]
   specjax export --format speculators|eagle3|medusa|gguf RUN_OR_HEADS_DIR OUT
-      [--target DIR] [--verifier NAME] [--dtype F32|F16|Q8_0]
+      [--target DIR] [--verifier NAME] [--dtype F32|F16|BF16|Q8_0]
 
 Every command takes --compilation-cache DIR|off: where jax's persistent compilation
 cache lives (default $SPECJAX_COMPILATION_CACHE, else ~/.cache/specjax/jax; `off`
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
                    help="the target model directory (default: the one the run recorded)")
     e.add_argument("--verifier", default=None,
                    help="the target's hub id written into the export (default: --target)")
-    e.add_argument("--dtype", default="F32", help="gguf weights: F32, F16 or Q8_0")
+    e.add_argument("--dtype", default="F32",
+                   help="weights: F32, F16 or Q8_0 (gguf); F32, BF16 or F16 (heads)")
     # No -h of its own: `specjax bench suite --help` shows the benchmark's flags.
     b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False,
                        parents=[common])

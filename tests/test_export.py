@@ -115,6 +115,11 @@ def interop(target, tmp_path_factory):
                      "seed": 30 + i, "draft_vocab_size": VD, "layer_ids": [j + 1 for j in LAYERS],
                      "flags": flags, "inputs": str(work / f"in_saved_{name}.npz"),
                      "out": str(work / f"saved_{name}.npz")})
+    # bfloat16 weights, as heads are usually served
+    specjax.export.export_speculators(heads["plain"], work / "spec_bf16", target=target,
+                                      verifier=str(verifier), dtype="bfloat16")
+    jobs.append({"op": "forward", "dir": str(work / "spec_bf16"),
+                 "inputs": str(work / "in_plain.npz"), "out": str(work / "fwd_bf16.npz")})
     # a Qwen3 target: the head's layer has q/k norms (speculators' qwen3 layer class)
     qwen3 = _target(seed=5, model_type="qwen3", qk_norm=True)
     specjax.save_hf(qwen3, work / "verifier_qwen3")
@@ -173,6 +178,27 @@ def _same_head(back: Eagle, eagle: Eagle, target):
                                   np.asarray(target.params["embed_tokens"]["embedding"]))
     _same_tree(params, eagle.params)
     np.testing.assert_array_equal(np.asarray(back.d2t), np.asarray(eagle.d2t))
+
+
+def test_bfloat16_export(interop, target):
+    """Weights written as bfloat16 (the maps stay integer) read back as the rounded
+    float32 params, and speculators' forward on them gives specjax's logits on them."""
+    import ml_dtypes
+
+    path = interop["work"] / "spec_bf16"
+    tensors = load_file(str(path / "model.safetensors"))
+    assert tensors["fc.weight"].dtype == ml_dtypes.bfloat16
+    assert tensors["d2t"].dtype == np.int64 and tensors["t2d"].dtype == bool
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["transformer_layer_config"]["torch_dtype"] == "bfloat16"
+    back, eagle = Eagle(heads=path, target=target), interop["heads"]["plain"]
+    rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)
+                           .astype(np.float32), eagle.params)
+    assert not np.array_equal(rounded["fc"]["kernel"], np.asarray(eagle.params["fc"]["kernel"]))
+    _same_tree({k: v for k, v in back.params.items() if k != "embed_tokens"}, rounded)
+    theirs = np.load(interop["work"] / "fwd_bf16.npz")["logits"][0]
+    ours = specjax_logits(back, target, interop["inputs"]["plain"])[0]
+    np.testing.assert_allclose(theirs, ours, atol=ATOL, rtol=0)
 
 
 def test_speculators_round_trip_is_exact(interop, target, tmp_path):
@@ -478,6 +504,8 @@ def test_cli_exports_a_runs_heads(interop, target, tmp_path, capsys):
                                                        "writes medusa heads"),
         (("--format", "eagle3", tmp_path / "o", tmp_path / "x"), "pass --target DIR"),
         (("--format", "speculators", tmp_path, tmp_path / "x"), "is neither a training run"),
+        (("--format", "eagle3", run, tmp_path / "x", "--dtype", "Q8_0"),
+         "--dtype 'Q8_0': heads are written as F32, BF16, F16"),
     ]:
         assert _cli(*args) == 2
         assert message in capsys.readouterr().err

@@ -44,30 +44,34 @@ def _eagle3_parts(eagle, target):
 
 
 def export_speculators(eagle, path: str | os.PathLike, *, target=None,
-                       verifier: str | None = None, speculative_tokens: int = 3) -> Path:
+                       verifier: str | None = None, speculative_tokens: int = 3,
+                       dtype: str = "float32") -> Path:
     """Writes an EAGLE-3 `Eagle` to directory `path` in speculators' format. `target`: the
     target `Model`, whose embedding is written for a head without its own (speculators'
     loader needs one; vLLM uses the target's); `verifier`: the target's hub id or path,
-    which `vllm serve <path>` loads as the target."""
+    which `vllm serve <path>` loads as the target; `dtype`: the weights' float32, bfloat16
+    or float16."""
     config, params, d2t, tcfg, tparams = _eagle3_parts(eagle, target)
     return speculators_format.write_speculators(path, config, params, d2t, tcfg,
                                                 target_params=tparams, verifier=verifier,
-                                                speculative_tokens=speculative_tokens)
+                                                speculative_tokens=speculative_tokens,
+                                                dtype=dtype)
 
 
-def export_eagle3(eagle, path: str | os.PathLike, *, target=None) -> Path:
+def export_eagle3(eagle, path: str | os.PathLike, *, target=None,
+                  dtype: str = "float32") -> Path:
     """Writes an EAGLE-3 `Eagle` to directory `path` in the original EAGLE-3 layout
     (`LlamaForCausalLMEagle3`, `midlayer.*`) that SGLang and the EAGLE repository load;
-    `target` (the target `Model`) as in `export_speculators`."""
+    `target` (the target `Model`) and `dtype` as in `export_speculators`."""
     config, params, d2t, tcfg, tparams = _eagle3_parts(eagle, target)
     return eagle3_original.write_eagle3(path, config, params, d2t, tcfg,
-                                        target_params=tparams)
+                                        target_params=tparams, dtype=dtype)
 
 
 def export_medusa(medusa, path: str | os.PathLike, *,
-                  base_model_name_or_path: str | None = None) -> Path:
+                  base_model_name_or_path: str | None = None, dtype: str = "float32") -> Path:
     """Writes a `Medusa` speculator's heads to directory `path` in the Medusa repository's
-    layout (`medusa_lm_head.safetensors` + config.json)."""
+    layout (`medusa_lm_head.safetensors` + config.json), weights as `dtype`."""
     from specjax.speculators import Medusa
 
     if not isinstance(medusa, Medusa):
@@ -75,7 +79,8 @@ def export_medusa(medusa, path: str | os.PathLike, *,
                          f"{type(medusa).__name__}")
     return medusa_format.write_medusa(path, medusa.config, medusa.params,
                                       medusa.target_config,
-                                      base_model_name_or_path=base_model_name_or_path)
+                                      base_model_name_or_path=base_model_name_or_path,
+                                      dtype=dtype)
 
 
 def export_gguf(draft, path: str | os.PathLike, *, dtype: str = "F32") -> Path:

@@ -29,7 +29,8 @@ PREFIX = "midlayer."
 READ_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # speculators' converter reads these
 
 
-def eagle3_config(config: EagleConfig, target_config: ModelConfig) -> dict[str, Any]:
+def eagle3_config(config: EagleConfig, target_config: ModelConfig,
+                  dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` dict of an EAGLE-3 head (resolved `config`) for `target_config`."""
     if config.version != 3:
         raise ValueError(f"the EAGLE-3 layout holds EAGLE-3 heads; this is a "
@@ -42,6 +43,7 @@ def eagle3_config(config: EagleConfig, target_config: ModelConfig) -> dict[str, 
     T.check_exportable(target_config, ("llama",))
     cfg = T.layer_config_dict(target_config, "llama")
     cfg.update(architectures=[ARCHITECTURE], draft_vocab_size=config.draft_vocab_size,
+               torch_dtype=files.check_dtype(dtype),
                target_hidden_size=target_config.hidden_size,
                eagle_config={"eagle_aux_hidden_state_layer_ids": T.aux_layer_ids(
                    config.hidden_layers, target_config.num_layers, base=0),
@@ -51,14 +53,15 @@ def eagle3_config(config: EagleConfig, target_config: ModelConfig) -> dict[str, 
 
 
 def write_eagle3(path, config: EagleConfig, params: Any, d2t, target_config: ModelConfig, *,
-                 target_params: Any = None) -> Path:
+                 target_params: Any = None, dtype: str = "float32") -> Path:
     """Writes an EAGLE-3 head (resolved `config`, params, d2t as absolute ids or None) to
     directory `path` in the original layout, with the head's own embedding, else the
-    target's (`target_params`) when given (SGLang uses the target's either way)."""
-    cfg = eagle3_config(config, target_config)
+    target's (`target_params`) when given (SGLang uses the target's either way); weights
+    as `dtype`."""
+    cfg = eagle3_config(config, target_config, dtype)
     tensors = T.params_to_tensors(config, target_config, params, PREFIX, target_params)
     tensors.update(T.vocab_tensors(d2t, target_config.vocab_size, config.draft_vocab_size))
-    return files.write_dir(path, cfg, tensors)
+    return files.write_dir(path, cfg, tensors, dtype=dtype)
 
 
 def is_eagle3(raw: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 from specjax.config import ARCHITECTURES, ModelConfig
 from specjax.heads.io import check_fingerprint, target_fingerprint
 
+DTYPES = ("float32", "bfloat16", "float16")  # weights as written; maps stay integer
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 FINGERPRINT = "specjax_target"  # the target the head was made for (specjax's own key)
@@ -32,15 +33,25 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{cfg}: invalid JSON ({e})") from e
 
 
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
+    return dtype
+
+
 def write_dir(path, config: dict[str, Any], tensors: dict[str, np.ndarray],
-              weights: str = WEIGHTS) -> Path:
-    """Writes `config.json` and the safetensors file `weights` into directory `path`."""
+              weights: str = WEIGHTS, dtype: str = "float32") -> Path:
+    """Writes `config.json` and the safetensors file `weights` into directory `path`, the
+    floating-point tensors as `dtype` (rounded to nearest)."""
+    import ml_dtypes
     from safetensors.numpy import save_file
 
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+                "float16": np.float16}[check_dtype(dtype)]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / weights),
-              metadata={"format": "pt"})
+    save_file({k: np.ascontiguousarray(v.astype(np_dtype) if v.dtype.kind == "f" else v)
+               for k, v in tensors.items()}, str(path / weights), metadata={"format": "pt"})
     (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 

@@ -16,6 +16,7 @@ from specjax.export import (FORMATS, export_eagle3, export_gguf, export_medusa,
                             export_speculators, head_format)
 
 HEAD_FORMATS = {"speculators": "eagle", "eagle3": "eagle", "medusa": "medusa"}
+HEAD_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 HEADS_DIR, DRAFT_DIR, RUN_CONFIG = "heads", "export", "config.json"
 
 
@@ -57,7 +58,8 @@ def export(fmt: str, src: str | os.PathLike, out: str | os.PathLike, *,
     """Writes what `src` holds in format `fmt` to `out` (a directory; a file for gguf).
 
     target: the target model directory (default: the one the run recorded); verifier: the
-    name written as speculators' verifier (default: the target directory)."""
+    name written as speculators' verifier (default: the target directory); dtype: the
+    weights, F32, F16 or Q8_0 for gguf, F32, BF16 or F16 for heads."""
     import specjax
     from specjax.heads.io import load_heads
     from specjax.speculators import Eagle, Medusa
@@ -69,6 +71,10 @@ def export(fmt: str, src: str | os.PathLike, out: str | os.PathLike, *,
         raise FileNotFoundError(f"{src} is not a directory")
     if fmt == "gguf":
         return export_gguf(specjax.load(draft_source(src), dtype="float32"), out, dtype=dtype)
+    if dtype not in HEAD_DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: heads are written as "
+                         f"{', '.join(HEAD_DTYPES)}")
+    weights = HEAD_DTYPES[dtype]
     heads_dir, recorded = heads_source(src)
     target_dir = target or recorded
     if target_dir is None:
@@ -84,8 +90,10 @@ def export(fmt: str, src: str | os.PathLike, out: str | os.PathLike, *,
 
         tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]  # any will do
         return export_medusa(Medusa(ckpt.params, ckpt.config, target=model, tree=tree), out,
-                             base_model_name_or_path=verifier or str(target_dir))
+                             base_model_name_or_path=verifier or str(target_dir),
+                             dtype=weights)
     eagle = Eagle(ckpt.params, ckpt.config, target=model, vocab_map=ckpt.vocab_map)
     if fmt == "eagle3":
-        return export_eagle3(eagle, out, target=model)
-    return export_speculators(eagle, out, target=model, verifier=verifier or str(target_dir))
+        return export_eagle3(eagle, out, target=model, dtype=weights)
+    return export_speculators(eagle, out, target=model, verifier=verifier or str(target_dir),
+                              dtype=weights)

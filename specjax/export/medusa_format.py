@@ -41,8 +41,9 @@ def medusa_tensors(config: MedusaConfig, params: Any) -> dict[str, np.ndarray]:
 
 
 def write_medusa(path, config: MedusaConfig, params: Any, target_config: ModelConfig, *,
-                 base_model_name_or_path: str | None = None) -> Path:
-    """Writes Medusa heads to directory `path` in the Medusa repository's layout."""
+                 base_model_name_or_path: str | None = None, dtype: str = "float32") -> Path:
+    """Writes Medusa heads to directory `path` in the Medusa repository's layout, weights
+    as `dtype`."""
     w, b = np.asarray(params["res_kernel"]), np.asarray(params["res_bias"])
     if config.num_residual_layers > 1 and not (np.all(w == w[:, :1]) and np.all(b == b[:, :1])):
         raise ValueError(f"num_residual_layers={config.num_residual_layers} with distinct "
@@ -52,7 +53,7 @@ def write_medusa(path, config: MedusaConfig, params: Any, target_config: ModelCo
            "medusa_num_layers": config.num_residual_layers,
            "base_model_name_or_path": base_model_name_or_path,
            **files.fingerprint(target_config)}
-    return files.write_dir(path, cfg, medusa_tensors(config, params), WEIGHTS)
+    return files.write_dir(path, cfg, medusa_tensors(config, params), WEIGHTS, dtype)
 
 
 def is_medusa(raw: dict[str, Any]) -> bool:

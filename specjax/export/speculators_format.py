@@ -26,7 +26,8 @@ LAYER_TYPES = ("llama", "qwen3")  # speculators' Eagle3DraftModel layer classes
 
 
 def speculators_config(config: EagleConfig, target_config: ModelConfig, *,
-                       verifier: str | None, speculative_tokens: int) -> dict[str, Any]:
+                       verifier: str | None, speculative_tokens: int,
+                       dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` dict of an EAGLE-3 head (resolved `config`) for `target_config`."""
     if config.version != 3:
         raise ValueError(f"speculators' eagle3 format holds EAGLE-3 heads; this is a "
@@ -37,7 +38,8 @@ def speculators_config(config: EagleConfig, target_config: ModelConfig, *,
     return {
         "architectures": [ARCHITECTURE],
         "speculators_model_type": MODEL_TYPE,
-        "transformer_layer_config": T.layer_config_dict(target_config, layer_type),
+        "transformer_layer_config": {**T.layer_config_dict(target_config, layer_type),
+                                     "torch_dtype": files.check_dtype(dtype)},
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": target_config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": T.aux_layer_ids(config.hidden_layers,
@@ -59,16 +61,17 @@ def speculators_config(config: EagleConfig, target_config: ModelConfig, *,
 
 def write_speculators(path, config: EagleConfig, params: Any, d2t, target_config: ModelConfig,
                       *, target_params: Any = None, verifier: str | None = None,
-                      speculative_tokens: int = 3) -> Path:
+                      speculative_tokens: int = 3, dtype: str = "float32") -> Path:
     """Writes an EAGLE-3 head (resolved `config`, params, d2t as absolute ids or None) to
     directory `path` in speculators' format; `verifier` is the target's hub id or path,
     which `vllm serve <path>` loads as the target. The embedding written is the head's
-    own, else the target's (`target_params`), as speculators' own checkpoints carry one."""
+    own, else the target's (`target_params`), as speculators' own checkpoints carry one.
+    Weights are written as `dtype` (float32, bfloat16 or float16)."""
     cfg = speculators_config(config, target_config, verifier=verifier,
-                             speculative_tokens=speculative_tokens)
+                             speculative_tokens=speculative_tokens, dtype=dtype)
     tensors = T.params_to_tensors(config, target_config, params, PREFIX, target_params)
     tensors.update(T.vocab_tensors(d2t, target_config.vocab_size, config.draft_vocab_size))
-    return files.write_dir(path, cfg, tensors)
+    return files.write_dir(path, cfg, tensors, dtype=dtype)
 
 
 def is_speculators(raw: dict[str, Any]) -> bool:
