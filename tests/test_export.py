@@ -287,8 +287,8 @@ def _same_files(a: Path, b: Path):
 
 
 def test_imported_head_drafts_losslessly(interop, target):
-    """A head speculators saved drafts inside `specjax.generate`: greedy output is the
-    target's own, and the head's drafts are accepted at the rate its logits give."""
+    """A head speculators saved (its own embedding included) drafts inside
+    `specjax.generate`, and greedy output is the target's own."""
     eagle = Eagle(heads=interop["work"] / "saved_plain", target=target, top_k=2, depth=2,
                   total_tokens=4)
     prompts = [[5, 17, 33, 2, 9, 71, 40, 8]]
