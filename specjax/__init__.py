@@ -9,6 +9,8 @@ from specjax.sampling import Sampling
 from specjax.stats import GenerationStats, VerifyCost
 from specjax.tree import DraftTree
 from specjax import compile_cache, heads, kv_quant, sharding, speculators
+from specjax import export
+from specjax.export import export_eagle3, export_gguf, export_medusa, export_speculators
 from specjax.sharding import check_fits, make_mesh, plan_memory, shard_model
 
 __version__ = "0.1.0"
@@ -19,5 +21,6 @@ __all__ = [
     "init_model", "init_params", "load", "param_shapes", "restore_orbax", "save_hf",
     "Sampling", "save_orbax", "speculators", "step", "generate",
     "check_fits", "make_mesh", "plan_memory", "shard_model", "sharding", "heads",
-    "kv_quant", "compile_cache", "save_gguf",
+    "kv_quant", "compile_cache", "save_gguf", "export", "export_eagle3", "export_gguf",
+    "export_medusa", "export_speculators",
 ]

@@ -5,6 +5,8 @@
   specjax bench decode [...]
   specjax bench speculative [...]
   specjax bench suite --workdir RUN [...]
+  specjax export --format speculators|eagle3|medusa|gguf RUN_OR_HEADS_DIR OUT
+      [--target DIR] [--verifier NAME] [--dtype F32|F16|BF16|Q8_0]
 
 Every command takes --compilation-cache DIR|off: where jax's persistent compilation
 cache lives (default $SPECJAX_COMPILATION_CACHE, else ~/.cache/specjax/jax; `off`
@@ -82,6 +84,16 @@ def _run(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    """`specjax export`: heads or a draft in a format vLLM, SGLang or llama.cpp loads."""
+    from specjax.export.from_run import export
+
+    out = export(args.format, args.source, args.out, target=args.target,
+                 verifier=args.verifier, dtype=args.dtype)
+    print(f"wrote {args.format}: {out}")
+    return 0
+
+
 def _bench(args, rest) -> int:
     if args.what == "decode":
         from specjax.bench import decode
@@ -131,13 +143,26 @@ def main(argv=None) -> int:
                    help="extra binding, e.g. 'target/trainer.TrainConfig.steps = 10'")
     r.add_argument("--workdir", default=None,
                    help="run directory (default runs/<config name>); re-running resumes")
+    e = sub.add_parser("export", parents=[common],
+                       help="export heads (speculators, eagle3, medusa) or a draft (gguf)")
+    # a plain string: an unknown format is answered by `export` naming the choices
+    e.add_argument("--format", required=True, metavar="speculators|eagle3|medusa|gguf")
+    e.add_argument("source", metavar="RUN_OR_HEADS_DIR",
+                   help="a training run directory, a heads directory or (gguf) a model")
+    e.add_argument("out", metavar="OUT", help="output directory (a .gguf file for gguf)")
+    e.add_argument("--target", default=None,
+                   help="the target model directory (default: the one the run recorded)")
+    e.add_argument("--verifier", default=None,
+                   help="the target's hub id written into the export (default: --target)")
+    e.add_argument("--dtype", default="F32",
+                   help="weights: F32, F16 or Q8_0 (gguf); F32, BF16 or F16 (heads)")
     # No -h of its own: `specjax bench suite --help` shows the benchmark's flags.
     b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False,
                        parents=[common])
     b.add_argument("what", choices=["decode", "speculative", "suite"])
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.command in ("generate", "run") and rest:
+        if args.command in ("generate", "run", "export") and rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from specjax import compile_cache
 
@@ -149,6 +174,8 @@ def main(argv=None) -> int:
                 from pathlib import Path
                 args.workdir = str(Path("runs") / Path(args.config).stem)
             return _run(args)
+        if args.command == "export":
+            return _export(args)
         return _bench(args, rest)
     except (ValueError, FileNotFoundError, KeyError, NameError) as e:
         print(f"specjax: error: {e}", file=sys.stderr)

@@ -175,6 +175,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
 
 
 HEADS_DIR = "heads"
+SERVING_DIRS = {"eagle": "speculators", "medusa": "medusa"}  # beside HEADS_DIR
 FEATURES_DIR = "features"
 SUMMARY_FILE = "summary.json"
 SPECULATIVE_SPLIT = "speculative"  # the metrics.jsonl record of the end-of-run generation
@@ -205,18 +206,46 @@ def _speculative_record(result: TrainResult, heads_dir: Path, target: Model, dat
     return record
 
 
+def serving_export(workdir: Path, kind: str, head_config, params, target: Model,
+                   target_dir: str | Path, d2t=None) -> Path | str:
+    """Writes finished heads beside specjax's own in the layout servers load: EAGLE-3 in
+    speculators' format (`<workdir>/speculators`, which `vllm serve` loads), Medusa in the
+    Medusa repository's (`<workdir>/medusa`). Returns the directory, or why none was
+    written (EAGLE-1 has no such layout; a head a layout cannot hold is logged, and the
+    run's own heads stand)."""
+    from specjax.export import export_medusa, export_speculators
+    from specjax.speculators import Eagle, Medusa
+
+    if kind == "eagle" and head_config.version != 3:
+        return "EAGLE-1 heads have no serving layout"
+    out = workdir / SERVING_DIRS[kind]
+    try:
+        if kind == "medusa":
+            tree = [(0,) * d for d in range(1, head_config.num_heads + 1)]
+            return export_medusa(Medusa(params, head_config, target=target, tree=tree), out,
+                                 base_model_name_or_path=str(target_dir))
+        eagle = Eagle(params, head_config, target=target, vocab_map=d2t, top_k=1, depth=1,
+                      total_tokens=1)
+        return export_speculators(eagle, out, target=target, verifier=str(target_dir))
+    except ValueError as e:
+        log.warning("heads not written for serving (%s): %s", SERVING_DIRS[kind], e)
+        return f"not written: {e}"
+
+
 def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig | EagleConfig,
           train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
           features: str = "online", features_dir: str | Path | None = None,
           features_dtype: str = "float32",
           speculative: SpeculativeEval | None = SpeculativeEval(),
           expect_target: ModelConfig | None = None, data_parallel: bool = False,
-          mesh_shape: Mapping[str, int] | None = None,
+          mesh_shape: Mapping[str, int] | None = None, serving: bool = True,
           stop_at: int | None = None, **method_kwargs: Any) -> JobResult:
     """Trains Medusa heads (`MedusaConfig`) or an EAGLE head (`EagleConfig`) on the frozen
     target at `target_dir` and, when finished, writes them with `specjax.heads.save_heads`
     to `<workdir>/heads` (what `Medusa(heads=...)` / `Eagle(heads=...)` load); a joint
-    Medusa-2 run also exports its trained target to `<workdir>/export`.
+    Medusa-2 run also exports its trained target to `<workdir>/export`. `serving`: also
+    write them for servers (`serving_export`: EAGLE-3 in speculators' format, Medusa in
+    the Medusa repository's); the summary's "serving" says where, or why not.
 
     features: "online" runs the target inside every step; "offline" dumps its features
       once to `features_dir` (default `<workdir>/features`; resumed if partial, reused if
@@ -293,6 +322,11 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
             save_hf(target, result.workdir / EXPORT_DIR)
         summary = {"step": result.step, "eval": result.eval, "heads": str(out),
                    "features": features}
+        if serving:  # a Medusa-2 run's heads serve its own trained target
+            joint = kind == "medusa" and method.joint
+            served = result.workdir / EXPORT_DIR if joint else target_dir
+            summary["serving"] = str(serving_export(result.workdir, kind, head, params,
+                                                    target, served, d2t))
         if speculative is not None:
             summary["speculative"] = _speculative_record(result, out, target, data_config,
                                                          speculative)

@@ -24,13 +24,18 @@ def looks_like_repo_id(name: str) -> bool:
     return name.count("/") == 1 and bool(_REPO_ID.match(name))
 
 
-def resolve(repo_id: str, *, revision: str | None = None) -> Path:
-    """The local snapshot directory of `repo_id` (downloaded unless `HF_HUB_OFFLINE`)."""
+HEAD_PATTERNS = [*_PATTERNS, "heads.json", "pytorch_model.bin"]  # heads: EAGLE's are .bin
+
+
+def resolve(repo_id: str, *, revision: str | None = None, patterns=None) -> Path:
+    """The local snapshot directory of `repo_id` (downloaded unless `HF_HUB_OFFLINE`;
+    only files matching `patterns`, default a model's)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_PATTERNS))
+        path = Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=patterns or _PATTERNS))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
             f"hub id {repo_id!r} is not in the local Hugging Face cache and downloading is "

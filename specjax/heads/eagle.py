@@ -18,11 +18,17 @@ it drafts further. What we follow from the EAGLE repo (`eagle/model/cnets*.py`):
   post-norm MLP. Logits are the head's own norm + lm_head over a reduced draft vocabulary
   of `draft_vocab_size` ids; `d2t` [Vd] maps a draft index to its target id (absolute
   ids; the EAGLE repo stores offsets `d2t[i] = id - i`).
+* EAGLE-3 variants (speculators' flags, so published heads run unchanged):
+  `norm_before_residual` (the residual is the normed feature), `norm_before_fc` (one
+  RMSNorm over the fused 3D input), `fc_norm` (an RMSNorm per fused layer) and EAGLE
+  3.1's `norm_output` (the head's output is normed, fed back and read by lm_head as is).
+  A head with its own embedding (`embed_tokens` in its params) embeds its input tokens
+  with it instead of the target's.
 
 The layer reuses specjax's `Attention`, `MLP` and `RMSNorm`, so it runs over a paged KV
 cache (one layer) with tree masks exactly like the target. Params are a plain pytree:
   fc, self_attn, mlp, post_attention_layernorm  (+ input_layernorm, hidden_norm, norm,
-  lm_head for version 3).
+  lm_head for version 3; input_norm, fc_norm_{0,1,2}, embed_tokens when configured/own).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from specjax.model import module_for
 from specjax.models.transformer import MLP, Attention, Hidden, RMSNorm, Transformer, step_context
 
 VERSIONS = (1, 3)
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+OWN_EMBEDDING = "embed_tokens"  # a head's own input embedding, when it has one
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
@@ -61,14 +69,24 @@ class EagleConfig:
     hidden_layers: tuple[int, ...] = ()
     # version 3: the reduced draft vocabulary Vd; None -> the target's vocabulary
     draft_vocab_size: int | None = None
+    # version 3 norm placements (speculators' Eagle3SpeculatorConfig flags of these names)
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
         if self.version not in VERSIONS:
             raise ValueError(f"EagleConfig version={self.version} must be one of {VERSIONS}")
         object.__setattr__(self, "hidden_layers", tuple(int(i) for i in self.hidden_layers))
-        if self.version == 1 and (self.hidden_layers or self.draft_vocab_size is not None):
-            raise ValueError("hidden_layers and draft_vocab_size are EAGLE-3 settings; "
-                             "use version=3")
+        flags = [f for f in NORM_FLAGS if getattr(self, f)]
+        if self.version == 1 and (self.hidden_layers or self.draft_vocab_size is not None
+                                  or flags):
+            raise ValueError("hidden_layers, draft_vocab_size and the norm flags "
+                             f"{NORM_FLAGS} are EAGLE-3 settings; use version=3")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other (one norm over "
+                             "the fused input, or one per fused layer)")
         if self.version == 3 and self.hidden_layers and len(self.hidden_layers) != 3:
             raise ValueError(f"EAGLE-3 fuses 3 target layers; got {self.hidden_layers=}")
 
@@ -122,11 +140,24 @@ class EagleHead(nn.Module):
             self.lm_head = nn.Dense(c.draft_vocab_size, use_bias=False, dtype=dt,
                                     param_dtype=jnp.float32,
                                     kernel_init=nn.initializers.normal(0.02))
+            if c.norm_before_fc:
+                self.input_norm = RMSNorm(lc.rms_norm_eps, dt)
+            if c.fc_norm:
+                self.fc_norm = [RMSNorm(lc.rms_norm_eps, dt) for _ in range(3)]
 
     def fuse(self, feats):
         """Target features -> head features: v1 the final hidden itself; v3 fc over the
-        concatenated low/mid/high layer outputs [..., 3D] -> [..., D]."""
-        return self.fc(feats) if self.config.version == 3 else feats
+        concatenated low/mid/high layer outputs [..., 3D] -> [..., D] (normed first with
+        norm_before_fc / fc_norm)."""
+        c = self.config
+        if c.version == 1:
+            return feats
+        if c.norm_before_fc:
+            feats = self.input_norm(feats)
+        if c.fc_norm:
+            parts = jnp.split(feats, 3, axis=-1)
+            feats = jnp.concatenate([n(p) for n, p in zip(self.fc_norm, parts)], axis=-1)
+        return self.fc(feats)
 
     def __call__(self, emb, feature, ctx, kv=None):
         """Returns (predicted feature [B,T,D], kv) with the T inputs written into kv
@@ -136,15 +167,22 @@ class EagleHead(nn.Module):
             attn_in = x  # EAGLE-1 drops the layer's input_layernorm
         else:
             x = feature.astype(emb.dtype)
-            attn_in = jnp.concatenate([self.input_layernorm(emb), self.hidden_norm(x)], axis=-1)
+            normed = self.hidden_norm(x)
+            attn_in = jnp.concatenate([self.input_layernorm(emb), normed], axis=-1)
+            if self.config.norm_before_residual:
+                x = normed
         h, kv, _ = self.self_attn(attn_in, ctx, kv, jnp.int32(0))
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
+        if self.config.norm_output:
+            x = self.norm(x)
         return x, kv
 
     def draft_logits(self, out):
-        """v3 only: own final norm + lm_head over the draft vocabulary, float32."""
-        return self.lm_head(self.norm(out)).astype(jnp.float32)
+        """v3 only: own final norm (already applied with norm_output) + lm_head over the
+        draft vocabulary, float32."""
+        return self.lm_head(out if self.config.norm_output else self.norm(out)
+                            ).astype(jnp.float32)
 
     def _init_all(self, emb, feats, ctx):
         out, _ = self(emb, self.fuse(feats), ctx)
@@ -182,26 +220,42 @@ def target_features(config: EagleConfig, hidden: Hidden, layer_index: tuple[int,
     return jnp.concatenate([hidden.layers[i] for i in layer_index], axis=-1)
 
 
+def layer_params(params):
+    """The params EagleHead itself holds: all but a head's own embedding."""
+    return {k: v for k, v in params.items() if k != OWN_EMBEDDING}
+
+
 def fuse_features(config: EagleConfig, target_config: ModelConfig, params, feats):
     return EagleHead(config, layer_config(target_config)).apply(
-        {"params": params}, feats, method=EagleHead.fuse)
+        {"params": layer_params(params)}, feats, method=EagleHead.fuse)
+
+
+def embed_tokens(target_config: ModelConfig, params, target_params, tokens):
+    """Embeddings of the head's input tokens: its own embedding table when it has one,
+    else the target's (frozen)."""
+    if OWN_EMBEDDING in params:
+        table = params[OWN_EMBEDDING]["embedding"]
+        return jnp.take(table, tokens, axis=0).astype(jnp.dtype(target_config.dtype))
+    return module_for(target_config).apply({"params": target_params}, tokens,
+                                           method=Transformer.embed)
 
 
 def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_params,
                cache: PagedKVCache | None, tokens: jax.Array, features: jax.Array,
                positions: jax.Array, *, mask: jax.Array | None = None,
                q_lens: jax.Array | None = None, backend: str | None = None):
-    """The head's pure step: tokens [B,T] (embedded with the target's frozen embedding),
-    head features [B,T,D] (already fused) and positions [B,T] -> (features out [B,T,D],
-    cache with the T pairs written). `cache=None` is a plain masked forward (training)."""
+    """The head's pure step: tokens [B,T] (embedded by `embed_tokens`: the target's frozen
+    embedding or the head's own), head features [B,T,D] (already fused) and positions
+    [B,T] -> (features out [B,T,D], cache with the T pairs written). `cache=None` is a
+    plain masked forward (training)."""
     b, t = tokens.shape
     q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
-    emb = module_for(target_config).apply({"params": target_params}, tokens,
-                                          method=Transformer.embed)
+    emb = embed_tokens(target_config, params, target_params, tokens)
     lc = layer_config(target_config)
     ctx = step_context(lc, positions, q_lens, mask, cache, backend)
     kv = None if cache is None else cache.kv
-    out, kv = EagleHead(config, lc).apply({"params": params}, emb, features, ctx, kv)
+    out, kv = EagleHead(config, lc).apply({"params": layer_params(params)}, emb, features,
+                                          ctx, kv)
     if cache is not None:
         cache = cache.with_kv(kv).replace(lengths=cache.lengths + q_lens)
     return out, cache
@@ -215,7 +269,7 @@ def eagle_logits(config: EagleConfig, target_config: ModelConfig, params, target
         return module_for(target_config).apply({"params": target_params}, out,
                                                method=Transformer.logits)
     return EagleHead(config, layer_config(target_config)).apply(
-        {"params": params}, out, method=EagleHead.draft_logits)
+        {"params": layer_params(params)}, out, method=EagleHead.draft_logits)
 
 
 def build_vocab_map(token_counts, draft_vocab_size: int) -> np.ndarray:

@@ -98,12 +98,25 @@ def save_heads(path, kind: str, head_config, params, target_config: ModelConfig,
 
 
 def load_heads(path, target_config: ModelConfig, kind: str | None = None) -> HeadCheckpoint:
-    """Reads heads saved by `save_heads`, checking they were made for `target_config`
-    (and, if given, that they are of `kind`)."""
+    """Reads heads saved by `save_heads` (or, without its `heads.json`, exported in a
+    public layout: `specjax.export.read_heads`), checking they were made for
+    `target_config` (and, if given, that they are of `kind`). A hub id ("Org/name") is
+    read from the local Hugging Face cache (downloaded unless `HF_HUB_OFFLINE`)."""
+    from specjax.checkpoint import hub
+
+    if not Path(path).exists() and hub.looks_like_repo_id(str(path)):
+        path = hub.resolve(str(path), patterns=hub.HEAD_PATTERNS)
     path = Path(path)
     meta_file = path / _META
     if not meta_file.is_file():
-        raise ValueError(f"{path} holds no saved heads ({_META} is missing)")
+        if (path / "config.json").is_file():
+            from specjax.export import read_heads
+            ckpt = read_heads(path, target_config)
+            if kind is not None and ckpt.kind != kind:
+                raise ValueError(f"{path} holds {ckpt.kind!r} heads, not {kind!r} heads")
+            return ckpt
+        raise ValueError(f"{path} holds no saved heads ({_META} and config.json are "
+                         "missing)")
     meta = json.loads(meta_file.read_text())
     if meta.get("kind") not in KINDS:
         raise ValueError(f"{meta_file}: unknown head kind {meta.get('kind')!r}")

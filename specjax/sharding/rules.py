@@ -79,6 +79,8 @@ PARAM_AXES: tuple[tuple[str, Logical], ...] = (
     ("fc/kernel", (None, "embed")),  # [2D or 3D, D]
     ("fc/bias", ("embed",)),  # [D]
     ("hidden_norm/weight", ("embed",)),  # [D]
+    ("input_norm/weight", (None,)),  # [3D] norm_before_fc
+    *((f"fc_norm_{i}/weight", ("embed",)) for i in range(3)),  # [D] fc_norm
     ("d2t", (None,)),  # [Vd] EAGLE-3 draft index -> target id
 )
 

@@ -35,7 +35,8 @@ from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
 from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
-                                 init_eagle_params, layer_config, target_features)
+                                 init_eagle_params, layer_config, layer_params,
+                                 target_features)
 from specjax.model import Model
 from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
                                       ProposeContext, QueuedSpeculator, propose_or_skip,
@@ -172,7 +173,8 @@ class Eagle(QueuedSpeculator):
                              f"({self.config.draft_vocab_size},)")
 
     def cost_ratio(self, target_config: ModelConfig) -> float:
-        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        # a head's own embedding is a lookup, not compute: not counted
+        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(layer_params(self.params)))
         if self.config.version == 1:  # the target's lm_head runs on every head output
             size += target_config.vocab_size * target_config.hidden_size
         return size / target_config.param_count()
