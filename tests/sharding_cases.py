@@ -298,16 +298,19 @@ def test_model_step_under_a_mesh_runs_attention_per_shard():
 
 
 # ---------------------------------------------------------------------------- loading
-@pytest.mark.parametrize("layout", ["safetensors", "orbax"])
+@pytest.mark.parametrize("layout", ["safetensors", "orbax", "gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_load_places_params_on_the_mesh(tmp_path, layout, dtype):
+    path = tmp_path
     if layout == "safetensors":
         specjax.save_hf(target(), tmp_path, max_shard_bytes=200_000)  # several files
-    else:
+    elif layout == "orbax":
         specjax.save_orbax(target(), tmp_path)
+    else:
+        path = specjax.save_gguf(target(), tmp_path / "target.gguf")
     mesh = mesh_of("2x4")
-    got = specjax.load(tmp_path, dtype=dtype, mesh=mesh)
-    want = specjax.load(tmp_path, dtype=dtype)
+    got = specjax.load(path, dtype=dtype, mesh=mesh)
+    want = specjax.load(path, dtype=dtype)
     specs = sharding.param_specs(got.config, mesh)
     for (path, x), spec, y in zip(jax.tree.leaves_with_path(got.params), jax.tree.leaves(
             specs, is_leaf=lambda s: isinstance(s, P)), jax.tree.leaves(want.params)):

@@ -15,10 +15,11 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.checkpoint.hf import hf_to_params
+from specjax.checkpoint.hf import check_hf_tensors, empty_params, hf_names, place_tensor
 from specjax.config import ModelConfig
 from specjax.model import Model
 
@@ -184,20 +185,27 @@ def dequantize(tensor, source: str) -> np.ndarray:
     return out
 
 
-def read_tensors(reader, config: ModelConfig, arch: str,
-                 source: str) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32, renamed to HF and un-permuted."""
-    tensors = {}
-    for t in reader.tensors:
-        name = hf_name(t.name, source)
+def read_params(reader, config: ModelConfig, arch: str, source: str, dtype) -> Any:
+    """The params as host (numpy) arrays of `dtype`, filled one tensor at a time
+    (dequantized, renamed to HF, un-permuted, cast), so that loading holds one float32
+    tensor beside the params rather than the whole model in float32. Names and shapes
+    are checked before anything is dequantized."""
+    named = {hf_name(t.name, source): t for t in reader.tensors}
+    check_hf_tensors(config, {k: tuple(int(n) for n in reversed(t.shape))
+                              for k, t in named.items()}, {k: source for k in named})
+    names = hf_names(config)
+    params = empty_params(config, dtype)
+    for name, t in named.items():
+        if name not in names:  # what check_hf_tensors lets pass: a tied model's lm_head
+            continue
         x = dequantize(t, source)
         if arch in PERMUTED_QK:
             if ".q_proj." in name:
                 x = unpermute_qk(x, config.num_heads)
             elif ".k_proj." in name:
                 x = unpermute_qk(x, config.num_kv_heads)
-        tensors[name] = x
-    return tensors
+        place_tensor(params, names, name, x)
+    return params
 
 
 def load_gguf(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
@@ -213,15 +221,16 @@ def load_gguf(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} must be float32, bfloat16 or float16")
     config = config.replace(dtype=dtype)
-    tensors = read_tensors(reader, config, meta["general.architecture"], source)
-    params = hf_to_params(config, tensors, {k: source for k in tensors}, dtype=jnp.dtype(dtype))
+    params = read_params(reader, config, meta["general.architecture"], source,
+                         jnp.dtype(dtype))
     tok = None
     if "tokenizer.ggml.model" in meta:
         from specjax.checkpoint.gguf_tokenizer import tokenizer_from_metadata
         tok = tokenizer_from_metadata(meta, source)
-    model = Model(config, params, tok.tokenizer if tok else None,
-                  chat_template=tok.chat_template if tok else None)
-    if mesh is not None:
-        from specjax.sharding import shard_model
-        model = shard_model(model, mesh)
-    return model
+    if mesh is None:
+        params = jax.tree.map(jnp.asarray, params)
+    else:  # each host buffer straight onto its shards, never whole on one device
+        from specjax.sharding.rules import shard_params
+        params = shard_params(params, mesh, config=config)
+    return Model(config, params, tok.tokenizer if tok else None,
+                 chat_template=tok.chat_template if tok else None)

@@ -98,18 +98,29 @@ def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray],
     """{HF name: array} -> params pytree; errors name the tensor and the file it came from."""
     check_hf_tensors(config, {k: np.shape(v) for k, v in tensors.items()}, origin)
     names = hf_names(config)
-    out = jax.tree.map(lambda s: np.empty(s.shape, dtype or tensors[next(iter(names))].dtype),
-                       param_shapes(config))
-    for name, (path, layer, transpose) in names.items():
-        x = np.asarray(tensors[name])
-        if transpose:
-            x = x.T
-        target = _get(out, path)
-        if layer is None:
-            target[...] = x
-        else:
-            target[layer] = x
+    out = empty_params(config, dtype or tensors[next(iter(names))].dtype)
+    for name in names:
+        place_tensor(out, names, name, tensors[name])
     return jax.tree.map(jnp.asarray, out)
+
+
+def empty_params(config: ModelConfig, dtype) -> Any:
+    """Host (numpy) buffers of `dtype` shaped like the params, for `place_tensor` to fill."""
+    return jax.tree.map(lambda s: np.empty(s.shape, dtype), param_shapes(config))
+
+
+def place_tensor(params: Any, names: dict, name: str, x) -> None:
+    """Writes HF tensor `name` (an array in HF's layout) into its place in the host
+    `params` (`empty_params`), transposed and at its layer as `hf_names` says."""
+    path, layer, transpose = names[name]
+    x = np.asarray(x)
+    if transpose:
+        x = x.T
+    target = _get(params, path)
+    if layer is None:
+        target[...] = x
+    else:
+        target[layer] = x
 
 
 def safetensors_files(path: Path) -> list[Path]:
