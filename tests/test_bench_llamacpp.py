@@ -99,6 +99,20 @@ def test_first_difference_and_agreement():
     assert lc.context_size([[0] * 200, [0] * 10], 64, 4) == 512
 
 
+def test_ngram_prior_measures_full_depth_acceptance():
+    """The n-gram prior is its acceptance per depth drafting at full depth: a prompt that
+    repeats itself under a model that copies gives depth-1 acceptance, the list is
+    generate's acceptance_prior (k entries), and no calibration prompts give None."""
+    model = tiny_model("llama")
+    out = specjax.generate(model, [[5, 6, 7]], max_new_tokens=12, ignore_eos=True)
+    loop = [5, 6, 7] + out.tokens[0]  # the model's own greedy continuation, then again
+    prior = lc.ngram_prior(model, 3, [loop + loop[:4]], new=8)
+    assert len(prior) == 3
+    assert all(a is None or 0 <= a <= 1 for a in prior)
+    assert prior[0] is not None
+    assert lc.ngram_prior(model, 3, [], new=8) is None
+
+
 # ---- slow: llama.cpp itself ----------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """llama.cpp (through llama-cpp-python) as a peer of specjax on the same weights, batch 1.
 
   python -m specjax.bench.llamacpp [--target CKPT] [--draft CKPT] [--prompts 4]
-      [--new 64] [--repeats 3] [--k 4] [--threads 2] [--json FILE]
+      [--new 64] [--repeats 3] [--k 4] [--calibrate 4] [--threads 2] [--json FILE]
 
 The target (and draft) are written as F32 GGUF files with `specjax.save_gguf`, so llama.cpp
 runs exactly the weights specjax runs. Methods: `plain` (llama.cpp's decoding), `prompt_lookup`
@@ -15,8 +15,10 @@ target at any temperature. Timing excludes model loading; every prompt starts fr
 KV cache (no prefix reuse between calls).
 
 The CLI compares llama.cpp's plain and prompt-lookup decoding (and draft, with --draft) with
-specjax's `generate`, plain and with n-gram speculation (`NGram(k)`), on HumanEval prompts, interleaved, median of the repeats, and counts
-how many prompts' greedy tokens agree with specjax's.
+specjax's `generate`, plain and with n-gram speculation (`NGram(k)`, its adaptive rule
+started from its full-depth acceptance on `--calibrate` other HumanEval prompts), on
+HumanEval prompts, interleaved, median of the repeats, and counts how many prompts'
+greedy tokens agree with specjax's.
 """
 
 from __future__ import annotations
@@ -248,6 +250,9 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calibrate", type=int, default=4, help="other HumanEval prompts whose "
+                    "full-depth n-gram acceptance starts specjax's adaptive rule "
+                    "(generate's acceptance_prior; 0: the default prior)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the results here")
     return ap.parse_args(argv)
@@ -266,8 +271,12 @@ def main(argv=None) -> int:
         args.target = str(smollm2())
     target = specjax.load(args.target, dtype="float32")
     draft = specjax.load(args.draft, dtype="float32") if args.draft else None
-    prompts = [p.ids for p in build_prompts("humaneval", (), target.tokenizer, args.prompts,
-                                            args.max_prompt_tokens, args.seed)]
+    if args.calibrate < 0:
+        raise SystemExit(f"--calibrate={args.calibrate} must be >= 0")
+    pool = [p.ids for p in build_prompts("humaneval", (), target.tokenizer,
+                                         args.prompts + args.calibrate,
+                                         args.max_prompt_tokens, args.seed)]
+    prompts, calibration = pool[:args.prompts], pool[args.prompts:]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         path = specjax.save_gguf(target, work / "target-f32.gguf")
@@ -276,7 +285,7 @@ def main(argv=None) -> int:
         runners = {m: Runner(path, m, k=args.k, draft=draft_path, n_ctx=n_ctx,
                              threads=args.threads, seed=args.seed)
                    for m in METHODS if m != "draft" or draft_path}
-        result = _compare(target, runners, prompts, args)
+        result = _compare(target, runners, prompts, args, calibration)
     print(f"{len(prompts)} HumanEval prompts ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens), {args.new} new tokens, batch 1, greedy, "
           f"median of {args.repeats} interleaved rounds, {args.threads} llama.cpp threads")
@@ -291,18 +300,35 @@ def main(argv=None) -> int:
     return 0
 
 
-def _compare(target, runners: dict, prompts, args) -> dict:
-    """specjax generate (batch 1, prompt by prompt) and every runner, interleaved."""
+def ngram_prior(target, k: int, prompts, new: int) -> list | None:
+    """n-gram's acceptance per depth drafting at full depth over `prompts` (None: no
+    prompts), for generate's `acceptance_prior`."""
+    import specjax
+    from specjax.speculators import NGram
+    from specjax.stats import merge_stats
+
+    if not prompts:
+        return None
+    return merge_stats([specjax.generate(target, [p], max_new_tokens=new, ignore_eos=True,
+                                         speculator=NGram(k=k), adaptive=False).stats
+                        for p in prompts]).acceptance_by_position
+
+
+def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
+    """specjax generate (batch 1, prompt by prompt) and every runner, interleaved; specjax's
+    n-gram rule starts from its acceptance on the `calibration` prompts."""
     import specjax
 
     from specjax.speculators import NGram
 
     ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
+    prior = ngram_prior(target, args.k, calibration, args.new)
 
     def spec(p, speculator):
         t0 = time.perf_counter()
         out = specjax.generate(target, [p], max_new_tokens=args.new, ignore_eos=True,
-                               speculator=speculator)
+                               speculator=speculator,
+                               acceptance_prior=None if speculator is None else prior)
         return out.tokens[0], time.perf_counter() - t0
 
     for p in prompts:  # compiles every prompt shape once
@@ -333,7 +359,7 @@ def _compare(target, runners: dict, prompts, args) -> dict:
             out[n].update(agreement(tokens["specjax_generate"], tokens[n]))
     return dict(settings={k: v for k, v in vars(args).items()}, prompt_tokens=[len(p) for p in
                                                                              prompts],
-                methods=out)
+                ngram_prior=prior, methods=out)
 
 
 if __name__ == "__main__":
