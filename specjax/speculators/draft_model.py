@@ -169,7 +169,7 @@ class DraftModel(QueuedSpeculator):
                     dprobs.at[:, i].set(sampling_lib.probs(logits[:, 0], ctx.sampling)))
 
         cache, drafts, dprobs = jax.lax.fori_loop(1, steps, one, (cache, drafts, dprobs))
-        return chain(drafts, draft_probs=dprobs), state.replace(cache=cache)
+        return chain(drafts, draft_probs=dprobs, sampled=True), state.replace(cache=cache)
 
     def _tree(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
               first: jax.Array, act: jax.Array) -> tuple[DraftTree, DraftState]:
