@@ -38,7 +38,7 @@ from specjax.stats import (GenerationStats, VerifyCost, batch_verify_bucket, bui
                            default_verify_cost, leviathan_optimal_k, position_acceptance)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.xla_options import compile_decode
-from specjax.verify import verify, verify_no_draft
+from specjax.verify import METHODS, verify, verify_no_draft
 
 
 @dataclasses.dataclass
@@ -262,7 +262,7 @@ def _defer_kv_write(backend: str | None) -> bool:
 
 
 def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, tree,
-                   sampling, key, backend):
+                   sampling, key, backend, verification: str):
     """Target forward over [root, first `width` nodes], verification, and the kept
     inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket).
     Returns (result, kept inputs, kept hidden, cache with the inputs written); with
@@ -288,7 +288,7 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
     if width == 0:  # a plain decode step's sampling, no verifier
         res = verify_no_draft(logits[:, 0], sub, sampling, key)
     else:
-        res = verify(logits, sub, sampling, key, spec.verification)
+        res = verify(logits, sub, sampling, key, verification)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     if defer:  # cache is the new (keys, values) [L, B, width+1, K, H]
         idx = res.path_inputs[None, :, :, None, None]
@@ -360,8 +360,11 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
 
 
 def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
-                    rule: Rule, decision=None) -> Speculation:
+                    rule: Rule, decision=None, verification: str | None = None) -> Speculation:
+    """Propose, then one target forward over the tree and verification (`verification`:
+    a `specjax.verify.METHODS` name; None: the speculator's own)."""
     n, dm = spec.num_nodes, spec.max_depth
+    verification = spec.verification if verification is None else verification
     active = ~st.done
     key, k_prop, k_ver = jax.random.split(st.key, 3)
     widths = tuple(spec.depth_widths)
@@ -397,7 +400,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     cut = jnp.asarray(depths, jnp.int32)[which]
     tree = tree.replace(valid=tree.valid & (tree.depth <= cut))
     branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
-                                  k_ver, backend) for _, w in buckets]
+                                  k_ver, backend, verification) for _, w in buckets]
     defer = _defer_kv_write(backend)
 
     def idle():
@@ -419,11 +422,12 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, rule: Rule, decision) -> LoopState:
+               backend, rule: Rule, decision, verification: str) -> LoopState:
     b = st.tokens.shape[0]
     dm = spec.max_depth
     active = ~st.done
-    sp = _propose_verify(config, params, spec, st, sampling, backend, rule, decision)
+    sp = _propose_verify(config, params, spec, st, sampling, backend, rule, decision,
+                         verification)
     tree, res, cache = sp.tree, sp.result, sp.cache
     spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
     base = (st.lengths - 1)[:, None]
@@ -474,9 +478,10 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         next_probe=next_probe, probe_gap=gap)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "verification"),
+                   donate_argnames=("state",))
 def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
-            sampling, max_new, eos_ids, rule: Rule, *, backend):
+            sampling, max_new, eos_ids, rule: Rule, *, backend, verification="rejection"):
     def cond(st):
         return jnp.any(~st.done) & (st.steps < max_new)
 
@@ -490,7 +495,7 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
             st = _plain_steps(config, params, spec, st, sampling, max_new, eos_ids, backend,
                               rule, decision)
             st = _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                            rule, decision)
+                            rule, decision, verification)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
 
     return jax.lax.while_loop(cond, body, state)
@@ -533,6 +538,20 @@ def _prior(acceptance_prior, max_depth: int) -> np.ndarray:
     return out
 
 
+def _verification(verification: str | None, speculator: Speculator | None) -> str:
+    """generate's `verification` checked against the speculator (None: its own)."""
+    if verification is None:
+        return speculator.verification if speculator is not None else METHODS[0]
+    if verification not in METHODS:
+        raise ValueError(f"verification={verification!r} must be one of {METHODS}")
+    if speculator is None:
+        raise ValueError(f"verification={verification!r} needs a speculator")
+    if verification == "block" and not speculator.proposes_chains:
+        raise ValueError(f"verification='block' verifies chains; {type(speculator).__name__} "
+                         "proposes trees with siblings (use 'rejection')")
+    return verification
+
+
 def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -549,6 +568,7 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     ignore_eos: bool = False,
     speculator: Speculator | None = None,
+    verification: str | None = None,
     adaptive: bool = True,
     cost_ratio: float | None = None,
     verify_cost: VerifyCost | None = None,
@@ -567,6 +587,11 @@ def generate(
       `ignore_eos=True` generates exactly `max_new_tokens`.
     speculator: a `specjax.speculators` instance; output is identical to target-only
       greedy decoding at temperature 0 and distributed as the target at any temperature.
+    verification: how sampled drafts are verified (`specjax.verify`): "rejection"
+      (token-wise, lossless), "block" (block verification of chains, lossless, accepts
+      at least as many tokens in expectation; speculators that propose chains only:
+      `Speculator.proposes_chains`), "typical" (Medusa's, LOSSY); None: the
+      speculator's own (`speculator.verification`). Greedy decoding is unaffected.
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
     cost_ratio: one draft call's cost relative to a one-token target step, for the
       adaptive rule and the analytical speedup; None takes `speculator.cost_ratio`
@@ -675,7 +700,8 @@ def generate(
     dec_args = (shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                      jax.tree.map(jnp.float32, vcost), jnp.asarray(prior)),
                                 mesh),)
-    dec_kw = dict(backend=attention_backend)
+    dec_kw = dict(backend=attention_backend,
+                  verification=_verification(verification, speculator))
     dec = _compiled(_decode, (cfg, params, speculator, state_shape, sampling, max_new,
                               eos_arr) + dec_args, dec_kw, mesh)
     compile_s = time.perf_counter() - t0

@@ -117,6 +117,12 @@ def static_tree(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray,
     return np.asarray(parents, np.int32), np.asarray(depth, np.int32), choice
 
 
+def is_chain(parents) -> bool:
+    """Whether a static layout's parents [N] are a chain: -1, 0, 1, ..."""
+    parents = np.asarray(parents)
+    return bool(np.array_equal(parents, np.arange(parents.shape[-1]) - 1))
+
+
 def depth_widths(depth: Sequence[int]) -> tuple[int, ...]:
     """W[d] for d = 0..max depth: every node of depth <= d is among the first W[d] nodes.
 

@@ -30,21 +30,19 @@ import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.tree import DraftTree, check_draft_probs
+from specjax.tree import DraftTree, check_draft_probs, is_chain
+
+METHODS = ("rejection", "block", "typical")
 
 
 def check_chain(tree: DraftTree) -> None:
     """Block verification's precondition, where the parents are known at trace time."""
     if isinstance(tree.parents, jax.core.Tracer):
         return
-    parents = np.asarray(tree.parents)
-    want = np.arange(parents.shape[1]) - 1
-    if not np.all(parents == want):
-        bad = np.argwhere(parents != want)[0]
-        raise ValueError(f"block verification needs a chain (parents -1, 0, 1, ...); row "
-                         f"{bad[0]} has node {bad[1]} under parent {parents[tuple(bad)]}")
-
-METHODS = ("rejection", "block", "typical")
+    for row, parents in enumerate(np.asarray(tree.parents)):
+        if not is_chain(parents):
+            raise ValueError(f"block verification needs a chain (parents -1, 0, 1, ...); "
+                             f"row {row} has parents {parents.tolist()}")
 
 
 @struct.dataclass

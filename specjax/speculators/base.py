@@ -70,8 +70,15 @@ class Speculator:
 
     #: target decoder layers whose outputs `prefill`/`commit` need (EAGLE-3: low/mid/high)
     hidden_layers: tuple[int, ...] = ()
-    #: verification method for sampled decoding: "rejection" (lossless) or "typical" (lossy)
+    #: verification method for sampled decoding: "rejection" (lossless), "block" (chains,
+    #: lossless) or "typical" (lossy); `generate(verification=)` overrides it
     verification: str = "rejection"
+
+    @property
+    def proposes_chains(self) -> bool:
+        """Whether every proposed tree is a chain (parents -1, 0, 1, ...): what block
+        verification needs (static)."""
+        return False
 
     @property
     def num_nodes(self) -> int:

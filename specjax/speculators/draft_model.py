@@ -91,6 +91,10 @@ class DraftModel(QueuedSpeculator):
     def max_depth(self) -> int:
         return self.k
 
+    @property
+    def proposes_chains(self) -> bool:
+        return not self.tree_top_k
+
     def for_decoding(self, layout: str = "auto") -> "DraftModel":
         return self.replace(params=decode_params(self.config, self.params, layout))
 
