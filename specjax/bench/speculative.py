@@ -76,6 +76,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
     a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
     (`measured_cost_ratios`)."""
+    from specjax import rng
     from specjax.generation import LoopState
     from specjax.inspect import prefilled_state
     from specjax.model import decode_params
@@ -93,7 +94,8 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
                                       temperature=temperature, batch=batch)
 
     def propose(p, sp, st: LoopState):
-        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling, st.key,
+        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling,
+                             rng.step_keys(st.keys, st.lengths, rng.PROPOSE),
                              jnp.full_like(st.lengths, sp.max_depth))
         return sp.propose(st.spec_state, ctx, p)[0].tokens
 

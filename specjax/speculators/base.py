@@ -47,7 +47,7 @@ class ProposeContext:
     lengths: jax.Array  # [B] tokens so far; the root is tokens[b, lengths[b] - 1]
     active: jax.Array  # [B] bool rows still generating
     sampling: Sampling
-    key: jax.Array
+    key: jax.Array  # [B] one key per row (`specjax.rng`): a row's draws are its own
     # [B] int32: the loop keeps only nodes with depth <= depth_limit (adaptive length);
     # a speculator may skip draft work beyond max(depth_limit) to save its cost.
     depth_limit: jax.Array
