@@ -186,8 +186,8 @@ def verify_block(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Samp
     qx = jnp.take_along_axis(q, x[..., None], axis=2)[..., 0]
     ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), jnp.where(px > 0, jnp.inf, 0.0))
     w = [jnp.ones((b,), jnp.float32)]
-    for i in range(g):
-        w.append(jnp.minimum(1.0, w[-1] * ratio[:, i]))
+    for i in range(g):  # (a weight of 0 stays 0, even against a ratio of inf)
+        w.append(jnp.where(w[-1] > 0, jnp.minimum(1.0, w[-1] * ratio[:, i]), 0.0))
     w = jnp.stack(w, axis=1)  # [B, g+1]
     res = jnp.maximum(w[:, :g, None] * p_all[:, :g] - q, 0.0)  # [B, g, V]: r_0..r_{g-1}
     mass = jnp.sum(res, axis=-1)  # [B, g]
