@@ -143,12 +143,14 @@ def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, defau
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
                  batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
-                 cost_ratio: float | None = None, acceptance_prior=None, kv_cache_dtype=None):
+                 cost_ratio: float | None = None, acceptance_prior=None, kv_cache_dtype=None,
+                 verification: str | None = None):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
     the calls). Call `i` samples with seed `seed + i`; `cost_ratio` and
     `acceptance_prior` go to generate (None: the speculator's parameter-count estimate,
-    the default prior), as does `kv_cache_dtype` (the target's cache)."""
+    the default prior), as do `kv_cache_dtype` (the target's cache) and `verification`
+    (None: the speculator's default)."""
     from specjax.stats import merge_stats
 
     tokens, parts = [], []
@@ -159,7 +161,8 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
                                ignore_eos=True, speculator=speculator, adaptive=adaptive,
                                cost_ratio=None if speculator is None else cost_ratio,
                                acceptance_prior=None if speculator is None
-                               else acceptance_prior, kv_cache_dtype=kv_cache_dtype)
+                               else acceptance_prior, kv_cache_dtype=kv_cache_dtype,
+                               verification=None if speculator is None else verification)
         tokens += out.tokens
         parts.append(out.stats)
     return tokens, merge_stats(parts), time.perf_counter() - t0
