@@ -189,3 +189,22 @@ def test_draft_probs_need_a_sampled_tree():
         with pytest.raises(ValueError, match="must declare sampled=True"):
             refuse(topk)
     check_tree(chain(toks, draft_probs=q, sampled=True))  # the honest declaration passes
+
+
+def test_block_verification_takes_chains_only():
+    """Block verification judges a chain: a tree with siblings is refused by name where its
+    parents are known; traced, a node off the chain (parent not the node before) is never
+    accepted, so the output stays the target's."""
+    s = Sampling.create(1.0)
+    tree = _tree_rows([-1, -1, 1], np.asarray([[2, 3, 4]] * ROWS), ROWS)
+    logits = jnp.broadcast_to(jnp.asarray(np.stack([_dist(30 + i) for i in range(4)])),
+                              (ROWS, 4, V))
+    with pytest.raises(ValueError, match="block verification needs a chain"):
+        verify(logits, tree, s, jax.random.key(0), method="block")
+    res = jax.jit(lambda lg, tr, k: verify(lg, tr, s, k, method="block"))(
+        logits, tree, jax.random.key(0))
+    acc = np.asarray(res.accepted)
+    assert set(acc[:, 0].tolist()) == {-1, 0} and np.all(acc[:, 1] == -1)
+    p = np.asarray(probs(logits[0, 0], s), np.float64)
+    assert_same_distribution([(int(t),) for t in np.asarray(res.path_tokens[:, 0])],
+                             {(t,): p[t] for t in range(V)})
