@@ -192,9 +192,9 @@ def test_specjax_verify_samples_the_exact_step(case, warp_kw):
 
 def test_the_sampling_test_sees_a_shared_uniform(monkeypatch):
     """Three sampled leaf siblings, verified with one uniform for all of them: the exact
-    step distributions differ by TV ~0.016 here, and at ROWS samples the chi-square test
-    has power >= 0.999 against it (noncentral chi-square over the test's own cells), so
-    the same test that passes the honest verifier must reject this one."""
+    step distributions differ (TV > 0.01), and at ROWS samples the chi-square test has
+    power >= 0.999 against that difference (noncentral chi-square over the test's own
+    cells), so the same test that passes the honest verifier must reject this one."""
     spec = Spec(TARGET, DRAFT, shape=((), (), ()))
     wrong = Spec(TARGET, DRAFT, shape=((), (), ()), bug="shared_uniform")
     exact, alt = step_dist(spec), step_dist(wrong)
