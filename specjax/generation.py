@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import kv_quant
+from specjax import kv_quant, rng
 from specjax import sampling as sampling_lib
 from specjax.attention import resolve_backend
 from specjax.cache import PagedKVCache, PagePool, move_slots, write_slots
@@ -38,7 +38,7 @@ from specjax.stats import (GenerationStats, VerifyCost, batch_verify_bucket, bui
                            default_verify_cost, leviathan_optimal_k, position_acceptance)
 from specjax.tree import ancestor_mask, check_tree
 from specjax.xla_options import compile_decode
-from specjax.verify import verify, verify_no_draft
+from specjax.verify import METHODS, verify, verify_no_draft
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class LoopState:
     lengths: jax.Array  # [B]
     prompt_lens: jax.Array  # [B]
     done: jax.Array  # [B] bool
-    key: jax.Array
+    keys: jax.Array  # [B, K] uint32 key data of each row's own key (`specjax.rng`)
     spec_state: Any
     target_calls: jax.Array  # [B] decode-phase target forwards while active
     draft_calls: jax.Array  # [B]
@@ -131,7 +131,7 @@ def _logits_of(config: ModelConfig, params, h: jax.Array) -> jax.Array:
                    donate_argnames=("cache", "tokens"))
 def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedKVCache,
              tokens: jax.Array, prompt_lens: jax.Array, sampling: sampling_lib.Sampling,
-             key: jax.Array, max_new: jax.Array, eos_ids: jax.Array, *, chunk: int,
+             keys: jax.Array, max_new: jax.Array, eos_ids: jax.Array, *, chunk: int,
              num_chunks: int, backend: str | None, kv_dtype=None):
     b, s = tokens.shape
     layers = spec.hidden_layers if spec is not None else ()
@@ -161,9 +161,9 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
         return shard.constrain_caches((cache, spec_state, last))
 
     cache, spec_state, last = jax.lax.fori_loop(0, num_chunks, body, (cache, spec_state, last))
-    key, sub = jax.random.split(key)
     logits = _logits_of(config, params, last.final[:, 0])  # [B, V]
-    first = sampling_lib.sample(sub, logits, sampling)
+    first = sampling_lib.sample_rows(rng.step_keys(keys, prompt_lens, rng.SAMPLE), logits,
+                                     sampling)
     tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
     lengths = prompt_lens + 1
     if spec is not None:  # hand over the last prompt pair: (x_{P-1}, h_{P-1}) -> first
@@ -176,7 +176,7 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
     dm = spec.max_depth if spec is not None else 0
     zeros = jnp.zeros((b,), jnp.int32)
     return shard.constrain_caches(LoopState(
-        cache, tokens, lengths, prompt_lens, done, key, spec_state, zeros, zeros, zeros, zeros,
+        cache, tokens, lengths, prompt_lens, done, keys, spec_state, zeros, zeros, zeros, zeros,
         jnp.zeros((b, dm + 1), jnp.int32), jnp.zeros((b, dm), jnp.int32), zeros,
         jnp.zeros((b,), jnp.float32), jnp.int32(0), jnp.full((b,), PROBE_GAP - 1, jnp.int32),
         jnp.full((b,), PROBE_GAP, jnp.int32)))
@@ -194,13 +194,13 @@ def _ar_step(config, params, st: LoopState, sampling, max_new, eos_ids, backend,
     logits, hidden, cache = step(config, params, st.cache, root, pos,
                                  q_lens=active.astype(jnp.int32), hidden_layers=hidden_layers,
                                  attention_backend=backend)
-    key, sub = jax.random.split(st.key)
-    nxt = sampling_lib.sample(sub, logits[:, 0], sampling)
+    nxt = sampling_lib.sample_rows(rng.step_keys(st.keys, st.lengths, rng.SAMPLE),
+                                   logits[:, 0], sampling)
     tokens = _write_tokens(st.tokens, st.lengths, nxt[:, None], active.astype(jnp.int32))
     lengths = st.lengths + active
     done = st.done | (active & _is_eos(nxt, eos_ids)) | (lengths - st.prompt_lens >= max_new)
     hist = st.hist.at[:, 0].add(active)
-    st = st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done, key=key,
+    st = st.replace(cache=cache, tokens=tokens, lengths=lengths, done=done,
                     target_calls=st.target_calls + active, hist=hist,
                     verified=st.verified + active, verify_cost=st.verify_cost + active,
                     steps=st.steps + 1)
@@ -223,7 +223,6 @@ class Speculation:
     depth_limit: jax.Array  # [B]
     probed: jax.Array  # [B] bool: rows drafting only to re-measure (the rule said k = 0)
     width: jax.Array  # [] tree nodes the target verified this step (0: a plain decode step)
-    key: jax.Array
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -262,7 +261,7 @@ def _defer_kv_write(backend: str | None) -> bool:
 
 
 def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, tree,
-                   sampling, key, backend):
+                   sampling, key, backend, verification: str):
     """Target forward over [root, first `width` nodes], verification, and the kept
     inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket).
     Returns (result, kept inputs, kept hidden, cache with the inputs written); with
@@ -288,7 +287,7 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
     if width == 0:  # a plain decode step's sampling, no verifier
         res = verify_no_draft(logits[:, 0], sub, sampling, key)
     else:
-        res = verify(logits, sub, sampling, key, spec.verification)
+        res = verify(logits, sub, sampling, key, verification)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     if defer:  # cache is the new (keys, values) [L, B, width+1, K, H]
         idx = res.path_inputs[None, :, :, None, None]
@@ -360,10 +359,14 @@ def _plain_steps(config, params, spec: Speculator, st: LoopState, sampling, max_
 
 
 def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, backend,
-                    rule: Rule, decision=None) -> Speculation:
+                    rule: Rule, decision=None, verification: str | None = None) -> Speculation:
+    """Propose, then one target forward over the tree and verification (`verification`:
+    a `specjax.verify.METHODS` name; None: the speculator's own)."""
     n, dm = spec.num_nodes, spec.max_depth
+    verification = spec.verification if verification is None else verification
     active = ~st.done
-    key, k_prop, k_ver = jax.random.split(st.key, 3)
+    k_prop = rng.step_keys(st.keys, st.lengths, rng.PROPOSE)  # [B] keys, one per row
+    k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
     widths = tuple(spec.depth_widths)
     if len(widths) != dm + 1 or widths[0] != 0 or widths[-1] != n or list(widths) != sorted(
             widths):
@@ -397,7 +400,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     cut = jnp.asarray(depths, jnp.int32)[which]
     tree = tree.replace(valid=tree.valid & (tree.depth <= cut))
     branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
-                                  k_ver, backend) for _, w in buckets]
+                                  k_ver, backend, verification) for _, w in buckets]
     defer = _defer_kv_write(backend)
 
     def idle():
@@ -415,17 +418,18 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
         cache, kept_kv = st.cache, cache
     width = jnp.asarray([w for _, w in buckets] + [0], jnp.int32)[which]
     return Speculation(tree, res, kept, kept_hidden, cache, kept_kv, spec_state, limit, probed,
-                       width, key)
+                       width)
 
 
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
-               backend, rule: Rule, decision) -> LoopState:
+               backend, rule: Rule, decision, verification: str) -> LoopState:
     b = st.tokens.shape[0]
     dm = spec.max_depth
     active = ~st.done
-    sp = _propose_verify(config, params, spec, st, sampling, backend, rule, decision)
+    sp = _propose_verify(config, params, spec, st, sampling, backend, rule, decision,
+                         verification)
     tree, res, cache = sp.tree, sp.result, sp.cache
-    spec_state, limit, key = sp.spec_state, sp.depth_limit, sp.key
+    spec_state, limit = sp.spec_state, sp.depth_limit
     base = (st.lengths - 1)[:, None]
     # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
     budget = max_new - (st.lengths - st.prompt_lens)
@@ -460,7 +464,7 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
     next_probe, gap = probe_schedule(st.next_probe, st.probe_gap, st.steps,
                                      sp.depth_limit > 0, sp.probed, acc)
     return st.replace(
-        cache=cache, tokens=tokens, lengths=lengths, done=done, key=key, spec_state=spec_state,
+        cache=cache, tokens=tokens, lengths=lengths, done=done, spec_state=spec_state,
         target_calls=st.target_calls + active,
         # drafting stops at the deepest depth any row keeps (ProposeContext.depth_limit):
         # every row waits for that many calls
@@ -474,9 +478,10 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         next_probe=next_probe, probe_gap=gap)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "verification"),
+                   donate_argnames=("state",))
 def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopState,
-            sampling, max_new, eos_ids, rule: Rule, *, backend):
+            sampling, max_new, eos_ids, rule: Rule, *, backend, verification="rejection"):
     def cond(st):
         return jnp.any(~st.done) & (st.steps < max_new)
 
@@ -490,7 +495,7 @@ def _decode(config: ModelConfig, params, spec: Speculator | None, state: LoopSta
             st = _plain_steps(config, params, spec, st, sampling, max_new, eos_ids, backend,
                               rule, decision)
             st = _spec_step(config, params, spec, st, sampling, max_new, eos_ids, backend,
-                            rule, decision)
+                            rule, decision, verification)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
 
     return jax.lax.while_loop(cond, body, state)
@@ -533,6 +538,23 @@ def _prior(acceptance_prior, max_depth: int) -> np.ndarray:
     return out
 
 
+def _verification(verification: str | None, speculator: Speculator | None) -> str:
+    """generate's `verification` checked against the speculator (None: its own)."""
+    if verification is None:  # block verification for chains: lossless, never fewer
+        if speculator is None:  # accepted in expectation, and no slower (docs/benchmarks.md)
+            return METHODS[0]
+        own = speculator.verification
+        return "block" if own == "rejection" and speculator.proposes_chains else own
+    if verification not in METHODS:
+        raise ValueError(f"verification={verification!r} must be one of {METHODS}")
+    if speculator is None:
+        raise ValueError(f"verification={verification!r} needs a speculator")
+    if verification == "block" and not speculator.proposes_chains:
+        raise ValueError(f"verification='block' verifies chains; {type(speculator).__name__} "
+                         "proposes trees with siblings (use 'rejection')")
+    return verification
+
+
 def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -561,10 +583,11 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     eos_id: int | Sequence[int] | None = None,
     ignore_eos: bool = False,
     speculator: Speculator | None = None,
+    verification: str | None = None,
     adaptive: bool = True,
     cost_ratio: float | None = None,
     verify_cost: VerifyCost | None = None,
@@ -579,10 +602,21 @@ def generate(
     """Generates up to `max_new_tokens` per prompt; greedy by default.
 
     prompts: token-id lists (a ragged batch) or strings (needs `model.tokenizer`).
+    seed: an int (row r draws from this seed folded with r) or one int per prompt; rows
+      draw from keys of their own (`specjax.rng`), so a row given seed s in a list
+      samples the same tokens alone or in any batch, padded or not, plain or with a
+      speculator at fixed depth (`adaptive=False`; the adaptive rule sets a row's depth
+      from the whole batch, and its tokens, equally distributed, follow the depth).
     eos_id: stop tokens; None uses the config's `eos_token_id` (as transformers does);
       `ignore_eos=True` generates exactly `max_new_tokens`.
     speculator: a `specjax.speculators` instance; output is identical to target-only
       greedy decoding at temperature 0 and distributed as the target at any temperature.
+    verification: how sampled drafts are verified (`specjax.verify`): "rejection"
+      (token-wise, lossless), "block" (block verification of chains, lossless, accepts
+      at least as many tokens in expectation; speculators that propose chains only:
+      `Speculator.proposes_chains`), "typical" (Medusa's, LOSSY); None: the
+      speculator's own (`speculator.verification`), "block" where that is "rejection"
+      and the speculator proposes chains. Greedy decoding is unaffected.
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
     cost_ratio: one draft call's cost relative to a one-token target step, for the
       adaptive rule and the analytical speedup; None takes `speculator.cost_ratio`
@@ -667,9 +701,10 @@ def generate(
                                mesh=mesh, dtype=kv_dtype)
     eos_pad = _bucket(max(len(eos), 1), 8)  # fixed size so stop tokens never recompile
     eos_list = list(eos) + [-1] * (eos_pad - len(eos))
-    sampling, key, max_new, eos_arr = shard.replicate(
-        (sampling_lib.Sampling.create(temperature, top_k, top_p), jax.random.key(seed),
-         jnp.int32(max_new_tokens), jnp.asarray(eos_list, jnp.int32)), mesh)
+    sampling, max_new, eos_arr = shard.replicate(
+        (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
+         jnp.asarray(eos_list, jnp.int32)), mesh)
+    keys = shard.put(rng.row_key_data(seed, b), mesh, ("batch", None), name="keys")
     if cost_ratio is not None and not (np.isfinite(cost_ratio) and cost_ratio >= 0):
         raise ValueError(f"cost_ratio={cost_ratio!r} must be a finite number >= 0")
     if speculator is None:
@@ -684,7 +719,7 @@ def generate(
 
     params = decode_params(cfg, model.params, layer_layout)
     pre_args = (cfg, params, speculator, cache,
-                shard.put(buf, mesh, ("batch", None), name="tokens"), plens, sampling, key,
+                shard.put(buf, mesh, ("batch", None), name="tokens"), plens, sampling, keys,
                 max_new, eos_arr)
     pre_kw = dict(chunk=chunk, num_chunks=num_chunks, backend=attention_backend,
                   kv_dtype=kv_dtype)
@@ -694,7 +729,8 @@ def generate(
     dec_args = (shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                      jax.tree.map(jnp.float32, vcost), jnp.asarray(prior)),
                                 mesh),)
-    dec_kw = dict(backend=attention_backend)
+    dec_kw = dict(backend=attention_backend,
+                  verification=_verification(verification, speculator))
     dec = _compiled(_decode, (cfg, params, speculator, state_shape, sampling, max_new,
                               eos_arr) + dec_args, dec_kw, mesh)
     compile_s = time.perf_counter() - t0

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import generation as gen
+from specjax import rng
 from specjax.cache import PagedKVCache, PagePool
 from specjax.model import Model
 from specjax.sampling import Sampling
@@ -50,7 +51,8 @@ def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
     chunk = 1 << (len(ids) - 1).bit_length()
     state = gen._prefill(cfg, params, speculator, cache, jnp.asarray(buf),
                          jnp.full((batch,), len(ids), jnp.int32), sampling,
-                         jax.random.key(seed), jnp.int32(2), jnp.full((8,), -1, jnp.int32),
+                         jnp.asarray(rng.row_key_data(seed, batch)), jnp.int32(2),
+                         jnp.full((8,), -1, jnp.int32),
                          chunk=chunk, num_chunks=1, backend=None)
     return state.replace(done=jnp.zeros_like(state.done)), sampling
 

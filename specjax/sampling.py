@@ -97,3 +97,29 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     return jax.lax.cond(sampling.greedy, greedy, draw, logits)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per row from logits [B, V] with row b's own key keys[b] ([B] keys): a
+    row's draw does not depend on the other rows of its batch. Argmax when greedy."""
+    def draw(logits):
+        return categorical_rows(keys, log_probs(logits, sampling))
+
+    def greedy(logits):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(sampling.greedy, greedy, draw, logits)
+
+
+def categorical_rows(keys: jax.Array, log_p: jax.Array) -> jax.Array:
+    """[B] int32: row b drawn from log-probabilities log_p[b] [V] with keys[b]."""
+    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, log_p).astype(jnp.int32)
+
+
+def uniform_rows(keys: jax.Array, n: int) -> jax.Array:
+    """[B, n] float32 uniforms in [0, 1): entry (b, i) from keys[b] folded with i, so it
+    does not depend on n (a wider draft tree leaves the first nodes' draws unchanged)."""
+    def row(k):
+        return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, i)))(jnp.arange(n))
+
+    return jax.vmap(row)(keys)

@@ -30,6 +30,11 @@ class DraftTree:
     # as for n-gram, top-k expansion or greedy drafts.
     draft_probs: jax.Array | None = None
     max_depth: int = struct.field(pytree_node=False, default=1)
+    # The builder's declaration that every node is an independent draw from its
+    # draft_probs row (siblings i.i.d.): required with draft_probs, refused without
+    # (`check_tree`). Top-k or otherwise deterministic children must not carry a q:
+    # verified against it they make the output lossy.
+    sampled: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def num_nodes(self) -> int:
@@ -47,31 +52,47 @@ def check_tree(tree: DraftTree) -> None:
                              f"expected {tree.tokens.shape}")
     if tree.max_depth < 1 or tree.max_depth > tree.num_nodes:
         raise ValueError(f"max_depth={tree.max_depth} must be in [1, {tree.num_nodes}]")
+    check_draft_probs(tree.draft_probs, tree.sampled)
     if tree.draft_probs is not None and tree.draft_probs.shape[:2] != tree.tokens.shape:
         raise ValueError(f"draft_probs shape {tree.draft_probs.shape} does not match "
                          f"tokens {tree.tokens.shape}")
 
 
+def check_draft_probs(draft_probs, sampled: bool) -> None:
+    """The draft-distribution contract: draft_probs iff the nodes were sampled from it."""
+    if draft_probs is not None and not sampled:
+        raise ValueError("a DraftTree with draft_probs must declare sampled=True (every node "
+                         "an independent draw from its draft_probs row); deterministic "
+                         "(top-k, greedy) nodes are point masses and carry no draft_probs")
+    if draft_probs is None and sampled:
+        raise ValueError("a DraftTree with sampled=True needs the draft_probs its nodes were "
+                         "drawn from")
+
+
 def chain(tokens: jax.Array, draft_probs: jax.Array | None = None,
-          valid: jax.Array | None = None) -> DraftTree:
-    """A chain of k drafts per row: tokens [B, k] -> DraftTree with parents -1, 0, 1, ..."""
+          valid: jax.Array | None = None, *, sampled: bool = False) -> DraftTree:
+    """A chain of k drafts per row: tokens [B, k] -> DraftTree with parents -1, 0, 1, ...
+    sampled: drafts drawn from draft_probs [B, k, V] (see `DraftTree.sampled`)."""
     b, k = tokens.shape
     if k < 1:
         raise ValueError(f"k={k} must be >= 1")
+    check_draft_probs(draft_probs, sampled)
     parents = jnp.broadcast_to(jnp.arange(-1, k - 1, dtype=jnp.int32), (b, k))
     depth = jnp.broadcast_to(jnp.arange(1, k + 1, dtype=jnp.int32), (b, k))
     if valid is None:
         valid = jnp.ones((b, k), bool)
-    return DraftTree(tokens.astype(jnp.int32), parents, depth, valid, draft_probs, max_depth=k)
+    return DraftTree(tokens.astype(jnp.int32), parents, depth, valid, draft_probs, max_depth=k,
+                     sampled=sampled)
 
 
 def empty_tree(batch: int, num_nodes: int, max_depth: int, vocab: int | None = None) -> DraftTree:
     """A tree with no valid node, shaped like a speculator's proposals (`vocab`: with
-    zero draft_probs [B, N, V]): what a speculator returns on a step it does not draft."""
+    zero draft_probs [B, N, V], sampled): what a speculator returns on a step it does not
+    draft."""
     full = lambda v: jnp.full((batch, num_nodes), v, jnp.int32)  # noqa: E731
     probs = None if vocab is None else jnp.zeros((batch, num_nodes, vocab), jnp.float32)
     return DraftTree(full(0), full(-1), full(1), jnp.zeros((batch, num_nodes), bool), probs,
-                     max_depth=max_depth)
+                     max_depth=max_depth, sampled=vocab is not None)
 
 
 def static_tree(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, list]:
@@ -94,6 +115,12 @@ def static_tree(paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray,
         depth.append(len(p))
         choice.append(p[-1])
     return np.asarray(parents, np.int32), np.asarray(depth, np.int32), choice
+
+
+def is_chain(parents) -> bool:
+    """Whether a static layout's parents [N] are a chain: -1, 0, 1, ..."""
+    parents = np.asarray(parents)
+    return bool(np.array_equal(parents, np.arange(parents.shape[-1]) - 1))
 
 
 def depth_widths(depth: Sequence[int]) -> tuple[int, ...]:

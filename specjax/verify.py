@@ -9,7 +9,15 @@
   min(1, p(x)/q(x)); on rejection the target's residual becomes norm(max(p - q, 0)) and
   the next sibling is tried; if all fail, the bonus token is drawn from the residual.
   Deterministic drafts (no `draft_probs`) are point masses: q = onehot(x).
+* Block verification (Sun et al. 2025, "Block Verification Accelerates Speculative
+  Decoding") judges a chain as a whole: exactly lossless, and for every draft block it
+  accepts at least as many tokens in expectation as token-wise rejection (more for
+  sampled drafts; as many for point masses). Chains only.
 * Typical acceptance (Medusa) is LOSSY and only used when asked for by name.
+
+Randomness is per row: `key` is one key per row ([B]; a single key is split into B),
+node i's uniform is that row's key folded with i, so a row's outcome does not depend
+on its batch or on how many nodes the tree has.
 
 Indexing: verify inputs are [root, node 0, ..., node N-1], so node n is input n + 1.
 """
@@ -18,12 +26,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.tree import DraftTree
+from specjax.tree import DraftTree, check_draft_probs, is_chain
 
-METHODS = ("rejection", "typical")
+METHODS = ("rejection", "block", "typical")
+
+
+def check_chain(tree: DraftTree) -> None:
+    """Block verification's precondition, where the parents are known at trace time."""
+    if isinstance(tree.parents, jax.core.Tracer):
+        return
+    for row, parents in enumerate(np.asarray(tree.parents)):
+        if not is_chain(parents):
+            raise ValueError(f"block verification needs a chain (parents -1, 0, 1, ...); "
+                             f"row {row} has parents {parents.tolist()}")
 
 
 @struct.dataclass
@@ -71,25 +90,49 @@ def verify_greedy(logits: jax.Array, tree: DraftTree) -> VerifyResult:
     return _finish(tree, jnp.stack(accepted, axis=1), bonus)
 
 
+def row_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
+    """(uniform keys [B], bonus keys [B]) from one key per row [B] (or one key [], split)."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # raw uint32 key data
+        key = jax.random.wrap_key_data(key)
+    keys = jax.random.split(key, batch) if key.ndim == 0 else key
+    pair = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    return pair[:, 0], pair[:, 1]
+
+
+def _uniforms(keys: jax.Array, n: int) -> jax.Array:
+    """[B, N] node uniforms, one independent draw per (row, node)."""
+    return sampling_lib.uniform_rows(keys, n)
+
+
+def _bonus(keys: jax.Array, log_target: jax.Array, residual: jax.Array,
+           use_residual: jax.Array) -> jax.Array:
+    """[B] bonus tokens: from the residual [B, V] where use_residual [B], else from the
+    target's own log-probabilities [B, V] (exactly as a plain decode step draws)."""
+    logp = jnp.where(use_residual[:, None], jnp.log(residual), log_target)
+    return sampling_lib.categorical_rows(keys, logp)
+
+
 def verify_rejection(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
                      key: jax.Array) -> VerifyResult:
     """Lossless recursive rejection sampling over the tree (see module docstring)."""
     b, t, v = logits.shape
     n = t - 1
-    p_all = sampling_lib.probs(logits, sampling)  # [B, N+1, V]
+    logp_all = sampling_lib.log_probs(logits, sampling)  # [B, N+1, V]
+    p_all = jnp.exp(logp_all)
     rows = jnp.arange(b)
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
     stop_dist = jnp.zeros((b, v), jnp.float32)
+    rejected = jnp.zeros((b,), bool)  # the bonus comes from a residual, not the target
     accepted = []
-    key, bonus_key = jax.random.split(key)
-    for d in range(tree.max_depth):
+    ukeys, bonus_keys = row_keys(key, b)
+    us = _uniforms(ukeys, n).T  # [N, B]: node i's uniform is used at its depth only
+    for _ in range(tree.max_depth):
         residual = p_all[rows, cur]  # [B, V]
         kids = _children(tree, cur, alive)  # [B, N]
-        us = jax.random.uniform(jax.random.fold_in(key, d), (n, b))
 
-        def visit(i, carry, kids=kids, us=us):
-            residual, found, chosen = carry
+        def visit(i, carry, kids=kids):
+            residual, found, chosen, rej = carry
             child = kids[:, i] & ~found
             x = tree.tokens[:, i]
             onehot = jax.nn.one_hot(x, v, dtype=jnp.float32)
@@ -101,18 +144,68 @@ def verify_rejection(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.
             mass = jnp.sum(rest, axis=-1, keepdims=True)
             rest = jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), residual)
             residual = jnp.where((child & ~accept)[:, None], rest, residual)
-            return residual, found | accept, jnp.where(accept, i, chosen)
+            return residual, found | accept, jnp.where(accept, i, chosen), rej | (child & ~accept)
 
-        residual, found, chosen = jax.lax.fori_loop(
-            0, n, visit, (residual, jnp.zeros((b,), bool), jnp.full((b,), -1, jnp.int32)))
+        residual, found, chosen, rej = jax.lax.fori_loop(
+            0, n, visit, (residual, jnp.zeros((b,), bool), jnp.full((b,), -1, jnp.int32),
+                          jnp.zeros((b,), bool)))
         newly_stopped = alive & ~found
         stop_dist = jnp.where(newly_stopped[:, None], residual, stop_dist)
+        rejected = rejected | (newly_stopped & rej)
         accepted.append(jnp.where(found, chosen, -1))
         cur = jnp.where(found, chosen + 1, cur)
         alive = alive & found
-    stop_dist = jnp.where(alive[:, None], p_all[rows, cur], stop_dist)
-    bonus = jax.random.categorical(bonus_key, jnp.log(stop_dist), axis=-1).astype(jnp.int32)
+    bonus = _bonus(bonus_keys, logp_all[rows, cur], stop_dist, rejected)
     return _finish(tree, jnp.stack(accepted, axis=1), bonus)
+
+
+def verify_block(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
+                 key: jax.Array) -> VerifyResult:
+    """Block verification of a chain x_1..x_g (drafts drawn from q_i = draft_probs, or
+    point masses), with target p_i at input i (p_0: the root's):
+
+      w_0 = 1,  w_i = min(1, w_{i-1} p_{i-1}(x_i) / q_i(x_i))
+      r_i = max(w_i p_i - q_{i+1}, 0)  (the residual after i accepted drafts, i < g)
+      h_i = |r_i| / (|r_i| + 1 - w_i) for i < g,  h_g = w_g
+      τ = the largest i with η_i < h_i (0 if none), η_i i.i.d. uniform
+      bonus ~ p_g if τ = g, else r_τ / |r_τ|
+
+    The chain is each row's longest valid prefix of nodes whose parent is the node
+    before (a node off that path is never accepted)."""
+    b, t, v = logits.shape
+    n = t - 1
+    g = min(n, tree.max_depth)
+    logp_all = sampling_lib.log_probs(logits, sampling)  # [B, N+1, V]
+    p_all = jnp.exp(logp_all)
+    x = tree.tokens[:, :g]  # [B, g]
+    q = (jax.nn.one_hot(x, v, dtype=jnp.float32) if tree.draft_probs is None
+         else tree.draft_probs[:, :g])  # [B, g, V]: q[:, i] is node i's (x_{i+1}'s)
+    on_chain = tree.valid[:, :g] & (tree.parents[:, :g] == jnp.arange(g)[None] - 1)
+    length = jnp.sum(jnp.cumprod(on_chain, axis=1), axis=1)  # [B] γ: drafts in the chain
+    px = jnp.take_along_axis(p_all[:, :g], x[..., None], axis=2)[..., 0]  # p_{i-1}(x_i)
+    qx = jnp.take_along_axis(q, x[..., None], axis=2)[..., 0]
+    ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), jnp.where(px > 0, jnp.inf, 0.0))
+    w = [jnp.ones((b,), jnp.float32)]
+    for i in range(g):  # (a weight of 0 stays 0, even against a ratio of inf)
+        w.append(jnp.where(w[-1] > 0, jnp.minimum(1.0, w[-1] * ratio[:, i]), 0.0))
+    w = jnp.stack(w, axis=1)  # [B, g+1]
+    res = jnp.maximum(w[:, :g, None] * p_all[:, :g] - q, 0.0)  # [B, g, V]: r_0..r_{g-1}
+    mass = jnp.sum(res, axis=-1)  # [B, g]
+    den = mass + 1.0 - w[:, :g]
+    h_mid = jnp.where(den > 0, mass / jnp.where(den > 0, den, 1.0), 0.0)  # h_i, i < g
+    i = jnp.arange(1, g + 1)[None]  # [1, g]
+    h = jnp.where(i == length[:, None], w[:, 1:],
+                  jnp.where(i < length[:, None], jnp.pad(h_mid[:, 1:], ((0, 0), (0, 1))), 0.0))
+    ukeys, bonus_keys = row_keys(key, b)
+    stops = _uniforms(ukeys, g) < h  # [B, g]
+    tau = jnp.max(jnp.where(stops, i, 0), axis=1)  # [B]
+    rows = jnp.arange(b)
+    r_tau = jnp.concatenate([res, jnp.zeros((b, 1, v))], axis=1)[rows, tau]  # [B, V]
+    use_res = (tau < length) & (jnp.sum(r_tau, axis=-1) > 0)
+    bonus = _bonus(bonus_keys, logp_all[rows, tau], r_tau, use_res)
+    accepted = jnp.where(jnp.arange(tree.max_depth)[None] < tau[:, None],
+                         jnp.arange(tree.max_depth)[None], -1).astype(jnp.int32)
+    return _finish(tree, accepted, bonus)
 
 
 def verify_typical(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
@@ -141,7 +234,7 @@ def verify_typical(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sa
         accepted.append(jnp.where(has, idx, -1))
         cur = jnp.where(has, idx + 1, cur)
         alive = alive & has
-    bonus = sampling_lib.sample(key, logits[rows, cur], sampling)
+    bonus = sampling_lib.sample_rows(row_keys(key, b)[1], logits[rows, cur], sampling)
     return _finish(tree, jnp.stack(accepted, axis=1), bonus)
 
 
@@ -151,16 +244,21 @@ def verify_no_draft(root_logits: jax.Array, tree: DraftTree, sampling: sampling_
     after the root drawn as a plain decode step draws it (the same distribution every
     verifier gives an empty tree). root_logits: [B, V]."""
     b = root_logits.shape[0]
-    bonus = sampling_lib.sample(key, root_logits, sampling)
+    bonus = sampling_lib.sample_rows(row_keys(key, b)[1], root_logits, sampling)
     return _finish(tree, jnp.full((b, tree.max_depth), -1, jnp.int32), bonus)
 
 
 def verify(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
            key: jax.Array, method: str = "rejection") -> VerifyResult:
-    """Greedy when temperature is 0, else `method` ("rejection" lossless, "typical" lossy)."""
+    """Greedy when temperature is 0, else `method`: "rejection" (token-wise, lossless),
+    "block" (chains, lossless) or "typical" (lossy). key: [B] (one per row) or []."""
     if method not in METHODS:
         raise ValueError(f"verification method={method!r} must be one of {METHODS}")
-    sampled = verify_rejection if method == "rejection" else verify_typical
+    check_draft_probs(tree.draft_probs, tree.sampled)
+    if method == "block":
+        check_chain(tree)
+    sampled = {"rejection": verify_rejection, "block": verify_block,
+               "typical": verify_typical}[method]
     return jax.lax.cond(sampling.greedy,
                         lambda: verify_greedy(logits, tree),
                         lambda: sampled(logits, tree, sampling, key))

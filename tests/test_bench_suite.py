@@ -270,6 +270,26 @@ def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
     assert all(r["identical"] for r in res["rows"])
 
 
+def test_token_wise_verification_runs_beside_block(workdir, finished, monkeypatch):
+    """--verification rejection: the draft model's chains, block-verified by default,
+    are verified token-wise (to compare τ and speed), and the setting is recorded."""
+    import specjax
+
+    _, out, _ = finished
+    asked = []
+    generate = specjax.generate
+    monkeypatch.setattr(specjax, "generate", lambda *a, **kw: asked.append(
+        (kw["speculator"] is None, kw.get("verification"))) or generate(*a, **kw))
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            "draft", "--temperatures", "1", "--out", "", "--figures", "",
+            "--json", str(out / "tokenwise.json"), "--verification", "rejection"]
+    assert suite.main(argv) == 0
+    res = json.loads((out / "tokenwise.json").read_text())
+    assert res["settings"]["verification"] == "rejection"
+    assert [r["method"] for r in res["rows"]] == ["autoregressive", "draft"]
+    assert set(asked) == {(True, None), (False, "rejection")}
+
+
 def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, monkeypatch):
     """c (a draft call's cost relative to a target step) moves with the batch, so the
     suite measures it at every batch it times and each row's adaptive rule and
@@ -369,6 +389,7 @@ def test_merged_stats_add_up(workdir, finished):
     (["--temperatures", "0,-1"], "must be >= 0"),
     (["--calibrate", "-1"], "--calibrate=-1"),
     (["--kv-cache-dtype", "int3"], "--kv-cache-dtype='int3'"),
+    (["--verification", "typical"], "invalid choice: 'typical'"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as err:

@@ -123,16 +123,18 @@ def peaked_pair():
     return target, draft
 
 
-@pytest.mark.parametrize("spec_name,temperature,top_p", [
-    ("draft", 1.0, 1.0), ("draft", 0.7, 0.9), ("ngram", 1.0, 1.0)])
-def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temperature, top_p):
+@pytest.mark.parametrize("spec_name,temperature,top_p,verification", [
+    ("draft", 1.0, 1.0, None), ("draft", 0.7, 0.9, None), ("ngram", 1.0, 1.0, None),
+    ("draft", 1.0, 1.0, "rejection")])  # None: block verification, the chains' default
+def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temperature, top_p,
+                                                    verification):
     target, draft = peaked_pair
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n_rows = 3000
     spec = DraftModel(model=draft, k=2) if spec_name == "draft" else NGram(k=2)
     out = specjax.generate(target, [prompt] * n_rows, max_new_tokens=3, ignore_eos=True,
                            temperature=temperature, top_p=top_p, seed=1, speculator=spec,
-                           adaptive=False)
+                           adaptive=False, verification=verification)
     assert out.stats.accepted > 0  # speculation really happened
     samples = [tuple(t[:3]) for t in out.tokens]
     exact = exact_joint(target, prompt, 3, temperature, top_p)
@@ -628,3 +630,39 @@ def test_probes_run_only_where_their_outcome_could_change_the_rule(tiny_target):
     assert default.tokens == plain.tokens and known.tokens == plain.tokens
     assert default.stats.mean_verified > 1.0  # the probes (any n-gram match) verified
     assert known.stats.mean_verified == 1.0 and known.stats.drafted == 0
+
+
+def test_verification_option_is_checked(tiny_target, tiny_draft):
+    """generate(verification=): an unknown name, block on a speculator that proposes trees, or no speculator at all
+    are refused by name; a tree that carries draft_probs without declaring its nodes
+    sampled is refused where the loop checks the proposal."""
+    from flax import struct
+
+    from specjax.speculators import Eagle, Medusa
+    from specjax.tree import DraftTree
+
+    assert NGram(k=2).proposes_chains and DraftModel(model=tiny_draft, k=2).proposes_chains
+    assert not DraftModel(model=tiny_draft, k=2, tree_top_k=2).proposes_chains
+    assert Eagle.random(tiny_target, version=1, tree=[[0], [0, 0]]).proposes_chains
+    assert not Eagle.random(tiny_target, top_k=2, depth=2, total_tokens=3).proposes_chains
+    kw = dict(max_new_tokens=4, temperature=1.0)
+    with pytest.raises(ValueError, match="verification='fast'"):
+        specjax.generate(tiny_target, PROMPTS, speculator=NGram(k=2), verification="fast", **kw)
+    with pytest.raises(ValueError, match="DraftModel proposes trees"):
+        specjax.generate(tiny_target, PROMPTS, verification="block", **kw,
+                         speculator=DraftModel(model=tiny_draft, k=2, tree_top_k=2))
+    with pytest.raises(ValueError, match="needs a speculator"):
+        specjax.generate(tiny_target, PROMPTS, verification="block", **kw)
+    with pytest.raises(ValueError, match="has siblings"):
+        Medusa.random(tiny_target, num_heads=2, tree=[[0], [1]], verification="block")
+
+    @struct.dataclass
+    class TopKWithQ(NGram):  # records a q for its deterministic drafts: lossy, refused
+        def propose(self, state, ctx, target_params):
+            tree, state = super().propose(state, ctx, target_params)
+            q = jax.nn.one_hot(tree.tokens, tiny_target.config.vocab_size) * 0.5 + 0.5 / 128
+            return DraftTree(tree.tokens, tree.parents, tree.depth, tree.valid, q,
+                             max_depth=tree.max_depth), state
+
+    with pytest.raises(ValueError, match="must declare sampled=True"):
+        specjax.generate(tiny_target, PROMPTS, speculator=TopKWithQ(k=2), **kw)

@@ -316,3 +316,63 @@ def test_measured_cost_ratios_time_greedy_and_sampled_drafts_apart(tiny_target, 
     assert sorted(calls) == [(2, 0.0, 1), (2, 0.7, 1), (3, 0.0, 1), (3, 0.7, 1)]
     assert got == {0.0: {"a": 2.0, "b": 3.0}, 0.7: {"a": 2.7, "b": 3.7},
                    1.0: {"a": 2.7, "b": 3.7}}
+
+
+# ---- end to end, ragged: each tree speculator, top-k, and the adaptive rule's probes ------
+@pytest.fixture(scope="module")
+def shallow_target():
+    """Like `peaked_target`, one layer: five more generate programs compile on it."""
+    m = specjax.init_model(tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_heads=2, num_kv_heads=1, num_layers=1), seed=10)
+    m.params["lm_head"]["kernel"] = m.params["lm_head"]["kernel"] * 30.0
+    return m
+
+
+D2T = np.asarray([15, 3, 7, 0, 9, 12, 5, 1])  # EAGLE-3's reduced vocabulary, not a prefix
+E2E = {  # speculator, sampling settings
+    "draft_tree": (lambda t: DraftModel(model=_noisy_copy(t, 0.3), k=2, tree_top_k=2,
+                                        total_tokens=4), dict(temperature=1.0)),
+    "eagle1_top_k": (lambda t: Eagle.random(t, version=1, tree=[[0], [1], [0, 0]]),
+                     dict(temperature=0.8, top_k=5)),
+    "eagle3_d2t": (lambda t: Eagle.random(t, version=3, draft_vocab_size=8, vocab_map=D2T,
+                                          top_k=2, depth=2, total_tokens=4),
+                   dict(temperature=1.0)),
+    "adaptive_probes": (lambda t: DraftModel(model=_noisy_copy(t, 0.3), k=2),
+                        dict(temperature=0.7, top_p=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(E2E))
+def test_ragged_batch_samples_the_target(shallow_target, name, monkeypatch):
+    """Two prompts of different lengths interleaved over 3000 rows: for each, the joint
+    of tokens (1, 2) and of (2, 3) (drafted and verified within one step) is the
+    target's exact one. `adaptive_probes`: the adaptive rule with a prior of 0 keeps
+    rows at k = 0, and probes (every step here) draft depth 1 to re-measure."""
+    from specjax import generation
+    from specjax.stats import VerifyCost
+
+    t = shallow_target
+    make, samp = E2E[name]
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 2]]
+    kw = dict(adaptive=False)
+    if name == "adaptive_probes":
+        monkeypatch.setattr(generation, "PROBE_GAP", 1)  # read when the loop is traced
+        generation._COMPILED.clear()
+        jax.clear_caches()
+        kw = dict(adaptive=True, acceptance_prior=[0.0, 0.0], verify_cost=VerifyCost(),
+                  cost_ratio=0.0)
+    out = specjax.generate(t, prompts * 1500, max_new_tokens=3, ignore_eos=True, seed=2,
+                           speculator=make(t), **samp, **kw)
+    if name == "adaptive_probes":
+        generation._COMPILED.clear()  # nothing compiled with the patched gap outlives
+        jax.clear_caches()  # this test
+        assert 0 < out.stats.drafted < 2 * out.stats.target_calls  # probes: depth 1
+    assert out.stats.accepted > 0  # speculation really happened
+    for i, prompt in enumerate(prompts):
+        joint = _exact_joint3(t, prompt, Sampling.create(samp["temperature"],
+                                                         samp.get("top_k", 0),
+                                                         samp.get("top_p", 1.0)))
+        rows = out.tokens[i::2]
+        for m, cut in ((joint.sum(axis=2), slice(0, 2)), (joint.sum(axis=0), slice(1, 3))):
+            exact = {x: float(m[x]) for x in np.ndindex(m.shape) if m[x] > 0}
+            assert_same_distribution([tuple(s[cut]) for s in rows], exact)

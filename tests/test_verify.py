@@ -28,7 +28,8 @@ def _tree_rows(parents, tokens, rows, draft_probs=None):
         depth[i] = 1 if p < 0 else depth[p] + 1
     tile = lambda a: jnp.asarray(np.broadcast_to(a, (rows, n)))
     return DraftTree(jnp.asarray(tokens, jnp.int32), tile(par), tile(depth),
-                     jnp.ones((rows, n), bool), draft_probs, max_depth=int(depth.max()))
+                     jnp.ones((rows, n), bool), draft_probs, max_depth=int(depth.max()),
+                     sampled=draft_probs is not None)
 
 
 def accept_all(logits, tree, sampling, key):
@@ -53,7 +54,7 @@ def test_chain_rejection_sampling_is_the_target(temperature, top_p):
     key_d, key_v = jax.random.split(jax.random.key(0))
     drafts = jax.random.categorical(key_d, jnp.log(q), shape=(ROWS, 1))
     logits = jnp.broadcast_to(jnp.stack([target_logits, jnp.asarray(_dist(2))]), (ROWS, 2, V))
-    tree = chain(drafts, draft_probs=jnp.broadcast_to(q, (ROWS, 1, V)))
+    tree = chain(drafts, draft_probs=jnp.broadcast_to(q, (ROWS, 1, V)), sampled=True)
     res = verify(logits, tree, s, key_v)
     exact = {(t,): p[t] for t in range(V) if p[t] > 0}
     assert_same_distribution(_first_tokens(res), exact)
@@ -170,3 +171,40 @@ def test_no_draft_step_is_a_plain_decode_step(temperature, top_p):
         want = np.asarray(probs(logits[:1], samp))[0]
         assert_same_distribution([int(x) for x in np.asarray(got.bonus)],
                                  {t: float(p) for t, p in enumerate(want) if p > 0})
+
+
+def test_draft_probs_need_a_sampled_tree():
+    """The draft-distribution contract: a tree carries draft_probs only if its builder
+    declares every node an independent draw from them (`sampled=True`); top-k children
+    with a q attached are refused wherever a tree is built, checked or verified."""
+    toks = jnp.zeros((2, 3), jnp.int32)
+    q = jnp.full((2, 3, V), 1.0 / V)
+    with pytest.raises(ValueError, match="must declare sampled=True"):
+        chain(toks, draft_probs=q)
+    with pytest.raises(ValueError, match="needs the draft_probs"):
+        chain(toks, sampled=True)
+    topk = _tree_rows([-1, -1, -1], toks, 2).replace(draft_probs=q)  # sampled=False
+    for refuse in (check_tree, lambda t: verify(jnp.zeros((2, 4, V)), t, Sampling.create(1.0),
+                                                jax.random.key(0))):
+        with pytest.raises(ValueError, match="must declare sampled=True"):
+            refuse(topk)
+    check_tree(chain(toks, draft_probs=q, sampled=True))  # the honest declaration passes
+
+
+def test_block_verification_takes_chains_only():
+    """Block verification judges a chain: a tree with siblings is refused by name where its
+    parents are known; traced, a node off the chain (parent not the node before) is never
+    accepted, so the output stays the target's."""
+    s = Sampling.create(1.0)
+    tree = _tree_rows([-1, -1, 1], np.asarray([[2, 3, 4]] * ROWS), ROWS)
+    logits = jnp.broadcast_to(jnp.asarray(np.stack([_dist(30 + i) for i in range(4)])),
+                              (ROWS, 4, V))
+    with pytest.raises(ValueError, match="block verification needs a chain"):
+        verify(logits, tree, s, jax.random.key(0), method="block")
+    res = jax.jit(lambda lg, tr, k: verify(lg, tr, s, k, method="block"))(
+        logits, tree, jax.random.key(0))
+    acc = np.asarray(res.accepted)
+    assert set(acc[:, 0].tolist()) == {-1, 0} and np.all(acc[:, 1] == -1)
+    p = np.asarray(probs(logits[0, 0], s), np.float64)
+    assert_same_distribution([(int(t),) for t in np.asarray(res.path_tokens[:, 0])],
+                             {(t,): p[t] for t in range(V)})

@@ -76,6 +76,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
     a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
     (`measured_cost_ratios`)."""
+    from specjax import rng
     from specjax.generation import LoopState
     from specjax.inspect import prefilled_state
     from specjax.model import decode_params
@@ -93,7 +94,8 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
                                       temperature=temperature, batch=batch)
 
     def propose(p, sp, st: LoopState):
-        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling, st.key,
+        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling,
+                             rng.step_keys(st.keys, st.lengths, rng.PROPOSE),
                              jnp.full_like(st.lengths, sp.max_depth))
         return sp.propose(st.spec_state, ctx, p)[0].tokens
 
@@ -141,12 +143,14 @@ def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, defau
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
                  batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
-                 cost_ratio: float | None = None, acceptance_prior=None, kv_cache_dtype=None):
+                 cost_ratio: float | None = None, acceptance_prior=None, kv_cache_dtype=None,
+                 verification: str | None = None):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
     the calls). Call `i` samples with seed `seed + i`; `cost_ratio` and
     `acceptance_prior` go to generate (None: the speculator's parameter-count estimate,
-    the default prior), as does `kv_cache_dtype` (the target's cache)."""
+    the default prior), as do `kv_cache_dtype` (the target's cache) and `verification`
+    (None: the speculator's default)."""
     from specjax.stats import merge_stats
 
     tokens, parts = [], []
@@ -157,7 +161,8 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
                                ignore_eos=True, speculator=speculator, adaptive=adaptive,
                                cost_ratio=None if speculator is None else cost_ratio,
                                acceptance_prior=None if speculator is None
-                               else acceptance_prior, kv_cache_dtype=kv_cache_dtype)
+                               else acceptance_prior, kv_cache_dtype=kv_cache_dtype,
+                               verification=None if speculator is None else verification)
         tokens += out.tokens
         parts.append(out.stats)
     return tokens, merge_stats(parts), time.perf_counter() - t0

@@ -172,6 +172,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default="", help="also write every row as JSON here")
     ap.add_argument("--kv-cache-dtype", default=None,
                     help="specjax's target KV cache (e.g. int8; default the model's dtype)")
+    ap.add_argument("--verification", default=None, choices=("rejection", "block"),
+                    help="how sampled drafts are verified (default: each speculator's, block "
+                    "for chains); 'rejection' verifies chains token-wise too, to compare")
     ap.add_argument("--note", default="", help="a line to print in the section, e.g. why "
                     "the run is small")
     args = ap.parse_args(argv)
@@ -245,10 +248,11 @@ def calibration_sets(prompt_sets: dict[str, list[Prompt]], docs, tokenizer, num:
 
 def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *,
               temperatures, new: int, seed: int = 0,
-              cost_ratios: dict | None = None) -> dict:
+              cost_ratios: dict | None = None, verification: str | None = None) -> dict:
     """{(category, temperature, method): acceptance per depth} from one full-depth pass
     (adaptive=False: every depth is tried whenever the one before was accepted) over
-    the calibration prompts, batch 1. cost_ratios: {temperature: {method: c}}."""
+    the calibration prompts, batch 1, verified as the timed runs are (`verification`).
+    cost_ratios: {temperature: {method: c}}."""
     from specjax.bench.speculative import cost_ratio_of, specjax_pass
 
     priors = {}
@@ -259,7 +263,8 @@ def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *
                     c = cost_ratio_of(cost_ratios, temp, name)
                     _, stats, _ = specjax_pass(target, spec, [p.ids for p in prompts], new=new,
                                                batch=1, temperature=temp, seed=seed + 1,
-                                               adaptive=False, cost_ratio=c)
+                                               adaptive=False, cost_ratio=c,
+                                               verification=verification)
                     priors[category, temp, name] = stats.acceptance_by_position
     return priors
 
@@ -282,7 +287,8 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
-        kv_cache_dtype=None, llamacpp: dict | None = None, log=print) -> list[dict]:
+        kv_cache_dtype=None, llamacpp: dict | None = None, verification: str | None = None,
+        log=print) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
@@ -292,7 +298,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     batch), else the parameter-count estimate.
     priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
     generate's `acceptance_prior`, else the default prior. kv_cache_dtype: specjax's
-    target cache (`generate(kv_cache_dtype=)`; transformers keeps its own).
+    target cache (`generate(kv_cache_dtype=)`; transformers keeps its own); verification:
+    `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
     (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
     from specjax.bench.speculative import cost_ratio_of, hf_pass, specjax_pass
@@ -302,7 +309,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
         ids = [p.ids for p in prompts]
         for temp in temperatures:
             run_kw = dict(new=new, temperature=temp, seed=seed)
-            spec_kw = dict(run_kw, adaptive=adaptive, kv_cache_dtype=kv_cache_dtype)
+            spec_kw = dict(run_kw, adaptive=adaptive, kv_cache_dtype=kv_cache_dtype,
+                           verification=verification)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             for b in batches:
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
@@ -642,20 +650,21 @@ def suite(args, command: str, log=_log) -> dict:
         calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
                                  args.seed)
         priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
-                           new=args.new, seed=args.seed, cost_ratios=costs.get(1))
+                           new=args.new, seed=args.seed, cost_ratios=costs.get(1),
+                           verification=args.verification)
         log(f"calibrated acceptance priors: {priors}")
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
                cost_ratios=costs, priors=priors, kv_cache_dtype=args.kv_cache_dtype,
-               llamacpp=llama, log=log)
+               llamacpp=llama, verification=args.verification, log=log)
     for runner in llama.values():
         runner.close()
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
                                               "methods", "k", "seed", "adaptive",
-                                              "calibrate", "kv_cache_dtype")}
+                                              "calibrate", "kv_cache_dtype", "verification")}
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
         note=args.note,

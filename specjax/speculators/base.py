@@ -47,7 +47,7 @@ class ProposeContext:
     lengths: jax.Array  # [B] tokens so far; the root is tokens[b, lengths[b] - 1]
     active: jax.Array  # [B] bool rows still generating
     sampling: Sampling
-    key: jax.Array
+    key: jax.Array  # [B] one key per row (`specjax.rng`): a row's draws are its own
     # [B] int32: the loop keeps only nodes with depth <= depth_limit (adaptive length);
     # a speculator may skip draft work beyond max(depth_limit) to save its cost.
     depth_limit: jax.Array
@@ -70,8 +70,15 @@ class Speculator:
 
     #: target decoder layers whose outputs `prefill`/`commit` need (EAGLE-3: low/mid/high)
     hidden_layers: tuple[int, ...] = ()
-    #: verification method for sampled decoding: "rejection" (lossless) or "typical" (lossy)
+    #: verification method for sampled decoding: "rejection" (lossless), "block" (chains,
+    #: lossless) or "typical" (lossy); `generate(verification=)` overrides it
     verification: str = "rejection"
+
+    @property
+    def proposes_chains(self) -> bool:
+        """Whether every proposed tree is a chain (parents -1, 0, 1, ...): what block
+        verification needs (static)."""
+        return False
 
     @property
     def num_nodes(self) -> int:

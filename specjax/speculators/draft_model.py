@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax import rng
 from specjax import sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
@@ -91,6 +92,10 @@ class DraftModel(QueuedSpeculator):
     def max_depth(self) -> int:
         return self.k
 
+    @property
+    def proposes_chains(self) -> bool:
+        return not self.tree_top_k
+
     def for_decoding(self, layout: str = "auto") -> "DraftModel":
         return self.replace(params=decode_params(self.config, self.params, layout))
 
@@ -147,11 +152,10 @@ class DraftModel(QueuedSpeculator):
         # over all Q + 1 positions was the costliest matmul of a non-drafting step.
         _, hidden, cache = step(self.config, self.params, state.cache, inp, pos,
                                 q_lens=(c + 1) * act, return_logits=False)
-        keys = jax.random.split(ctx.key, self.k)
         first = self._logits(hidden.final[rows, c])  # [B, V] draft logits after the root
         if self.tree_top_k:
             return self._tree(state, ctx, cache, first, act)
-        tok = sampling_lib.sample(keys[0], first, ctx.sampling)
+        tok = sampling_lib.sample_rows(rng.fold(ctx.key, 0), first, ctx.sampling)
         prob = sampling_lib.probs(first, ctx.sampling)
 
         drafts = jnp.zeros((b, self.k), jnp.int32).at[:, 0].set(tok)
@@ -164,12 +168,12 @@ class DraftModel(QueuedSpeculator):
             row_act = act * (i < ctx.depth_limit)
             logits, _, cache = step(self.config, self.params, cache, drafts[:, i - 1, None],
                                     (ctx.lengths + i - 1)[:, None], q_lens=row_act)
-            nxt = sampling_lib.sample(keys[i], logits[:, 0], ctx.sampling)
+            nxt = sampling_lib.sample_rows(rng.fold(ctx.key, i), logits[:, 0], ctx.sampling)
             return (cache, drafts.at[:, i].set(nxt),
                     dprobs.at[:, i].set(sampling_lib.probs(logits[:, 0], ctx.sampling)))
 
         cache, drafts, dprobs = jax.lax.fori_loop(1, steps, one, (cache, drafts, dprobs))
-        return chain(drafts, draft_probs=dprobs), state.replace(cache=cache)
+        return chain(drafts, draft_probs=dprobs, sampled=True), state.replace(cache=cache)
 
     def _tree(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
               first: jax.Array, act: jax.Array) -> tuple[DraftTree, DraftState]:

@@ -43,7 +43,7 @@ from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
                                       requeue, set_fields)
 from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
                                               static_tree_expand)
-from specjax.tree import DraftTree, depth_widths, empty_tree, static_tree
+from specjax.tree import DraftTree, depth_widths, empty_tree, is_chain, static_tree
 
 
 @struct.dataclass
@@ -153,6 +153,13 @@ class Eagle(QueuedSpeculator):
         if self.tree is None:  # EAGLE-2's dynamic tree: depth-major candidates
             return dynamic_depth_widths(self.top_k, self.depth, self.total_tokens)
         return depth_widths(static_tree(self.tree)[1])
+
+    @property
+    def proposes_chains(self) -> bool:
+        """A static tree of one path, or a dynamic tree of one child per node."""
+        if self.tree is None:
+            return self.top_k == 1
+        return is_chain(static_tree(self.tree)[0])
 
     @property
     def _extra_slots(self) -> int:

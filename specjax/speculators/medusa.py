@@ -32,7 +32,7 @@ from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits
 from specjax.model import Model
 from specjax.speculators.base import (CommitContext, ProposeContext, Speculator,
                                       set_fields)
-from specjax.tree import DraftTree, depth_widths, static_tree
+from specjax.tree import DraftTree, depth_widths, is_chain, static_tree
 from specjax.verify import METHODS
 
 DEFAULT_TREE = ((0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3),
@@ -79,6 +79,9 @@ class Medusa(Speculator):
             raise ValueError(f"verification={verification!r} must be one of {METHODS}")
         set_fields(self, params=heads, config=config, target_config=tcfg, tree=_paths(tree),
              verification=verification)
+        if verification == "block" and not self.proposes_chains:
+            raise ValueError("verification='block' verifies chains; this Medusa tree has "
+                             "siblings")
         _, depth, _ = static_tree(self.tree)
         if depth.max() > config.num_heads:
             raise ValueError(f"tree depth {int(depth.max())} exceeds the {config.num_heads} "
@@ -109,6 +112,10 @@ class Medusa(Speculator):
     @property
     def depth_widths(self) -> tuple[int, ...]:
         return depth_widths(static_tree(self.tree)[1])
+
+    @property
+    def proposes_chains(self) -> bool:
+        return is_chain(static_tree(self.tree)[0])
 
     def check_target(self, target_config: ModelConfig) -> None:
         heads_io.check_fingerprint(heads_io.target_fingerprint(self.target_config),

@@ -45,6 +45,14 @@ class NGram(Speculator):
     def depth_widths(self) -> tuple[int, ...]:
         return tuple(range(self.k + 1))  # a chain: depth d is node d - 1
 
+    @property
+    def proposes_chains(self) -> bool:
+        return True
+
+    @property
+    def proposes_chains(self) -> bool:
+        return True
+
     def propose(self, state, ctx: ProposeContext, target_params) -> tuple[DraftTree, tuple]:
         toks, lens = ctx.tokens, ctx.lengths  # [B, S], [B]
         b, s = toks.shape
