@@ -1,7 +1,8 @@
 """llama.cpp (through llama-cpp-python) as a peer of specjax on the same weights, batch 1.
 
   python -m specjax.bench.llamacpp [--target CKPT] [--draft CKPT] [--prompts 4]
-      [--new 64] [--repeats 3] [--k 4] [--calibrate 4] [--threads 2] [--json FILE]
+      [--new 64] [--repeats 3] [--k 4] [--calibrate 4] [--transformers] [--threads 2]
+      [--json FILE]
 
 The target (and draft) are written as F32 GGUF files with `specjax.save_gguf`, so llama.cpp
 runs exactly the weights specjax runs. Methods: `plain` (llama.cpp's decoding), `prompt_lookup`
@@ -17,8 +18,9 @@ KV cache (no prefix reuse between calls).
 The CLI compares llama.cpp's plain and prompt-lookup decoding (and draft, with --draft) with
 specjax's `generate`, plain and with n-gram speculation (`NGram(k)`, its adaptive rule
 started from its full-depth acceptance on `--calibrate` other HumanEval prompts), on
-HumanEval prompts, interleaved, median of the repeats, and counts how many prompts'
-greedy tokens agree with specjax's.
+HumanEval prompts (and, with --transformers, transformers' generate, plain and with
+`prompt_lookup_num_tokens=k`), interleaved, median of the repeats, and counts how many
+prompts' greedy tokens agree with specjax's.
 """
 
 from __future__ import annotations
@@ -253,6 +255,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--calibrate", type=int, default=4, help="other HumanEval prompts whose "
                     "full-depth n-gram acceptance starts specjax's adaptive rule "
                     "(generate's acceptance_prior; 0: the default prior)")
+    ap.add_argument("--transformers", action="store_true", help="also time transformers' "
+                    "generate, plain and with prompt lookup (k tokens), on the same weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the results here")
     return ap.parse_args(argv)
@@ -321,8 +325,13 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
 
     from specjax.speculators import NGram
 
+    from specjax.bench.speculative import hf_pass, hf_variants, load_hf
+
     ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
     prior = ngram_prior(target, args.k, calibration, args.new)
+    hf = load_hf(target) if getattr(args, "transformers", False) else None
+    peers = ({name.replace("hf_", "transformers_"): extra
+              for name, extra in hf_variants(None, args.k).items()} if hf is not None else {})
 
     def spec(p, speculator):
         t0 = time.perf_counter()
@@ -336,7 +345,9 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
             spec(p, speculator)
     for r in runners.values():
         r.generate(prompts[0], 4)
-    names = [*ours, *(f"llamacpp_{m}" for m in runners)]
+    for extra in peers.values():
+        hf_pass(hf, prompts[:1], new=4, **extra)
+    names = [*ours, *peers, *(f"llamacpp_{m}" for m in runners)]
     walls = {n: [[] for _ in prompts] for n in names}
     tokens = {n: [None] * len(prompts) for n in names}
     calls = {n: 0 for n in names}
@@ -344,6 +355,9 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
         for i, p in enumerate(prompts):
             for n, speculator in ours.items():
                 tokens[n][i], w = spec(p, speculator)
+                walls[n][i].append(w)
+            for n, extra in peers.items():
+                (tokens[n][i],), w = hf_pass(hf, [p], new=args.new, **extra)
                 walls[n][i].append(w)
             for m, r in runners.items():
                 tokens[f"llamacpp_{m}"][i], w, c = r.generate(p, args.new)
