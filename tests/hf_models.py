@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import transformers
 
-# Max abs difference allowed, keyed by dtype (STYLE.md: one table, never loosened).
+# Max abs difference allowed, keyed by dtype: one table, never loosened.
 PARITY_ATOL = {"float32": 1e-4}  # specjax vs transformers (PyTorch CPU); expect ~1e-6
 CACHE_ATOL = {"float32": 1e-5}  # specjax paged/chunked vs specjax one-shot
 
