@@ -90,6 +90,10 @@ class Rule:
     # running estimates are shrunk towards it instead of the default's 0.75 / α_{d-1};
     # NaN: the default there (`position_acceptance`)
     prior: jax.Array
+    # [] bool: each row decides as if it ran alone (verify costs at batch 1, no
+    # batch-wide verify width), so a row's tokens do not depend on its batch
+    # (`generate(seed=[...])`); False: the batch's costs and width
+    per_row: jax.Array = np.bool_(False)
 
 
 def probe_schedule(next_probe, gap, step, drafted, probed, accepted):
@@ -284,15 +288,24 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
                                  q_lens=jnp.where(active, width + 1, 0),
                                  hidden_layers=spec.hidden_layers, attention_backend=backend,
                                  write_cache=not defer)
+    # the token after the accepted path is drawn with the key a plain step at this length
+    # samples with: a row that drafts nothing draws what the plain-step loop would draw
+    bonus_keys = rng.step_keys(st.keys, st.lengths, rng.SAMPLE)
     if width == 0:  # a plain decode step's sampling, no verifier
-        res = verify_no_draft(logits[:, 0], sub, sampling, key)
+        res = verify_no_draft(logits[:, 0], sub, sampling, key, bonus_keys)
     else:
-        res = verify(logits, sub, sampling, key, verification)
+        res = verify(logits, sub, sampling, key, verification, bonus_keys)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     if defer:  # cache is the new (keys, values) [L, B, width+1, K, H]
         idx = res.path_inputs[None, :, :, None, None]
         cache = tuple(jnp.take_along_axis(x, idx, axis=2, mode="clip") for x in cache)
     return res, kept, _gather_hidden(hidden, res.path_inputs), cache
+
+
+def _decision_rows(st: LoopState, rule: Rule) -> jax.Array:
+    """The batch size the rule prices a verify forward at: the forward runs every row's
+    width (done rows too), or 1 when rows decide alone (`Rule.per_row`)."""
+    return jnp.where(rule.per_row, 1.0, float(st.tokens.shape[0]))
 
 
 def _rule(spec: Speculator, st: LoopState, rule: Rule):
@@ -308,7 +321,7 @@ def _rule(spec: Speculator, st: LoopState, rule: Rule):
     accepted token returns), no outcome of the probe changes what the row does."""
     buckets = verify_buckets(tuple(spec.depth_widths))
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
-    rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
+    rows = _decision_rows(st, rule)
     calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
     # k = 0 is a plain step (`_plain_steps`); k > 0 a forward in the verify switch
     v = jnp.where(inputs > 1, rule.vcost.speculative(inputs, rows), 1.0)
@@ -376,7 +389,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     # `_rule`'s (α, k, worth): the outer step's, or evaluated here (`inspect`)
     alpha, limit, worth = _rule(spec, st, rule) if decision is None else decision
     adaptive, vcost = rule.adaptive, rule.vcost
-    rows = st.tokens.shape[0]  # the forward runs every row's width (done rows too)
+    rows = _decision_rows(st, rule)
     probed = (limit == 0) & (st.steps >= st.next_probe) & adaptive & active & worth
     limit = jnp.where(probed, 1, limit)  # a row at k = 0 re-measures now and then
     probe = jnp.any(probed)
@@ -396,7 +409,8 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
     # every draft so that rows sitting at k = 0 keep measuring their acceptance.
     bucket_cost = vcost.speculative(np.asarray([w + 1 for _, w in buckets]), rows)
     best = batch_verify_bucket(alpha, row_depth, active, depths, bucket_cost)
-    which = jnp.where(adaptive & ~probe, jnp.minimum(best, covering), covering)
+    which = jnp.where(adaptive & ~probe & ~rule.per_row, jnp.minimum(best, covering),
+                      covering)
     cut = jnp.asarray(depths, jnp.int32)[which]
     tree = tree.replace(valid=tree.valid & (tree.depth <= cut))
     branches = [functools.partial(_verify_prefix, w, config, params, spec, st, tree, sampling,
@@ -605,8 +619,9 @@ def generate(
     seed: an int (row r draws from this seed folded with r) or one int per prompt; rows
       draw from keys of their own (`specjax.rng`), so a row given seed s in a list
       samples the same tokens alone or in any batch, padded or not, plain or with a
-      speculator at fixed depth (`adaptive=False`; the adaptive rule sets a row's depth
-      from the whole batch, and its tokens, equally distributed, follow the depth).
+      speculator. With a list the adaptive rule also decides each row as if it ran
+      alone (verify costs at batch 1, no batch-wide verify width); with an int it
+      prices the batch's forward and may cut every row's verify to one width.
     eos_id: stop tokens; None uses the config's `eos_token_id` (as transformers does);
       `ignore_eos=True` generates exactly `max_new_tokens`.
     speculator: a `specjax.speculators` instance; output is identical to target-only
@@ -726,9 +741,10 @@ def generate(
     t0 = time.perf_counter()
     pre = _compiled(_prefill, pre_args, pre_kw, mesh)
     state_shape = pre.out_info  # ShapeDtypeStructs of the loop state
+    per_row = not rng.is_seed(seed)  # one seed per prompt: rows decide alone
     dec_args = (shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
-                                     jax.tree.map(jnp.float32, vcost), jnp.asarray(prior)),
-                                mesh),)
+                                     jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
+                                     jnp.bool_(per_row)), mesh),)
     dec_kw = dict(backend=attention_backend,
                   verification=_verification(verification, speculator))
     dec = _compiled(_decode, (cfg, params, speculator, state_shape, sampling, max_new,

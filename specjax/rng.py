@@ -23,14 +23,14 @@ SEED_LIMIT = 2 ** 32
 def row_key_data(seed: int | Sequence[int], batch: int) -> np.ndarray:
     """[B, K] uint32 key data of the rows' keys (`jax.random.key_data`), checked: `seed`
     an integer in [0, 2**32), or a list of them, one per row."""
-    if _is_seed(seed):
+    if is_seed(seed):
         base = jax.random.key(int(seed))
         keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(batch))
     elif isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, str):
         if len(seed) != batch:
             raise ValueError(f"seed has {len(seed)} entries for {batch} prompts; pass one "
                              "seed per prompt (or one int)")
-        bad = [s for s in seed if not _is_seed(s)]
+        bad = [s for s in seed if not is_seed(s)]
         if bad:
             raise ValueError(f"seed entry {bad[0]!r} must be an integer in [0, 2**32)")
         keys = jax.vmap(jax.random.key)(jnp.asarray(np.asarray(seed, np.uint32)))
@@ -40,7 +40,8 @@ def row_key_data(seed: int | Sequence[int], batch: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(keys))
 
 
-def _is_seed(s) -> bool:
+def is_seed(s) -> bool:
+    """Whether `s` is one seed: an integer (not a bool) in [0, 2**32)."""
     return (isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_))
             and 0 <= s < SEED_LIMIT)
 

@@ -99,6 +99,14 @@ def row_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
     return pair[:, 0], pair[:, 1]
 
 
+def _keys(key: jax.Array, batch: int, bonus_keys: jax.Array | None):
+    """`row_keys`, with the bonus keys replaced by `bonus_keys` [B] when given (the
+    decode loop passes the keys a plain step would sample with, so a row that drafts
+    nothing draws the token a plain step draws)."""
+    ukeys, own = row_keys(key, batch)
+    return ukeys, own if bonus_keys is None else bonus_keys
+
+
 def _uniforms(keys: jax.Array, n: int) -> jax.Array:
     """[B, N] node uniforms, one independent draw per (row, node)."""
     return sampling_lib.uniform_rows(keys, n)
@@ -113,7 +121,7 @@ def _bonus(keys: jax.Array, log_target: jax.Array, residual: jax.Array,
 
 
 def verify_rejection(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
-                     key: jax.Array) -> VerifyResult:
+                     key: jax.Array, bonus_keys: jax.Array | None = None) -> VerifyResult:
     """Lossless recursive rejection sampling over the tree (see module docstring)."""
     b, t, v = logits.shape
     n = t - 1
@@ -125,7 +133,7 @@ def verify_rejection(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.
     stop_dist = jnp.zeros((b, v), jnp.float32)
     rejected = jnp.zeros((b,), bool)  # the bonus comes from a residual, not the target
     accepted = []
-    ukeys, bonus_keys = row_keys(key, b)
+    ukeys, bonus_keys = _keys(key, b, bonus_keys)
     us = _uniforms(ukeys, n).T  # [N, B]: node i's uniform is used at its depth only
     for _ in range(tree.max_depth):
         residual = p_all[rows, cur]  # [B, V]
@@ -160,7 +168,7 @@ def verify_rejection(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.
 
 
 def verify_block(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
-                 key: jax.Array) -> VerifyResult:
+                 key: jax.Array, bonus_keys: jax.Array | None = None) -> VerifyResult:
     """Block verification of a chain x_1..x_g (drafts drawn from q_i = draft_probs, or
     point masses), with target p_i at input i (p_0: the root's):
 
@@ -196,7 +204,7 @@ def verify_block(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Samp
     i = jnp.arange(1, g + 1)[None]  # [1, g]
     h = jnp.where(i == length[:, None], w[:, 1:],
                   jnp.where(i < length[:, None], jnp.pad(h_mid[:, 1:], ((0, 0), (0, 1))), 0.0))
-    ukeys, bonus_keys = row_keys(key, b)
+    ukeys, bonus_keys = _keys(key, b, bonus_keys)
     stops = _uniforms(ukeys, g) < h  # [B, g]
     tau = jnp.max(jnp.where(stops, i, 0), axis=1)  # [B]
     rows = jnp.arange(b)
@@ -209,7 +217,8 @@ def verify_block(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Samp
 
 
 def verify_typical(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
-                   key: jax.Array, epsilon: float = 0.09, delta: float = 0.3) -> VerifyResult:
+                   key: jax.Array, bonus_keys: jax.Array | None = None, epsilon: float = 0.09,
+                   delta: float = 0.3) -> VerifyResult:
     """LOSSY Medusa typical acceptance: accept x if p(x) > min(epsilon, delta * exp(-H(p))).
 
     Among passing children the most probable under the target is taken; the bonus is
@@ -234,24 +243,26 @@ def verify_typical(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sa
         accepted.append(jnp.where(has, idx, -1))
         cur = jnp.where(has, idx + 1, cur)
         alive = alive & has
-    bonus = sampling_lib.sample_rows(row_keys(key, b)[1], logits[rows, cur], sampling)
+    bonus = sampling_lib.sample_rows(_keys(key, b, bonus_keys)[1], logits[rows, cur], sampling)
     return _finish(tree, jnp.stack(accepted, axis=1), bonus)
 
 
 def verify_no_draft(root_logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
-                    key: jax.Array) -> VerifyResult:
+                    key: jax.Array, bonus_keys: jax.Array | None = None) -> VerifyResult:
     """The result of a step whose tree has no valid node: nothing accepted, the token
     after the root drawn as a plain decode step draws it (the same distribution every
     verifier gives an empty tree). root_logits: [B, V]."""
     b = root_logits.shape[0]
-    bonus = sampling_lib.sample_rows(row_keys(key, b)[1], root_logits, sampling)
+    bonus = sampling_lib.sample_rows(_keys(key, b, bonus_keys)[1], root_logits, sampling)
     return _finish(tree, jnp.full((b, tree.max_depth), -1, jnp.int32), bonus)
 
 
 def verify(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
-           key: jax.Array, method: str = "rejection") -> VerifyResult:
+           key: jax.Array, method: str = "rejection",
+           bonus_keys: jax.Array | None = None) -> VerifyResult:
     """Greedy when temperature is 0, else `method`: "rejection" (token-wise, lossless),
-    "block" (chains, lossless) or "typical" (lossy). key: [B] (one per row) or []."""
+    "block" (chains, lossless) or "typical" (lossy). key: [B] (one per row) or [];
+    bonus_keys: [B] keys for the token drawn after the accepted path (None: from key)."""
     if method not in METHODS:
         raise ValueError(f"verification method={method!r} must be one of {METHODS}")
     check_draft_probs(tree.draft_probs, tree.sampled)
@@ -261,4 +272,4 @@ def verify(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
                "typical": verify_typical}[method]
     return jax.lax.cond(sampling.greedy,
                         lambda: verify_greedy(logits, tree),
-                        lambda: sampled(logits, tree, sampling, key))
+                        lambda: sampled(logits, tree, sampling, key, bonus_keys))
