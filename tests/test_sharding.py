@@ -268,7 +268,7 @@ def test_plan_llama3_8b_kv_cache_by_hand():
     assert plan.kv_cache == 6 * 8192 * per_token // 2 + 6 * 512 * 4 + 6 * 4
     # activations, the docstring's formula: b=8, C=128, S=8192, N'=4, K'=1, F'=1792, V'=16032
     plan = specjax.plan_memory(cfg, {"data": 1, "model": 8}, batch=8, max_len=8192,
-                               page_size=16, dtype="bfloat16")
+                               page_size=16, dtype="bfloat16", prefill_chunk=128)
     assert plan.activations == (BF16 * 8 * 128 * (4 * 4096 + (4 + 2 * 1) * 128 + 2 * 1792)
                                 + 4 * 8 * 128 * 16032 + 4 * 8 * 4 * 128 * 8192)  # 242,352,128
 
