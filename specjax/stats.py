@@ -203,19 +203,19 @@ class VerifyCost:
         return rows.astype(np.float32), by_rows.astype(np.float32)
 
 
-# Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on the 25M
-# benchmark Llama at batch 1, 4 and 16 (`--batch`), branch from `python -m
-# specjax.bench.branching` (docs/benchmarks.md).
-# GPU/TPU: not measured yet; set to the memory-bound regime (the kernel issue's target
-# is 64 nodes for <= 1.3x one token).
+# Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on
+# SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batch`), compiled as generate
+# compiles; branch from `python -m specjax.bench.branching` (docs/benchmarks.md).
+# GPU/TPU: not measured yet; set to the memory-bound regime (what the Pallas kernels aim
+# for: a 64-node verify at <= 1.3x one token).
 VERIFY_COST = {"cpu": VerifyCost.from_table(
-                   {1: 1.0, 2: 1.65, 3: 1.71, 5: 1.71, 9: 1.91, 17: 2.21, 33: 3.45, 65: 5.15,
-                    129: 9.56},
+                   {1: 1.0, 2: 1.16, 3: 1.19, 5: 1.28, 9: 1.54, 17: 2.04, 33: 2.65, 65: 4.60,
+                    129: 7.64},
                    branch=0.08,
-                   by_rows={4: {1: 1.0, 2: 1.19, 3: 1.30, 5: 1.50, 9: 2.20, 17: 3.16,
-                                33: 5.29, 65: 9.36, 129: 16.78},
-                            16: {1: 1.0, 2: 1.04, 3: 1.16, 5: 1.35, 9: 1.88, 17: 2.79,
-                                 33: 4.59, 65: 8.17, 129: 15.81}}),
+                   by_rows={4: {1: 1.0, 2: 1.11, 3: 1.22, 5: 1.37, 9: 1.82, 17: 2.65,
+                                33: 3.60, 65: 6.54, 129: 12.02},
+                            16: {1: 1.0, 2: 1.15, 3: 1.31, 5: 1.61, 9: 2.07, 17: 3.29,
+                                 33: 5.11, 65: 9.60, 129: 17.99}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 

@@ -1,13 +1,12 @@
 """XLA compiler options for the decode programs (generate's prefill and loop).
 
-XLA:CPU hands matmuls with more than one row to YNNPACK fusions by default. At decode
-shapes (M = batch x verified tokens, from 2 to a few dozen rows against weights of a
-few hundred columns) those run slower than XLA's own dot path: on the 25M benchmark
-Llama a 5-token verify forward costs ~2.3x a one-token step with YNNPACK and ~1.6x
-without it, and a plain batch-8 step is ~17 % faster without it
-(`python -m specjax.bench.verify_cost --compare-xla-options`, docs/benchmarks.md). Cheap
-verification is what speculative decoding lives on, so the decode programs compile with
-YNNPACK fusions off on CPU. Other backends take no options.
+Per backend, options generate compiles its programs with, for where XLA's defaults
+measure slower at decode shapes. None are set now: on the ~25M benchmark Llama, XLA:CPU's
+YNNPACK fusions made small verify forwards dearer, but on a real checkpoint
+(SmolLM2-135M) XLA's defaults are as fast at batch 1 and faster at batch 4 and 16 and
+on prefill-sized forwards (`python -m specjax.bench.verify_cost`, both columns;
+docs/benchmarks.md), so the CPU entry is empty. The mechanism stays for the next
+measured exception.
 
 Options are per compilation (`Lowered.compile(compiler_options=...)`), not the
 process-wide `XLA_FLAGS`, so training and user code keep XLA's defaults. An XLA that
@@ -23,7 +22,7 @@ import jax
 
 # Per backend platform; edit (or set to {}) to change what generate compiles with.
 DECODE_OPTIONS: dict[str, dict[str, Any]] = {
-    "cpu": {"xla_cpu_experimental_ynn_fusion_type": ""},  # empty list: no YNNPACK fusions
+    "cpu": {},  # e.g. {"xla_cpu_experimental_ynn_fusion_type": ""}: no YNNPACK fusions
 }
 _UNSUPPORTED: set[str] = set()  # platforms whose XLA refused the options once
 

@@ -18,8 +18,8 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     assert (result["jump"], result["slope"]) == verify_cost.fit(result["ratio"])
     assert result["per_token"] == 0.0  # no T >= 33 measured
     # the same programs under XLA's defaults, side by side
-    assert set(result["seconds_xla_default"]) == {1, 2, 5}
-    assert result["ratio_xla_default"][1] == 1.0
+    assert set(result["seconds_no_ynn"]) == {1, 2, 5}
+    assert result["ratio_no_ynn"][1] == 1.0
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nkeep me\n")
     text = verify_cost.markdown(result, 2, 2, "python -m specjax.bench.verify_cost")
@@ -29,7 +29,7 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     out = doc.read_text()
     assert "keep me" in out and out.count(verify_cost.START) == 1
     assert f"slope {result['slope']:.3f}, per_token" in out and "| 5 |" in out
-    assert "XLA defaults" in out
+    assert "no YNNPACK" in out
     assert "- command: `python -m specjax.bench.verify_cost`" in out
 
 

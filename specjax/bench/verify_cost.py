@@ -7,8 +7,8 @@ so the cost jumps at T = 2 and then grows slowly. This script times the jitted c
 target step (`specjax.step`, the same call the decode loop makes, tree mask included)
 at T = 1 and larger T, interleaved, at a 128-token context, on the target's shapes
 (default: the packaged SmolLM2-135M-Instruct, random weights of its config; `--target
-bench`: the ~25M-param benchmark Llama), compiled as `generate` compiles (`specjax.xla_options`) and with XLA's
-defaults side by side, and fits cost(T) / cost(1) = 1 + jump·[T > 1] + slope·log2(T)
+bench`: the ~25M-param benchmark Llama), compiled as `generate` compiles
+(`specjax.xla_options`) and without XLA:CPU's YNNPACK fusions side by side, and fits cost(T) / cost(1) = 1 + jump·[T > 1] + slope·log2(T)
 by least squares over T < 33, and per_token·T over T >= 33 where the forward turns
 compute-bound (a batch verifies rows × T tokens at once, so wide trees at batch > 1 land
 there). `specjax.stats.VERIFY_COST` holds the measured ratios themselves
@@ -32,6 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 START, END = "<!-- bench:verify_cost:start -->", "<!-- bench:verify_cost:end -->"
+# XLA:CPU without its YNNPACK fusions: timed beside generate's options (the option
+# generate compiled with until measured on a real checkpoint; `specjax.xla_options`)
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
@@ -40,8 +43,8 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
     time; default the ~25M benchmark Llama).
 
     Each T is compiled twice: with the options `generate` compiles with
-    (`specjax.xla_options`, the figures the fit uses) and with XLA's defaults,
-    so one run shows what the options buy."""
+    (`specjax.xla_options`, the figures the fit uses) and without YNNPACK fusions
+    (`NO_YNN`), so one run shows what that option would change."""
     import specjax
     from specjax.bench.decode import BENCH_CONFIG
     from specjax.cache import PagedKVCache
@@ -67,7 +70,7 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
         lowered = jax.jit(lambda p, c, i, q, m: specjax.step(config, p, c, i, q, mask=m)[0]
                           ).lower(*args)
         for variant, fn in (("generate", compile_decode(lowered)),
-                            ("xla_default", lowered.compile())):
+                            ("no_ynn", lowered.compile(compiler_options=NO_YNN))):
             fn(*args).block_until_ready()  # first run
             fns[variant, t] = (fn, args)
     times = {key: [] for key in fns}
@@ -79,7 +82,7 @@ def measure(tokens: list[int], batch: int, repeats: int, context: int = 128,
     med = {key: statistics.median(v) for key, v in times.items()}
     out = dict(params=model.num_params(),
                name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
-    for variant, suffix in (("generate", ""), ("xla_default", "_xla_default")):
+    for variant, suffix in (("generate", ""), ("no_ynn", "_no_ynn")):
         sec = {t: med[variant, t] for t in tokens}
         out["seconds" + suffix] = sec
         out["ratio" + suffix] = {t: sec[t] / sec[tokens[0]] for t in tokens}
@@ -129,15 +132,16 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
              f"- model: {result['name']}, random weights, {result['params']:,} params, float32, "
              f"batch {batch}, "
              f"128-token context; median of {repeats} interleaved rounds",
-             "- generate's options: `specjax.xla_options.DECODE_OPTIONS` (on CPU, no YNNPACK "
-             "fusions); XLA defaults: the same program compiled without them", "",
+             "- generate's options: `specjax.xla_options.DECODE_OPTIONS`; the other columns: "
+             "without YNNPACK fusions (`xla_cpu_experimental_ynn_fusion_type=''`), the "
+             "option generate used before", "",
              "| T (verified tokens) | ms, generate's options | cost / cost(T=1) "
-             "| ms, XLA defaults | cost / cost(T=1), XLA defaults |",
+             "| ms, no YNNPACK | cost / cost(T=1), no YNNPACK |",
              "|---:|---:|---:|---:|---:|"]
     for t, sec in result["seconds"].items():
         lines.append(f"| {t} | {sec * 1e3:.2f} | {result['ratio'][t]:.2f} | "
-                     f"{result['seconds_xla_default'][t] * 1e3:.2f} | "
-                     f"{result['ratio_xla_default'][t]:.2f} |")
+                     f"{result['seconds_no_ynn'][t] * 1e3:.2f} | "
+                     f"{result['ratio_no_ynn'][t]:.2f} |")
     lines += ["", "Least-squares fit of cost(T)/cost(1) = 1 + jump·[T > 1] + slope·log2(T) "
               f"over T < {LINEAR_FROM} and of per_token·T over T >= {LINEAR_FROM} (compute-"
               "bound; a batch verifies rows × T tokens in one forward), generate's options: "
@@ -181,8 +185,8 @@ def main(argv=None) -> int:
     result = measure(tokens, args.batch, args.repeats, config=target_config(args.target))
     for t in tokens:
         print(f"T={t:3d}: {result['seconds'][t] * 1e3:7.2f} ms  ({result['ratio'][t]:.2f}x T=1)"
-              f"   XLA defaults {result['seconds_xla_default'][t] * 1e3:7.2f} ms  "
-              f"({result['ratio_xla_default'][t]:.2f}x)")
+              f"   no YNNPACK {result['seconds_no_ynn'][t] * 1e3:7.2f} ms  "
+              f"({result['ratio_no_ynn'][t]:.2f}x)")
     print(f"fit: jump {result['jump']:.3f}, slope {result['slope']:.3f}, "
           f"per_token {result['per_token']:.4f}")
     table = ", ".join(f"{t}: {r:.2f}" for t, r in result["ratio"].items())
