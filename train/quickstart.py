@@ -51,8 +51,10 @@ def _stage(workdir: Path, name: str, fn: Callable[[Path], Any], settings: dict) 
 
 
 def _jsonable(x):
+    if hasattr(x, "record"):  # a config that records itself (`EagleConfig.record`)
+        return _jsonable(x.record())
     if dataclasses.is_dataclass(x):
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(x).items()}
+        return {f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     if isinstance(x, dict):

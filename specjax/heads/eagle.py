@@ -90,6 +90,16 @@ class EagleConfig:
         if self.version == 3 and self.hidden_layers and len(self.hidden_layers) != 3:
             raise ValueError(f"EAGLE-3 fuses 3 target layers; got {self.hidden_layers=}")
 
+    def record(self) -> dict:
+        """The fields as a dict for run identities and `heads.json`, with the norm flags
+        only when set: they came after the first heads and runs were written, so a
+        config that leaves them off records (and compares) as those did."""
+        out = dataclasses.asdict(self)
+        for flag in NORM_FLAGS:
+            if not out[flag]:
+                del out[flag]
+        return out
+
     def resolved(self, target_config: ModelConfig) -> "EagleConfig":
         """Fills the target-dependent defaults (layers, draft vocabulary)."""
         if self.version == 1:

@@ -91,7 +91,9 @@ def save_heads(path, kind: str, head_config, params, target_config: ModelConfig,
     if vocab_map is not None:
         flat[_MAP] = np.asarray(vocab_map, np.int32)
     save_file(flat, str(path / _TENSORS))
-    meta = {"kind": kind, "config": dataclasses.asdict(head_config),
+    config = (head_config.record() if hasattr(head_config, "record")
+              else dataclasses.asdict(head_config))
+    meta = {"kind": kind, "config": config,
             "target": target_fingerprint(target_config)}
     (path / _META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return path

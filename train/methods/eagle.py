@@ -212,7 +212,7 @@ class TrainEagle:
 
     def describe(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields.update(target=self.target.to_hf_dict(), head=dataclasses.asdict(self.head))
+        fields.update(target=self.target.to_hf_dict(), head=self.head.record())
         return {"name": self.name, **fields}
 
     def with_compute_dtype(self, dtype: str) -> "TrainEagle":
