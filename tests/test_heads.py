@@ -278,3 +278,16 @@ def test_heads_round_trip_and_refuse_another_target(tmp_path, target):
         load_heads(tmp_path, target.config)
     with pytest.raises(ValueError, match="MedusaConfig"):
         save_heads(tmp_path / "x", "medusa", ecfg, eparams, target.config)
+
+
+def test_eagle_config_records_the_norm_flags_only_when_set():
+    """A config without the EAGLE 3.1 norm flags records as configs did before they
+    existed (old runs and heads.json compare equal), one with a flag records it, and
+    both read back to the same config."""
+    plain = EagleConfig(version=3, draft_vocab_size=64)
+    assert plain.record() == {"version": 3, "hidden_layers": (), "draft_vocab_size": 64}
+    flagged = EagleConfig(version=3, draft_vocab_size=64, norm_before_residual=True)
+    assert flagged.record()["norm_before_residual"] is True
+    assert "fc_norm" not in flagged.record()
+    for cfg in (plain, flagged):
+        assert EagleConfig(**cfg.record()) == cfg
