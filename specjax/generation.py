@@ -573,15 +573,17 @@ def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-PREFILL_MULTIPLE = 16  # chunk lengths above this are padded to a multiple of it
+# Chunk lengths above this are padded to a multiple of it: the decode buffer's own step
+# (`_bucket(..., 64)`), so prompt lengths add few compiled prefill programs beside the
+# decode programs a length bucket already needs
+PREFILL_MULTIPLE = 64
 
 
 def prefill_chunks(max_len: int, prefill_chunk: int) -> tuple[int, int]:
     """(chunk, num_chunks) for prompts of up to `max_len` tokens: as few chunks of at most
     `prefill_chunk` tokens as cover them, of equal length padded to a power of two up to
-    PREFILL_MULTIPLE and to a multiple of it beyond, so that a 150-token prompt runs 160
-    padded positions rather than 256 and prompt lengths share compiled programs in steps
-    of 16."""
+    PREFILL_MULTIPLE and to a multiple of it beyond: a 150-token prompt runs 192 padded
+    positions in one forward rather than 2 × 128."""
     num_chunks = -(-max_len // prefill_chunk)
     need = -(-max_len // num_chunks)
     chunk = (1 << (need - 1).bit_length() if need <= PREFILL_MULTIPLE
@@ -657,7 +659,7 @@ def generate(
       layer's weights each step; scanned elsewhere), "scan" or "unrolled"
       (`specjax.model.decode_params`).
     prefill_chunk: the most prompt tokens one prefill forward takes; prompts run in as few
-      equal chunks as cover the longest, padded to a multiple of 16 (`prefill_chunks`).
+      equal chunks as cover the longest, padded to a multiple of 64 (`prefill_chunks`).
     num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
       whose `data` axis splits the rows, split evenly between the data shards.
     kv_cache_dtype: the KV caches' pages, the target's and the speculator's own (a draft

@@ -88,6 +88,25 @@ def heldout(workdir):
     return docs, specjax.load(workdir / "target" / "export").tokenizer
 
 
+def test_a_pretrained_targets_prompts_come_from_the_whole_corpus(workdir, tmp_path):
+    """A quickstart run on a pretrained target (its target stage records the source)
+    draws prompts from the whole corpus's held-out split, as its comparison does, not
+    only from the few files its heads trained on."""
+    import shutil
+
+    real = tmp_path / "real"
+    shutil.copytree(workdir, real)
+    done = json.loads((real / "target" / "DONE.json").read_text())
+    done["settings"]["data"]["corpus"]["max_files"] = 2
+    (real / "target" / "DONE.json").write_text(json.dumps(done))
+    few, _ = suite.Workdir.check(real, ["autoregressive"]).heldout_documents()
+    done["settings"]["target"] = {"source": "model.gguf"}
+    (real / "target" / "DONE.json").write_text(json.dumps(done))
+    whole, config = suite.Workdir.check(real, ["autoregressive"]).heldout_documents()
+    assert len(whole) > len(few) and set(few) <= set(whole)
+    assert "max_files=None" in config
+
+
 # ---- prompt categories ---------------------------------------------------------------
 SOURCE = textwrap.dedent('''\
     class Box:

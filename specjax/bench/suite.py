@@ -110,14 +110,20 @@ class Workdir:
         return Path(source)
 
     def heldout_documents(self) -> tuple[list[str], str]:
-        """The held-out documents of the corpus the target trained on, and its config."""
+        """The held-out documents of the corpus the run trained on, and its config. For a
+        pretrained target (the real-target quickstart) the whole corpus's held-out split,
+        as its comparison draws them: the split is by document hash, so no document of
+        it was in the smaller training subset."""
         from train.corpus import CorpusConfig, load_corpus
 
         try:
-            corpus = json.loads(self.done.read_text())["settings"]["data"]["corpus"]
+            settings = json.loads(self.done.read_text())["settings"]
+            corpus = settings["data"]["corpus"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{self.done}: no settings.data.corpus ({e!r})") from e
         config = CorpusConfig(**corpus)
+        if "target" in settings:  # not trained on the corpus: widen to all of it
+            config = dataclasses.replace(config, max_files=None, max_chars=None)
         return list(load_corpus(config).eval), repr(config)
 
 
