@@ -329,7 +329,7 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
 
     ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
     prior = ngram_prior(target, args.k, calibration, args.new)
-    hf = load_hf(target) if getattr(args, "transformers", False) else None
+    hf = load_hf(target) if args.transformers else None
     peers = ({name.replace("hf_", "transformers_"): extra
               for name, extra in hf_variants(None, args.k).items()} if hf is not None else {})
 

@@ -49,10 +49,6 @@ class NGram(Speculator):
     def proposes_chains(self) -> bool:
         return True
 
-    @property
-    def proposes_chains(self) -> bool:
-        return True
-
     def propose(self, state, ctx: ProposeContext, target_params) -> tuple[DraftTree, tuple]:
         toks, lens = ctx.tokens, ctx.lengths  # [B, S], [B]
         b, s = toks.shape
