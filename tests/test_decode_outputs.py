@@ -1,0 +1,32 @@
+"""Every speculator emits the tokens, and takes the steps, recorded in
+tests/snapshots/decode_outputs.json (greedy and sampled, adaptive and fixed depth):
+refactors of the loop must leave decoding exactly as it was."""
+
+import json
+
+import pytest
+
+from tests import decode_outputs as golden
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return golden.models()
+
+
+@pytest.fixture(scope="module")
+def snapshot():
+    return json.loads(golden.SNAPSHOT.read_text())
+
+
+def test_snapshot_covers_every_case(pair, snapshot):
+    assert sorted(snapshot) == sorted(k for k, _ in golden.cases(*pair))
+    assert list(golden.speculators(*pair)) == list(golden.NAMES)
+
+
+@pytest.mark.parametrize("name", golden.NAMES)
+def test_outputs_match_the_recording(pair, snapshot, name):
+    target, draft = pair
+    for key, kwargs in golden.cases(target, draft):
+        if key.split("/")[0] == name:
+            assert golden.run(target, kwargs) == snapshot[key], key
