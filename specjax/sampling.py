@@ -88,7 +88,7 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     """One token per leading index of `logits` [..., V]; argmax when greedy.
 
     `lax.cond` runs only the taken branch, so greedy decoding skips the two vocab sorts
-    of top-k/top-p and the Gumbel noise (39 ms of a 134 ms step at batch 8, V=8192, CPU).
+    of top-k/top-p and the Gumbel noise, a large part of a sampled step on CPU.
     """
     def draw(logits):
         return jax.random.categorical(key, log_probs(logits, sampling), axis=-1).astype(jnp.int32)

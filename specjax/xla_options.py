@@ -1,12 +1,9 @@
 """XLA compiler options for the decode programs (generate's prefill and loop).
 
 Per backend, options generate compiles its programs with, for where XLA's defaults
-measure slower at decode shapes. None are set now: on the ~25M benchmark Llama, XLA:CPU's
-YNNPACK fusions made small verify forwards dearer, but on a real checkpoint
-(SmolLM2-135M) XLA's defaults are as fast at batch 1 and faster at batch 4 and 16 and
-on prefill-sized forwards (`python -m specjax.bench.verify_cost`, both columns;
-docs/benchmarks.md), so the CPU entry is empty. The mechanism stays for the next
-measured exception.
+are slower at decode shapes. None are set now: on a real checkpoint XLA:CPU's defaults
+are as fast or faster (`python -m specjax.bench.verify_cost`, docs/benchmarks.md), so
+the CPU entry is empty; the mechanism stays for the next exception.
 
 Options are per compilation (`Lowered.compile(compiler_options=...)`), not the
 process-wide `XLA_FLAGS`, so training and user code keep XLA's defaults. An XLA that

@@ -3,7 +3,7 @@
 `ragged_paged_attention` has the signature and contract of
 `specjax.attention.reference_paged_attention` (see that module's docstring). Lowering:
 GPU -> Triton, TPU -> Mosaic, CPU -> the Triton kernel in interpret mode: it
-discharges to plain XLA loops and ran ~1000x faster per call than the TPU interpreter
+discharges to plain XLA loops and runs far faster per call than the TPU interpreter
 (which simulates DMAs and semaphores) on the test shapes (docs/kernels.md).
 `lowering="mosaic"` still runs the TPU kernel on CPU, under `pltpu.InterpretParams`.
 """

@@ -120,10 +120,9 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
 def measured_cost_ratios(target: specjax.Model, speculators: dict,
                          temperatures=(0.0,), batch: int = 1) -> dict:
     """{temperature: {method: `measured_cost_ratio`}} at `batch` rows for every
-    speculator (None: autoregressive, skipped). Sampling costs the draft more than argmax
-    does (the distilled draft: c 0.042 greedy, 0.070 at T = 1 on CPU,
-    docs/benchmarks.md), and any T > 0 runs the same sampling code, so c is measured
-    once greedy and once sampled."""
+    speculator (None: autoregressive, skipped). Sampling costs a draft call more than
+    argmax does (docs/benchmarks.md), and any T > 0 runs the same sampling code, so c is
+    measured once greedy and once sampled."""
     greedy = [t for t in temperatures if t == 0]
     sampled = [t for t in temperatures if t > 0]
     out = {}

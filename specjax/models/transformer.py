@@ -197,7 +197,7 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             # The decode layout carries the embedding transposed ([D, V], see
             # `specjax.model.decode_params`): XLA:CPU's GEMM on the transposed operand
-            # is ~15x slower at 2-5 rows than on a [D, V] one.
+            # is many times slower at verify widths than on a [D, V] one.
             wt = self.variables.get("params", {}).get(TIED_HEAD_T)
             if wt is not None:
                 return jnp.einsum("...D,DV->...V", h, wt.astype(h.dtype),

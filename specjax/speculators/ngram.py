@@ -5,9 +5,8 @@ and propose the k tokens that followed it (a chain of point masses). Of the
 occurrences, the most recent one with a whole k-token continuation; failing that, the
 one with the longest (the earliest). The most recent occurrence alone is often just
 behind the end (a repeated token, a line being repeated), with one or two tokens after
-it: on held-out docstring prompts at k = 8 that gave τ 1.94 and 1.05x over plain
-decoding, against 1.84x for transformers' prompt lookup (which takes the earliest) in
-the same run; this choice gives τ 5.73 and 2.41x (docs/benchmarks.md).
+it, so it drafted too little to beat prompt lookup; this choice drafts far deeper
+(docs/benchmarks.md, History).
 Repetitive input (code edits, quoting the prompt) gives long accepted runs.
 """
 
