@@ -21,26 +21,18 @@ def _interpolate(t, ts, vs):
 
 @struct.dataclass
 class VerifyCost:
-    """v(T) = max(1 + jump · [T > 1] + slope · log2(T), per_token · T), or a measured table.
-
-    Leviathan et al. assume a free verify (v = 1, memory-bound decode); on XLA:CPU two or
-    more tokens run a GEMM instead of a GEMV, so the cost jumps at T = 2 and grows with
-    T, and a batch verifies rows × T tokens at once (`relative`). A pytree, so the loop
-    takes it as traced numbers.
-
-    measured: a [2, P] table (T, cost(T) / cost(1)) replacing the formula (`from_table`).
-    branch: the extra relative cost of a forward inside the speculative step's verify
-    switch (`speculative`). rows, by_rows: tables measured at larger batches ([A] batch
-    sizes > 1, rising; [A, P] ratios on `measured`'s T grid).
+    """v(T) = max(1 + jump · [T > 1] + slope · log2(T), per_token · T), or measured ratios;
+    a pytree, so the loop takes it as traced numbers. Leviathan et al.'s free verify is
+    v = 1; on XLA:CPU two or more tokens run a GEMM, not a GEMV, so the cost jumps at T = 2.
     """
 
     jump: Any = 0.0
     slope: Any = 0.0
     per_token: Any = 0.0
-    branch: Any = 0.0
-    measured: Any = None
-    rows: Any = None
-    by_rows: Any = None
+    branch: Any = 0.0  # extra relative cost inside the verify switch (`speculative`)
+    measured: Any = None  # [2, P] (T, cost(T) / cost(1)) replacing the formula
+    rows: Any = None  # [A] batch sizes > 1, rising, measured too (`from_table(by_rows=)`)
+    by_rows: Any = None  # [A, P] their cost(T) / cost(1) on measured's T
 
     @classmethod
     def from_table(cls, ratios: dict, branch: float = 0.0,
@@ -71,13 +63,9 @@ class VerifyCost:
                            self.per_token * t)
 
     def relative(self, tokens_per_row, rows):
-        """Cost of a forward verifying `tokens_per_row` for each of `rows` rows, relative
-        to the plain decode step of those rows: v(rows · T) / v(rows) (batch 1: v(T)).
-
-        With tables at larger batches (`by_rows`; batch 1 is `measured`): at a measured
-        batch, its own ratio; between two, their ratios at T blended linearly in
-        log2(rows); past the largest, b, that table scaled as above:
-        v_b(rows/b · T) / v_b(rows/b). rows: a scalar (the loop's static batch)."""
+        """Cost of verifying `tokens_per_row` for each of `rows` rows (a scalar) relative to
+        their plain step: v(rows · T) / v(rows), or from the tables measured at batches
+        (`by_rows`), blended in log2(rows) between two and scaled past the largest."""
         rows = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
         t = jnp.asarray(tokens_per_row, jnp.float32)
         if self.by_rows is None:

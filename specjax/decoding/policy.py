@@ -42,13 +42,9 @@ class Rule:
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """(depth, width) of the verify forwards compiled for a speculator's `depth_widths`.
-
-    A forward's cost grows with the tokens it verifies, so when no row keeps a node
-    deeper than d only the W[d]-node prefix is verified. Four forwards bound compile
-    time: a plain step (d = 0), depth 1 (probes, one-token n-gram matches), half and
-    full depth.
-    """
+    """(depth, width) of the verify forwards compiled for a speculator's `depth_widths`:
+    a plain step, depth 1 (probes, one-token n-gram matches), half and full depth; a
+    forward's cost grows with its width, and four bound the compile time."""
     dm = len(widths) - 1
     out: list[tuple[int, int]] = []
     for d in sorted({0, min(1, dm), (dm + 1) // 2, dm}):
@@ -94,14 +90,10 @@ def expected_tokens(alpha):
 
 
 def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), mean=None):
-    """Running acceptance per draft position α_d [B, Dm] from the loop's counters hist
-    [B, Dm+1] and tried [B, Dm], shrunk towards a prior of `prior[1]` tries.
-
-    The prior is `prior[0]` accepts at depth 1 and the row's own α_{d-1} deeper (depth d
-    is tried only after d-1 was accepted, so a rejected draft's deeper estimates fall
-    with α_1 instead of keeping it drafting deep). mean: [Dm] per-depth prior rates that
-    replace those defaults where not NaN (`GenerationStats.acceptance_by_position`).
-    """
+    """Running acceptance per draft position α_d [B, Dm] from the counters hist [B, Dm+1]
+    and tried [B, Dm], shrunk towards `prior[0]` accepts in `prior[1]` tries at depth 1
+    and the row's own α_{d-1} deeper (so a rejected draft's deeper estimates fall with
+    α_1), or towards `mean` [Dm] where it is not NaN."""
     at_least = accepted_at_least(jnp.asarray(hist))  # [B, Dm]
     pseudo, n0 = prior  # pseudo-accepts in n0 pseudo-tries
     out = []
@@ -132,14 +124,9 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
 
 def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[int],
                         bucket_cost):
-    """Which verify width the whole batch should run, once every row has drafted.
-
-    The batched forward is as wide as its deepest verified node, so one deep row makes
-    every row pay; with the drafts spent, the best bucket maximises
-        score(b) = sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b.
-    alpha: [B] or [B, Dm] acceptance; drafted_depth: [B]; active: [B] bool;
-    bucket_depths: [NB] static, rising; bucket_cost: [NB]. Ties go to the cheaper bucket.
-    """
+    """The verify bucket [] the whole batch should run once every row has drafted (one
+    deep row makes every row pay its width): argmax over b of
+    sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b, ties to the cheaper bucket."""
     a = jnp.asarray(alpha, jnp.float32)
     if a.ndim == 1:
         a = jnp.repeat(a[:, None], max(bucket_depths), axis=1)
