@@ -3,10 +3,11 @@
 from specjax.cache import OutOfPagesError, PagedKVCache, PagePool
 from specjax.checkpoint import load, restore_orbax, save_gguf, save_hf, save_orbax
 from specjax.config import ModelConfig
-from specjax.generation import GenerationResult, generate
+from specjax.decoding.generate import GenerationResult, generate
 from specjax.model import Model, forward, init_model, init_params, param_shapes, step
 from specjax.sampling import Sampling
-from specjax.stats import GenerationStats, VerifyCost
+from specjax.decoding.cost import VerifyCost
+from specjax.stats import GenerationStats
 from specjax.tree import DraftTree
 from specjax import compile_cache, heads, kv_quant, sharding, speculators
 from specjax import export

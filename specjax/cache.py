@@ -190,7 +190,7 @@ def write_kv_layers(
 ) -> jax.Array:
     """`write_kv` for every layer at once (the keys or values a deferred-write step
     returned, `Transformer.__call__(write_cache=False)`). Single-device only, as that
-    step is (`generation._defer_kv_write`); meshes write through `write_kv`."""
+    step is (`specjax.decoding.commit.WriteKept`); meshes write through `write_kv`."""
     vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H] (or [L, K, B, T])
     return pages.at[:, :, page, offset].set(vals, mode="drop")
 

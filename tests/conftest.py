@@ -48,7 +48,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10] * 20, [3, 4, 5, 3, 4, 5, 3, 4]]
 def flat_verify_cost(v: float):
     """At batch 4 (PROMPTS): a plain step costs 1, any verify forward (8+ tokens) `v`
     plain steps, so a test can put drafting just out of reach or within it."""
-    from specjax.stats import VerifyCost
+    from specjax.decoding.cost import VerifyCost
 
     return VerifyCost.from_table({1: 1.0, 4: 1.0, 5: v, 10_000: v})
 
@@ -60,7 +60,7 @@ def _fresh_compile_caches():
     XLA:CPU's state until a late compile crashed in the full run (never in isolation)."""
     yield
     import jax
-    from specjax import generation
+    from specjax.decoding.generate import PROGRAMS
 
-    generation._COMPILED.clear()
+    PROGRAMS.clear()
     jax.clear_caches()

@@ -21,7 +21,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import specjax
-from specjax import attention, generation, sharding
+from specjax import attention, sharding
+from specjax.decoding.generate import PROGRAMS
 from specjax.config import tiny_llama
 
 if jax.device_count() != 8:  # pragma: no cover - misuse guard
@@ -204,9 +205,9 @@ def test_generate_keeps_a_page_pool_per_data_shard():
     mesh = mesh_of("2x4")
     run("draft", "2x4", 0.0)
     pools = 0
-    for sig, program in generation._COMPILED.items():
+    for sig, program in PROGRAMS.items():
         on_mesh = any(getattr(leaf[2], "mesh", None) == mesh for leaf in sig[-1])
-        if sig[0] not in ("_prefill", "_decode") or not on_mesh:
+        if sig[0] not in ("prefill", "run") or not on_mesh:
             continue
         for path, sh in jax.tree_util.tree_flatten_with_path(program.output_shardings)[0]:
             if jax.tree_util.keystr(path).endswith(("k_pages", "v_pages")):

@@ -46,7 +46,7 @@ def test_fit_recovers_jump_and_slope():
 def test_fit_per_token_and_the_batched_cost():
     """per_token from the compute-bound T only; VerifyCost takes the larger of the two
     regimes, and a batch's verify forward costs v(rows · T) / v(rows)."""
-    from specjax.stats import VerifyCost
+    from specjax.decoding.cost import VerifyCost
 
     ratio = {1: 1.0, 2: 1.5, 17: 2.2, 33: 3.3, 65: 6.5, 129: 12.9}
     assert verify_cost.fit_per_token(ratio) == pytest.approx(0.1)
@@ -71,7 +71,7 @@ def test_fit_per_token_and_the_batched_cost():
 def test_measured_table_interpolates_and_extrapolates():
     """`VerifyCost.from_table`: the measured ratios at their T, linear between them and
     along the last segment beyond; bad tables are named."""
-    from specjax.stats import VerifyCost
+    from specjax.decoding.cost import VerifyCost
 
     vc = VerifyCost.from_table({1: 1.0, 2: 1.6, 10: 2.0, 20: 4.0}).validated()
     np.testing.assert_allclose(vc(np.asarray([1, 2, 6, 10, 15, 20, 30])),
@@ -90,7 +90,7 @@ def test_tables_at_larger_batches_anchor_the_batch_scaling():
     tables are named."""
     import jax
 
-    from specjax.stats import VerifyCost
+    from specjax.decoding.cost import VerifyCost
 
     one = {1: 1.0, 2: 1.6, 10: 2.0, 20: 4.0}
     four = {1: 1.0, 2: 1.1, 10: 1.5, 20: 2.5}

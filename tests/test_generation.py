@@ -4,7 +4,7 @@ import pytest
 
 import specjax
 from specjax.cache import OutOfPagesError
-from specjax.generation import PREFILL_MULTIPLE, prefill_chunks
+from specjax.decoding.generate import PREFILL_MULTIPLE, prefill_chunks
 from tests.conftest import PROMPTS, greedy_reference
 
 

@@ -6,7 +6,7 @@ import pytest
 import specjax
 from specjax.config import tiny_llama
 from specjax.speculators import DraftModel, NGram
-from specjax.stats import VerifyCost
+from specjax.decoding.cost import VerifyCost
 from tests.conftest import PROMPTS, flat_verify_cost
 from tests.stat_utils import assert_same_distribution, exact_joint
 
@@ -142,7 +142,7 @@ def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temp
 
 
 def test_verify_buckets_and_depth_widths():
-    from specjax.generation import verify_buckets
+    from specjax.decoding.policy import verify_buckets
     from specjax.tree import depth_widths
 
     assert NGram(k=4).depth_widths == (0, 1, 2, 3, 4)
@@ -203,7 +203,7 @@ def test_batch_verify_bucket_weighs_the_whole_batch():
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.stats import batch_verify_bucket
+    from specjax.decoding.policy import batch_verify_bucket
 
     depths = [0, 2, 4]
     cost = 1.0 + 0.75 * np.log2([1, 3, 5])
@@ -288,7 +288,7 @@ def test_per_position_acceptance_model():
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.stats import expected_tokens, leviathan_optimal_k, position_acceptance
+    from specjax.decoding.policy import expected_tokens, leviathan_optimal_k, position_acceptance
 
     a = 0.7
     np.testing.assert_allclose(expected_tokens(jnp.full((1, 4), a))[0],
@@ -323,9 +323,10 @@ def test_per_position_acceptance_model():
 def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     """With verification priced so that the rule stays at k = 0 from the prior and after
     two accepted probes, but four accepted probes would make it draft (so probes run:
-    `generation.PROBE_LOOKAHEAD`), rows draft only on probe steps: the draft makes no
-    call in between and its queue grows (forced calls when it fills). The target as its
-    own draft must still accept every probe draft, so the draft's cache stayed exact."""
+    `specjax.decoding.policy.PROBE_LOOKAHEAD`), rows draft only on probe steps: the draft
+    makes no call in between and its queue grows (forced calls when it fills). The target
+    as its own draft must still accept every probe draft, so the draft's cache stayed
+    exact."""
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
     # any verify costs 3.75 plain steps at this batch; the draft is free: depth 4 pays
     # at α = 0.875 (E = 3.9, the prior after four accepted probes), not at 0.83 (3.57)
@@ -389,29 +390,25 @@ def _attention_sensitive_target():
     return m
 
 
-def test_both_kv_commit_paths_are_lossless(monkeypatch):
+def test_both_kv_commit_paths_are_lossless():
     """The verify forward either defers its cache write (the reference attention
     off-mesh: commit writes the kept tokens) or writes the tree and compacts it (Pallas,
     meshes); both give target-only greedy decoding (checked against cache-free full
     forwards), on a tree and on a chain."""
-    from specjax import generation
+    from specjax.decoding import commit
     from specjax.speculators import Medusa
     from tests.conftest import greedy_reference
 
     target = _attention_sensitive_target()
     want = [greedy_reference(target, p, 24) for p in PROMPTS]
     specs = [DraftModel(model=target, k=4), Medusa.random(target, num_heads=4, seed=0)]
-    assert generation._defer_kv_write(None)  # CPU default: deferred
+    assert commit.default_commit(None) is commit.WRITE_KEPT  # CPU default: deferred
     for defer in (False, True):
-        monkeypatch.setattr(generation, "_defer_kv_write", lambda backend, d=defer: d)
-        generation._COMPILED.clear()  # programs (and jax's traces) are cached by
-        jax.clear_caches()  # signature, not by path
+        kv_commit = "write-kept" if defer else "compact"  # a static choice of the loop
         for spec in specs:
             out = specjax.generate(target, PROMPTS, max_new_tokens=24, ignore_eos=True,
-                                   speculator=spec, adaptive=False)
+                                   speculator=spec, adaptive=False, kv_commit=kv_commit)
             assert out.tokens == want, (defer, type(spec).__name__)
-    generation._COMPILED.clear()
-    jax.clear_caches()
 
 
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):
@@ -424,7 +421,7 @@ def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch)
     then int8, and the target as its own draft, both over int8, accepts every draft."""
     import jax.numpy as jnp
 
-    from specjax import generation
+    from specjax.decoding.generate import PROGRAMS
     from specjax.speculators import Eagle, Medusa
 
     target = _attention_sensitive_target()
@@ -443,19 +440,20 @@ def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch)
     kw = dict(max_new_tokens=16, ignore_eos=True, kv_cache_dtype="int8")
     want = specjax.generate(target, PROMPTS, **kw).tokens
     for defer in (False, True):  # both commit paths
-        monkeypatch.setattr(generation, "_defer_kv_write", lambda backend, d=defer: d)
-        generation._COMPILED.clear()
+        kv_commit = "write-kept" if defer else "compact"
+        PROGRAMS.clear()  # so that every run traces its speculators' `init` again
         jax.clear_caches()
         asked.clear()
         runs = {type(spec).__name__: specjax.generate(target, PROMPTS, speculator=spec,
-                                                      adaptive=False, **kw)
+                                                      adaptive=False, kv_commit=kv_commit,
+                                                      **kw)
                 for spec in (medusa, DraftModel(model=target, k=4), eagle)}
         for name, out in runs.items():
             assert out.tokens == want, (defer, name)
         assert runs["Medusa"].stats.acceptance_rate > 0.3, defer  # drafts were kept
         assert runs["DraftModel"].stats.acceptance_rate == 1.0, defer
         assert asked == [("DraftModel", jnp.int8), ("Eagle", jnp.int8)], asked
-    generation._COMPILED.clear()
+    PROGRAMS.clear()
     jax.clear_caches()
 
 
@@ -508,7 +506,7 @@ def test_rule_prices_draft_calls_not_positions():
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.stats import leviathan_optimal_k
+    from specjax.decoding.policy import leviathan_optimal_k
 
     alpha = jnp.asarray([[0.8, 0.8, 0.8, 0.8]])
     v = np.asarray([1.0, 1.6, 1.7, 1.8, 1.8])
@@ -524,7 +522,7 @@ def test_probes_back_off_while_rejected():
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.generation import PROBE_GAP, PROBE_GAP_MAX, probe_schedule
+    from specjax.decoding.policy import PROBE_GAP, PROBE_GAP_MAX, probe_schedule
 
     def run(accept_at, steps=800):
         nxt, gap, probes = jnp.asarray([PROBE_GAP - 1]), jnp.asarray([PROBE_GAP]), []
@@ -552,17 +550,20 @@ def test_a_step_with_every_row_finished_runs_no_forward(tiny_target):
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax import generation as gen
-    from specjax.inspect import prefilled_state
-    from specjax.stats import VerifyCost
+    from specjax.decoding import commit
+    from specjax.decoding.cost import VerifyCost
+    from specjax.decoding.loop import DecodeLoop
+    from specjax.decoding.policy import Rule
+    from specjax.inspect import params_for, prefilled_state
 
     spec = NGram(k=3)
     state, sampling = prefilled_state(tiny_target, PROMPTS[0], spec)
-    rule = gen.Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(),
-                    jnp.full((spec.max_depth,), jnp.nan, jnp.float32))
-    run = jax.jit(lambda st: gen._propose_verify(
-        tiny_target.config, tiny_target.params, spec, st, sampling, None, rule))
-    assert gen._defer_kv_write(None)  # the reference backend: kept K/V come out
+    rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(),
+                jnp.full((spec.max_depth,), jnp.nan, jnp.float32))
+    loop = DecodeLoop.create(tiny_target.config, spec)
+    run = jax.jit(lambda st: loop.speculate(
+        params_for(tiny_target.params, spec, sampling, rule), st))
+    assert loop.commit is commit.WRITE_KEPT  # the reference backend: kept K/V come out
     live = run(state)
     assert np.any(np.asarray(live.kept_kv[0]) != 0)
     done = run(state.replace(done=jnp.ones_like(state.done)))
@@ -603,7 +604,7 @@ def test_position_acceptance_takes_a_prior_mean_per_depth():
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax.stats import position_acceptance
+    from specjax.decoding.policy import position_acceptance
 
     none = (jnp.zeros((1, 4)), jnp.zeros((1, 3)))
     np.testing.assert_allclose(

@@ -77,7 +77,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
     (`measured_cost_ratios`)."""
     from specjax import rng
-    from specjax.generation import LoopState
+    from specjax.decoding.state import LoopState
     from specjax.inspect import prefilled_state
     from specjax.model import decode_params
     from specjax.speculators.base import ProposeContext

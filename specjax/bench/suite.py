@@ -422,7 +422,7 @@ _DESCRIBE = {
 
 def markdown(result: dict, command: str, figures: list[str]) -> str:
     from specjax.bench.decode import _machine, _versions
-    from specjax.stats import default_verify_cost
+    from specjax.decoding.cost import default_verify_cost
 
     s = result["settings"]
     lines = [START, "## Benchmark suite: every method by prompt category, temperature and batch",

@@ -11,7 +11,7 @@ bench`: the ~25M-param benchmark Llama), compiled as `generate` compiles
 (`specjax.xla_options`) and without XLA:CPU's YNNPACK fusions side by side, and fits cost(T) / cost(1) = 1 + jump·[T > 1] + slope·log2(T)
 by least squares over T < 33, and per_token·T over T >= 33 where the forward turns
 compute-bound (a batch verifies rows × T tokens at once, so wide trees at batch > 1 land
-there). `specjax.stats.VERIFY_COST` holds the measured ratios themselves
+there). `specjax.decoding.cost.VERIFY_COST` holds the measured ratios themselves
 (`VerifyCost.from_table`; the adaptive draft length and the analytical speedup use it).
 
   python -m specjax.bench.verify_cost [--target CKPT|bench] [--tokens 1,2,3,5,9,17,33,65,129]
@@ -108,7 +108,7 @@ def fit_per_token(ratio: dict[int, float]) -> float:
 
 def fit(ratio: dict[int, float]) -> tuple[float, float]:
     """(jump, slope) of cost(T)/cost(1) = 1 + jump + slope·log2(T) for T > 1, by least
-    squares over the measured T > 1, both kept >= 0 (`specjax.stats.VerifyCost`)."""
+    squares over the measured T > 1, both kept >= 0 (`specjax.decoding.cost.VerifyCost`)."""
     ts = [t for t in ratio if t > 1]
     if not ts:
         return 0.0, 0.0
@@ -146,7 +146,7 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
               f"over T < {LINEAR_FROM} and of per_token·T over T >= {LINEAR_FROM} (compute-"
               "bound; a batch verifies rows × T tokens in one forward), generate's options: "
               f"**jump {result['jump']:.3f}, slope {result['slope']:.3f}, per_token "
-              f"{result['per_token']:.4f}**. `specjax.stats.VERIFY_COST` holds the ratios "
+              f"{result['per_token']:.4f}**. `specjax.decoding.cost.VERIFY_COST` holds the ratios "
               "themselves (`VerifyCost.from_table`, linear between them): the fit misses the "
               "compute-bound knee around T = 33 by up to a third.", END]
     return "\n".join(lines) + "\n"

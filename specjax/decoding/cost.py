@@ -1,0 +1,173 @@
+"""`VerifyCost`: the modelled cost of a target forward over T inputs, relative to a
+one-token decode step, which the adaptive rule and the analytical speedup price verify
+forwards with. Measured tables and how they were taken: docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+def _interpolate(t, ts, vs):
+    """vs at t, linear between the points (ts rising) and along the last segment past
+    them (a forward past the table keeps its last per-token cost)."""
+    last = (vs[-1] - vs[-2]) / (ts[-1] - ts[-2])
+    return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, jnp.interp(t, ts, vs))
+
+
+@struct.dataclass
+class VerifyCost:
+    """v(T) = max(1 + jump · [T > 1] + slope · log2(T), per_token · T), or measured ratios;
+    a pytree, so the loop takes it as traced numbers. Leviathan et al.'s free verify is
+    v = 1; on XLA:CPU two or more tokens run a GEMM, not a GEMV, so the cost jumps at T = 2.
+    """
+
+    jump: Any = 0.0
+    slope: Any = 0.0
+    per_token: Any = 0.0
+    branch: Any = 0.0  # extra relative cost inside the verify switch (`speculative`)
+    measured: Any = None  # [2, P] (T, cost(T) / cost(1)) replacing the formula
+    rows: Any = None  # [A] batch sizes > 1, rising, measured too (`from_table(by_rows=)`)
+    by_rows: Any = None  # [A, P] their cost(T) / cost(1) on measured's T
+
+    @classmethod
+    def from_table(cls, ratios: dict, branch: float = 0.0,
+                   by_rows: dict | None = None) -> "VerifyCost":
+        """From measured {T: cost(T) / cost(1)} at batch 1 (`python -m
+        specjax.bench.verify_cost`), and optionally {batch: {T: ratio}} measured at larger
+        batches (`--batch N`) over the same T."""
+        ts = sorted(ratios)
+        rows = table = None
+        if by_rows:
+            rows = sorted(by_rows)
+            for b in rows:
+                if sorted(by_rows[b]) != ts:
+                    raise ValueError(f"by_rows[{b}] measures T = {sorted(by_rows[b])}; "
+                                     f"the batch-1 table measures T = {ts}")
+            table = np.asarray([[by_rows[b][t] for t in ts] for b in rows], np.float64)
+            rows = np.asarray(rows, np.float64)
+        return cls(branch=branch, measured=np.asarray([ts, [ratios[t] for t in ts]],
+                                                      np.float64), rows=rows, by_rows=table)
+
+    def __call__(self, tokens):
+        """v at `tokens` inputs in one forward at batch 1 (numpy or jax arrays, or a
+        float >= 1)."""
+        t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+        if self.measured is not None:
+            return _interpolate(t, jnp.asarray(self.measured[0]), jnp.asarray(self.measured[1]))
+        return jnp.maximum(1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t),
+                           self.per_token * t)
+
+    def relative(self, tokens_per_row, rows):
+        """Cost of verifying `tokens_per_row` for each of `rows` rows (a scalar) relative to
+        their plain step: v(rows · T) / v(rows), or from the tables measured at batches
+        (`by_rows`), blended in log2(rows) between two and scaled past the largest."""
+        rows = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
+        t = jnp.asarray(tokens_per_row, jnp.float32)
+        if self.by_rows is None:
+            return self(rows * t) / self(rows)
+        if rows.ndim:
+            raise ValueError(f"rows has shape {rows.shape}; one batch size (a scalar) "
+                             "is what picks the measured tables")
+        anchors = jnp.concatenate([jnp.ones((1,), jnp.float32),
+                                   jnp.asarray(self.rows, jnp.float32)])  # [A+1]
+        tables = jnp.concatenate([jnp.asarray(self.measured[1], jnp.float32)[None],
+                                  jnp.asarray(self.by_rows, jnp.float32)])  # [A+1, P]
+        ts = jnp.asarray(self.measured[0], jnp.float32)
+        t = jnp.maximum(t, 1.0)
+        i = jnp.sum(anchors <= rows) - 1  # the largest measured batch <= rows
+        j = jnp.minimum(i + 1, anchors.shape[0] - 1)
+        w = jnp.log2(rows / anchors[i]) / jnp.maximum(jnp.log2(anchors[j] / anchors[i]), 1e-9)
+        between = ((1.0 - w) * _interpolate(t, ts, tables[i])
+                   + w * _interpolate(t, ts, tables[j]))
+        scale = rows / anchors[i]
+        past = _interpolate(scale * t, ts, tables[i]) / _interpolate(scale, ts, tables[i])
+        return jnp.where(i == j, past, between)
+
+    def speculative(self, tokens_per_row, rows):
+        """`relative` for a forward the speculative step runs (inside its verify
+        switch): times 1 + branch."""
+        return self.relative(tokens_per_row, rows) * (1.0 + self.branch)
+
+    def describe(self) -> str:
+        log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
+        out = f"v(T) = {log}"
+        if self.measured is not None:
+            points = ", ".join(f"{int(t)}: {float(v):.2f}" for t, v in
+                               zip(*np.asarray(self.measured)))
+            out = f"v(T) interpolated from measured {{T: v}} = {{{points}}}"
+            if self.by_rows is not None:
+                for r, vs in zip(np.asarray(self.rows), np.asarray(self.by_rows)):
+                    points = ", ".join(f"{int(t)}: {float(v):.2f}" for t, v in
+                                       zip(np.asarray(self.measured)[0], vs))
+                    out += f"; at batch {int(r)} {{{points}}}"
+        elif float(self.per_token) > 0:
+            out = f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
+        if float(self.branch) > 0:
+            out += f", × {1 + float(self.branch):.3g} in the verify switch"
+        return out
+
+    def validated(self) -> "VerifyCost":
+        """Host-side check, naming the bad value; returns float32 leaves."""
+        for name in ("jump", "slope", "per_token", "branch"):
+            x = getattr(self, name)
+            if not (isinstance(x, (int, float, np.floating, np.integer)) and np.isfinite(x)
+                    and x >= 0):
+                raise ValueError(f"VerifyCost {name}={x!r} must be a finite number >= 0")
+        table = None
+        if self.measured is not None:
+            table = np.asarray(self.measured, np.float64)
+            if (table.ndim != 2 or table.shape[0] != 2 or table.shape[1] < 2
+                    or table[0, 0] != 1 or table[1, 0] != 1 or np.any(np.diff(table[0]) <= 0)
+                    or not np.all(np.isfinite(table)) or np.any(table[1] <= 0)):
+                raise ValueError(
+                    f"VerifyCost measured={self.measured!r} must be [2, P >= 2] rows (T, "
+                    "cost) with T rising from 1, cost(1) = 1 and every cost finite and > 0")
+            table = table.astype(np.float32)
+        rows, by_rows = self._validated_rows(table)
+        return VerifyCost(np.float32(self.jump), np.float32(self.slope),
+                          np.float32(self.per_token), np.float32(self.branch), table,
+                          rows, by_rows)
+
+    def _validated_rows(self, table):
+        """(rows, by_rows) as float32, checked against the batch-1 `table`."""
+        if self.rows is None and self.by_rows is None:
+            return None, None
+        rows = np.asarray(self.rows, np.float64)
+        by_rows = np.asarray(self.by_rows, np.float64)
+        if (table is None or rows.ndim != 1 or rows.size == 0 or np.any(rows <= 1)
+                or np.any(rows != np.round(rows)) or np.any(np.diff(rows) <= 0)):
+            raise ValueError(f"VerifyCost rows={self.rows!r} must be batch sizes > 1, "
+                             "rising, beside a measured batch-1 table")
+        if (by_rows.shape != (rows.size, table.shape[1]) or not np.all(np.isfinite(by_rows))
+                or np.any(by_rows <= 0) or np.any(by_rows[:, 0] != 1)):
+            raise ValueError(
+                f"VerifyCost by_rows={self.by_rows!r} must be [{rows.size}, {table.shape[1]}]"
+                " costs (one row per batch size, on measured's T), each finite and > 0, 1 "
+                "at T = 1")
+        return rows.astype(np.float32), by_rows.astype(np.float32)
+
+
+# Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on
+# SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batch`), compiled as generate
+# compiles; branch from `python -m specjax.bench.branching` (docs/benchmarks.md).
+# GPU/TPU: not measured yet; set to the memory-bound regime the Pallas kernels aim for.
+VERIFY_COST = {"cpu": VerifyCost.from_table(
+                   {1: 1.0, 2: 1.16, 3: 1.19, 5: 1.28, 9: 1.54, 17: 2.04, 33: 2.65, 65: 4.60,
+                    129: 7.64},
+                   branch=0.08,
+                   by_rows={4: {1: 1.0, 2: 1.11, 3: 1.22, 5: 1.37, 9: 1.82, 17: 2.65,
+                                33: 3.60, 65: 6.54, 129: 12.02},
+                            16: {1: 1.0, 2: 1.15, 3: 1.31, 5: 1.61, 9: 2.07, 17: 3.29,
+                                 33: 5.11, 65: 9.60, 129: 17.99}}),
+               "gpu": VerifyCost(slope=0.05),
+               "tpu": VerifyCost(slope=0.05)}
+
+
+def default_verify_cost() -> VerifyCost:
+    """This backend's `VERIFY_COST` (GPU's where the backend has none)."""
+    return VERIFY_COST.get(jax.default_backend(), VERIFY_COST["gpu"])

@@ -1,0 +1,324 @@
+"""`generate`, the host API: validation, sizing, the compiled programs, timing, stats.
+
+Two compiled programs per shape bucket: `DecodeLoop.prefill` and `DecodeLoop.run` (the
+whole rest of the generation, the loop state donated). The host sees only the final
+buffers; timing the two apart gives TTFT and TPOT.
+
+generate's arguments:
+  prompts: token-id lists (a ragged batch) or strings (needs `model.tokenizer`).
+  seed: an int (row r draws from this seed folded with r) or one int per prompt; rows
+    draw from keys of their own (`specjax.rng`), so a row given seed s in a list samples
+    the same tokens alone or in any batch, plain or with a speculator. With a list the
+    adaptive rule also decides each row as if it ran alone (`Rule.per_row`).
+  eos_id: stop tokens; None uses the config's `eos_token_id` (as transformers does);
+    `ignore_eos=True` generates exactly `max_new_tokens`.
+  speculator: a `specjax.speculators` instance; output is identical to target-only
+    greedy decoding at temperature 0 and distributed as the target at any temperature.
+  verification: how sampled drafts are verified (`specjax.verify`): "rejection"
+    (token-wise, lossless), "block" (chains only, lossless, accepts at least as many
+    tokens in expectation), "typical" (Medusa's, LOSSY); None: the speculator's own,
+    "block" where that is "rejection" and the speculator proposes chains.
+  adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
+  cost_ratio: one draft call's cost relative to a one-token target step (None: the
+    speculator's parameter-count estimate; `specjax.bench.speculative.measured_cost_ratio`
+    measures one), for the adaptive rule and the analytical speedup.
+  verify_cost: a `specjax.VerifyCost` (None: this backend's `VERIFY_COST`; `VerifyCost()`
+    is Leviathan et al.'s free verify), for the adaptive rule and the analytical speedup.
+  acceptance_prior: the acceptance α_d per draft depth the adaptive rule starts from
+    (None, or None / NaN entries: the default); a calibration run's
+    `stats.acceptance_by_position` makes a good draft draft deep from its first step.
+  layer_layout: "auto", "scan" or "unrolled" (`specjax.model.decode_params`).
+  prefill_chunk: the most prompt tokens one prefill forward takes (`prefill_chunks`).
+  num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
+    whose `data` axis splits the rows, split evenly between the data shards.
+  kv_cache_dtype: the target's and the speculator's KV pages, as vLLM's: None, a float
+    dtype, or "int8" (`specjax.kv_quant`; lossless against the target over that cache).
+  kv_commit: how verified KV is committed (`specjax.decoding.commit`): "write-kept",
+    "compact", or None for the backend's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_quant, rng
+from specjax import sampling as sampling_lib
+from specjax.cache import PagePool
+from specjax.decoding import commit as commit_lib
+from specjax.decoding.cost import VerifyCost, default_verify_cost
+from specjax.decoding.loop import DecodeLoop
+from specjax.decoding.policy import Rule
+from specjax.decoding.programs import ProgramCache
+from specjax.decoding.state import Params, Prompt
+from specjax.model import Model, decode_params, validate_tokens
+from specjax.sharding import rules as shard
+from specjax.speculators.base import Speculator
+from specjax.stats import GenerationStats, build_stats
+from specjax.verify import METHODS
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row, prompt excluded (EOS kept if hit)
+    text: list[str] | None
+    stats: GenerationStats
+
+
+PROGRAMS = ProgramCache()  # generate's; tests clear it between modules
+
+
+def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
+             eos_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
+             speculator: Speculator | None = None, verification: str | None = None,
+             adaptive: bool = True, cost_ratio: float | None = None,
+             verify_cost: VerifyCost | None = None,
+             acceptance_prior: Sequence[float | None] | None = None,
+             layer_layout: str = "auto", page_size: int = 16, num_pages: int | None = None,
+             prefill_chunk: int = 256, attention_backend: str | None = None,
+             kv_cache_dtype=None, kv_commit: str | None = None) -> GenerationResult:
+    """Generates up to `max_new_tokens` per prompt; greedy by default (arguments: this
+    module's docstring)."""
+    cfg = model.config
+    rows, kv_dtype = _check_inputs(model, prompts, max_new_tokens, temperature, top_k, top_p,
+                                   kv_cache_dtype, page_size, prefill_chunk)
+    mesh = shard.mesh_of(model.params)  # run where the params live (None: one device)
+    speculator = _for_decoding(speculator, cfg, mesh, layer_layout)
+    sizes = _Sizes.of([len(r) for r in rows], max_new_tokens, speculator, prefill_chunk,
+                      page_size, num_pages, mesh)
+    prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
+    cost = _cost_ratio(cost_ratio, speculator, cfg)
+    rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, seed, mesh)
+    sampling, max_new, eos_arr = shard.replicate(
+        (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
+         jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
+    params = Params(target=decode_params(cfg, model.params, layer_layout),
+                    speculator=speculator, sampling=sampling, max_new=max_new, eos_ids=eos_arr)
+    with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
+        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
+                                 commit=commit_lib.resolve(kv_commit, attention_backend),
+                                 verification=_verification(verification, speculator))
+
+    t0 = time.perf_counter()
+    chunks = dict(chunk=sizes.chunk, num_chunks=sizes.num_chunks, kv_dtype=kv_dtype)
+    pre = PROGRAMS.get("prefill", DecodeLoop.prefill, loop.prefill_only(), (params, prompt),
+                       chunks, mesh)
+    params = params.replace(rule=rule)
+    dec = PROGRAMS.get("run", DecodeLoop.run, loop, (params, pre.out_info), {}, mesh)
+    compile_s = time.perf_counter() - t0
+    state, ttft = _timed(pre, params.replace(rule=None), prompt)
+    state, decode_s = _timed(dec, params, state)
+    return _result(model, state, sizes.lens, cost, ttft, decode_s, compile_s)
+
+
+# ---------------------------------------------------------------------------- stages
+def _check_inputs(model: Model, prompts, max_new_tokens, temperature, top_k, top_p,
+                  kv_cache_dtype, page_size, prefill_chunk):
+    """(prompts as token-id lists, the KV cache dtype), every argument checked."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    sampling_lib.validate_sampling(temperature, top_k, top_p)
+    kv_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+    if page_size < 1 or prefill_chunk < 1:
+        raise ValueError(f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1")
+    rows = as_token_lists(model, prompts)
+    context = model.config.max_position_embeddings
+    for i, ids in enumerate(rows):
+        if len(ids) + max_new_tokens > context:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that "
+                f"exceeds the model's context of {context} positions")
+    return rows, kv_dtype
+
+
+def _for_decoding(speculator: Speculator | None, cfg, mesh, layer_layout: str):
+    """The speculator checked against the target and laid out for the loop."""
+    if speculator is None:
+        return None
+    if not isinstance(speculator, Speculator):
+        raise ValueError(f"speculator={speculator!r} is not a specjax Speculator")
+    speculator.check_target(cfg)
+    if mesh is not None:
+        return shard.shard_speculator(speculator, mesh)
+    return speculator.for_decoding(layer_layout)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# Chunk lengths above this are padded to a multiple of it: the decode buffer's own step
+# (`round_up(..., 64)`), so prompt lengths add few compiled prefill programs beside the
+# decode programs a length bucket already needs
+PREFILL_MULTIPLE = 64
+
+
+def prefill_chunks(max_len: int, prefill_chunk: int) -> tuple[int, int]:
+    """(chunk, num_chunks) for prompts of up to `max_len` tokens: as few chunks of at most
+    `prefill_chunk` tokens as cover them, of equal length padded to a power of two up to
+    PREFILL_MULTIPLE and to a multiple of it beyond."""
+    num_chunks = -(-max_len // prefill_chunk)
+    need = -(-max_len // num_chunks)
+    chunk = (1 << (need - 1).bit_length() if need <= PREFILL_MULTIPLE
+             else round_up(need, PREFILL_MULTIPLE))
+    return min(chunk, prefill_chunk), num_chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """The batch's buffers: prompt lengths, prefill chunking, token buffer width and the
+    page pool with every row's pages."""
+
+    lens: list[int]
+    chunk: int
+    num_chunks: int
+    width: int
+    pool: PagePool
+    table: Any
+
+    @classmethod
+    def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh):
+        b = len(lens)
+        slack = speculator.num_nodes + 1 if speculator is not None else 1
+        chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
+        # token buffer S: the padded prompt chunks (and the token after them) and every
+        # row's prompt, new tokens and draft slack
+        width = round_up(max(num_chunks * chunk + 1, max(lens) + max_new_tokens + slack), 64)
+        pages_per_row = -(-width // page_size)
+        # Default pool: a full table per row, so the cache shape (and the compiled program)
+        # depends only on the bucketed buffer width, not on the exact prompt lengths. On a
+        # mesh each data shard owns the pages of its rows (shard-local ids).
+        pool = PagePool(num_pages if num_pages is not None else b * pages_per_row, page_size,
+                        num_shards=shard.page_shards(b, mesh))
+        table = pool.allocate_rows([n + max_new_tokens + slack for n in lens], pages_per_row)
+        return cls(list(lens), chunk, num_chunks, width, pool, table)
+
+
+def _prompt(cfg, rows, sizes: _Sizes, seed, mesh, kv_dtype) -> Prompt:
+    """The prefill input on the mesh: a zeroed cache and the padded prompts."""
+    buf = np.zeros((len(rows), sizes.width), np.int32)
+    for r, ids in enumerate(rows):
+        buf[r, :len(ids)] = ids
+    cache = shard.create_cache(cfg, sizes.table, num_pages=sizes.pool.num_pages,
+                               page_size=sizes.pool.page_size, mesh=mesh, dtype=kv_dtype)
+    return Prompt(cache=cache, tokens=shard.put(buf, mesh, ("batch", None), name="tokens"),
+                  prompt_lens=shard.put(np.asarray(sizes.lens, np.int32), mesh, ("batch",),
+                                        name="prompt_lens"),
+                  keys=shard.put(rng.row_key_data(seed, len(rows)), mesh, ("batch", None),
+                                 name="keys"))
+
+
+def _stop_tokens(cfg, eos_id, ignore_eos: bool) -> list[int]:
+    """The stop tokens, -1 padded to a multiple of 8 so that they never recompile."""
+    if ignore_eos:
+        eos = ()
+    elif eos_id is None:
+        eos = cfg.eos_ids
+    else:
+        eos = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    return list(eos) + [-1] * (round_up(max(len(eos), 1), 8) - len(eos))
+
+
+def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
+    if cost_ratio is not None and not (np.isfinite(cost_ratio) and cost_ratio >= 0):
+        raise ValueError(f"cost_ratio={cost_ratio!r} must be a finite number >= 0")
+    if speculator is None:
+        return 0.0
+    return float(speculator.cost_ratio(cfg) if cost_ratio is None else cost_ratio)
+
+
+def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator, seed,
+          mesh) -> Rule:
+    """The adaptive rule's traced settings, replicated on the mesh."""
+    if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
+        raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
+    vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
+    prior = _prior(acceptance_prior, speculator.max_depth if speculator is not None else 0)
+    per_row = not rng.is_seed(seed)  # one seed per prompt: rows decide alone
+    return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
+                                jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
+                                jnp.bool_(per_row)), mesh)
+
+
+def _timed(program, *args):
+    """(program's output, its wall seconds), waiting for the token buffer."""
+    t0 = time.perf_counter()
+    state = program(*args)
+    jax.block_until_ready(state.tokens)
+    return state, time.perf_counter() - t0
+
+
+def _result(model: Model, state, lens, cost, ttft, decode_s, compile_s) -> GenerationResult:
+    """Generated tokens (and text) per row and the run's statistics, on the host."""
+    out_tokens, out_lens = shard.to_host(state.tokens), shard.to_host(state.lengths)
+    gen = [out_tokens[r, lens[r]:out_lens[r]].tolist() for r in range(len(lens))]
+    text = None
+    if model.tokenizer is not None:
+        text = [model.tokenizer.decode(g, skip_special_tokens=True) for g in gen]
+    c = {f.name: shard.to_host(getattr(state.counters, f.name))
+         for f in dataclasses.fields(state.counters)}
+    stats = build_stats(new_tokens=[len(g) for g in gen], **c, cost_ratio=cost,
+                        ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
+    return GenerationResult(gen, text, stats)
+
+
+# ---------------------------------------------------------------------------- arguments
+def as_token_lists(model: Model, prompts) -> list[list[int]]:
+    """Prompts (one or a list; strings need `model.tokenizer`) as checked token-id lists."""
+    if isinstance(prompts, (str, np.ndarray)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but the model has no tokenizer; "
+                                 "pass token ids")
+            p = model.tokenizer.encode(p).ids
+        ids = [int(x) for x in np.asarray(p).reshape(-1)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        validate_tokens(np.asarray(ids), model.config.vocab_size, what=f"prompt {i} token")
+        out.append(ids)
+    return out
+
+
+def _prior(acceptance_prior, max_depth: int) -> np.ndarray:
+    """generate's `acceptance_prior` as the loop's [max_depth] float32 (NaN: default)."""
+    out = np.full((max_depth,), np.nan, np.float32)
+    if acceptance_prior is None:
+        return out
+    vals = [np.nan if a is None else a for a in acceptance_prior]
+    if len(vals) > max_depth or not all(
+            isinstance(a, (int, float, np.floating, np.integer)) and (np.isnan(a) or 0 <= a <= 1)
+            for a in vals):
+        raise ValueError(f"acceptance_prior={acceptance_prior!r} must list at most "
+                         f"max_depth={max_depth} rates in [0, 1] (None: the default)")
+    out[:len(vals)] = vals
+    return out
+
+
+def _verification(verification: str | None, speculator: Speculator | None) -> str:
+    """generate's `verification` checked against the speculator (None: its own, or block
+    verification for chains: lossless and never fewer tokens accepted in expectation)."""
+    if verification is None:
+        if speculator is None:
+            return METHODS[0]
+        own = speculator.verification
+        return "block" if own == "rejection" and speculator.proposes_chains else own
+    if verification not in METHODS:
+        raise ValueError(f"verification={verification!r} must be one of {METHODS}")
+    if speculator is None:
+        raise ValueError(f"verification={verification!r} needs a speculator")
+    if verification == "block" and not speculator.proposes_chains:
+        raise ValueError(f"verification='block' verifies chains; {type(speculator).__name__} "
+                         "proposes trees with siblings (use 'rejection')")
+    return verification

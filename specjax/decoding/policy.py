@@ -1,0 +1,195 @@
+"""The adaptive policy: how deep each row drafts and how wide the batch verifies.
+
+One call per step, `decide`, evaluates the rule (Leviathan et al.'s expected tokens per
+unit of cost, per row and per draft position) and prices the verify buckets once; the
+`Decision` then answers the step's questions (depth limits and probes, the verify width).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.decoding.cost import VerifyCost
+from specjax.decoding.state import LoopState, Probes
+from specjax.speculators.base import Speculator
+from specjax.stats import accepted_at_least
+
+# A row the rule keeps at k = 0 drafts one token every PROBE_GAP steps to re-measure its
+# acceptance, the gap doubling after each rejected probe up to PROBE_GAP_MAX
+PROBE_GAP, PROBE_GAP_MAX = 16, 256
+PROBE_LOOKAHEAD = 4  # accepted probes a probe's worth is judged over (`decide`)
+
+
+@struct.dataclass
+class Rule:
+    """What the adaptive rule reads besides the loop's counters; traced, so one compiled
+    program serves every value."""
+
+    cost_ratio: jax.Array  # [] c: one draft call's cost in one-token target steps
+    adaptive: jax.Array  # [] bool: False drafts full depth every step
+    vcost: VerifyCost  # the verify forward's cost model
+    # [Dm] float32 prior acceptance per depth (`generate(acceptance_prior=)`); NaN: the
+    # default there (`position_acceptance`)
+    prior: jax.Array
+    # [] bool: each row decides as if it ran alone (verify costs at batch 1, no
+    # batch-wide verify width), so a row's tokens do not depend on its batch
+    per_row: jax.Array = np.bool_(False)
+
+
+def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(depth, width) of the verify forwards compiled for a speculator's `depth_widths`:
+    a plain step, depth 1 (probes, one-token n-gram matches), half and full depth; a
+    forward's cost grows with its width, and four bound the compile time."""
+    dm = len(widths) - 1
+    out: list[tuple[int, int]] = []
+    for d in sorted({0, min(1, dm), (dm + 1) // 2, dm}):
+        if out and out[-1][1] == widths[d]:
+            out[-1] = (d, widths[d])  # same forward: let it serve the deeper depth
+        else:
+            out.append((d, int(widths[d])))
+    return tuple(out)
+
+
+def bucket_per_depth(buckets) -> list[int]:
+    """For k = 0..Dm: the bucket verified when the deepest kept node has depth k."""
+    dm = buckets[-1][0]
+    return [next(i for i, (d, _) in enumerate(buckets) if d >= k) for k in range(dm + 1)]
+
+
+def probe_schedule(next_probe, gap, step, drafted, probed, accepted):
+    """The next probe step and gap per row [B] after loop step `step`: a rejected probe
+    doubles the gap (up to PROBE_GAP_MAX), an accepted draft resets it to PROBE_GAP, and
+    a row that drafted (by choice or probing) waits a gap from this step."""
+    gap = jnp.where(accepted > 0, PROBE_GAP,
+                    jnp.where(probed, jnp.minimum(2 * gap, PROBE_GAP_MAX), gap))
+    return jnp.where(drafted, step + gap, next_probe), gap
+
+
+def initial_probes(batch: int) -> Probes:
+    """Every row's first probe at step PROBE_GAP - 1 (read when the loop is traced)."""
+    return Probes(next_probe=jnp.full((batch,), PROBE_GAP - 1, jnp.int32),
+                  probe_gap=jnp.full((batch,), PROBE_GAP, jnp.int32))
+
+
+def expected_tokens(alpha):
+    """E[tokens per step] when drafting k = 0..D positions: [..., D + 1].
+
+    alpha: [..., D] acceptance per draft position, α_d = P(accept depth d | depth d-1
+    accepted): E(k) = 1 + Σ_{d<=k} Π_{i<=d} α_i (a constant α is Leviathan et al.'s
+    i.i.d. model). Per position because acceptance tends to be all-or-nothing.
+    """
+    a = jnp.clip(jnp.asarray(alpha, jnp.float32), 0.0, 1.0)
+    reach = jnp.cumprod(a, axis=-1)  # P(depth d accepted)
+    zero = jnp.zeros(a.shape[:-1] + (1,), jnp.float32)
+    return 1.0 + jnp.concatenate([zero, jnp.cumsum(reach, axis=-1)], axis=-1)
+
+
+def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), mean=None):
+    """Running acceptance per draft position α_d [B, Dm] from the counters hist [B, Dm+1]
+    and tried [B, Dm], shrunk towards `prior[0]` accepts in `prior[1]` tries at depth 1
+    and the row's own α_{d-1} deeper (so a rejected draft's deeper estimates fall with
+    α_1), or towards `mean` [Dm] where it is not NaN."""
+    at_least = accepted_at_least(jnp.asarray(hist))  # [B, Dm]
+    pseudo, n0 = prior  # pseudo-accepts in n0 pseudo-tries
+    out = []
+    for d in range(at_least.shape[1]):  # static Dm: a short loop over depths
+        if mean is not None:
+            pseudo = jnp.where(jnp.isnan(mean[d]), pseudo, n0 * mean[d])
+        out.append((at_least[:, d] + pseudo) / (tried[:, d] + n0))
+        pseudo = n0 * out[-1]
+    return jnp.stack(out, axis=1) if out else jnp.asarray(at_least, jnp.float32)
+
+
+def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
+                        draft_calls=None):
+    """argmax_k over 0..k_max of E[tokens](k) / (n_k c + v_k), per row.
+
+    alpha: [B] one rate per row, or [B, k_max] per position (`expected_tokens`);
+    verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free);
+    draft_calls: [k_max+1] draft calls n_k that drafting k positions takes (default k)."""
+    a = jnp.asarray(alpha, jnp.float32)
+    if a.ndim == 1:
+        a = jnp.repeat(a[:, None], k_max, axis=1)
+    ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
+    v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
+    n = ks if draft_calls is None else jnp.asarray(draft_calls, jnp.float32)
+    gain = expected_tokens(a[:, :k_max]) / (n * cost_ratio + v)  # cost_ratio may be traced
+    return jnp.argmax(gain, axis=-1).astype(jnp.int32)
+
+
+def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[int],
+                        bucket_cost):
+    """The verify bucket [] the whole batch should run once every row has drafted (one
+    deep row makes every row pay its width): argmax over b of
+    sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b, ties to the cheaper bucket."""
+    a = jnp.asarray(alpha, jnp.float32)
+    if a.ndim == 1:
+        a = jnp.repeat(a[:, None], max(bucket_depths), axis=1)
+    e = expected_tokens(a)  # [B, Dm+1]
+    d = jnp.asarray(bucket_depths, jnp.int32)[None, :]  # [1, NB]
+    reach = jnp.minimum(drafted_depth.astype(jnp.int32)[:, None], d)  # [B, NB]
+    tokens = jnp.take_along_axis(e, reach, axis=1)
+    total = jnp.sum(jnp.where(active[:, None], tokens, 0.0), axis=0)
+    return jnp.argmax(total / jnp.asarray(bucket_cost, jnp.float32)).astype(jnp.int32)
+
+
+@struct.dataclass
+class Decision:
+    """The rule's verdict for one loop step (plain steps leave it unchanged: only
+    accepted drafts and tries move α)."""
+
+    rule: Rule
+    alpha: jax.Array  # [B, Dm] acceptance per position
+    limit: jax.Array  # [B] the depth k each row drafts by the rule
+    worth: jax.Array  # [B] bool: whether a probe could change the row's k
+    cost: jax.Array  # [NB] each verify bucket's cost as the rule prices it
+    spent: jax.Array  # [NB+1] each bucket's cost at the batch, then no forward's
+
+    def depth_limits(self, st: LoopState, max_depth: int):
+        """(depth limit [B], probed [B]): the rule's k, 1 where a k = 0 row's probe is
+        due, full depth without the adaptive rule, 0 on finished rows."""
+        adaptive, active = self.rule.adaptive, ~st.done
+        probed = ((self.limit == 0) & (st.steps >= st.probes.next_probe) & adaptive
+                  & active & self.worth)
+        limit = jnp.where(probed, 1, self.limit)  # a row at k = 0 re-measures now and then
+        return jnp.where(adaptive & active, limit, jnp.where(active, max_depth, 0)), probed
+
+    def bucket(self, depths: Sequence[int], row_depth, active, probed):
+        """The verify bucket: the one that pays for the batch as a whole, never deeper
+        than the deepest draft; probe steps (and rows deciding alone) verify every draft
+        so that rows at k = 0 keep measuring."""
+        covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))
+        best = batch_verify_bucket(self.alpha, row_depth, active, depths, self.cost)
+        rule = self.rule
+        return jnp.where(rule.adaptive & ~jnp.any(probed) & ~rule.per_row,
+                         jnp.minimum(best, covering), covering)
+
+
+def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
+    """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
+    call, the verify forward's cost growing with its width), and whether a probe pays.
+
+    A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
+    accepted probes in a row would make the rule draft.
+    """
+    b = st.tokens.shape[0]
+    rows = jnp.where(rule.per_row, 1.0, float(b))  # the batch the rule prices
+    inputs = np.asarray([w + 1 for _, w in buckets])  # verified tokens per bucket
+    cost = rule.vcost.speculative(inputs, rows)
+    spent = rule.vcost.speculative(np.append(inputs, 1), b)
+    per_k = np.asarray(bucket_per_depth(buckets))
+    calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
+    # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
+    v = jnp.where(inputs[per_k] > 1, cost[per_k], 1.0)
+    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.max_depth, v, calls)
+    hist, tried = st.counters.hist, st.counters.tried
+    alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
+    hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
+                                  tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
+    return Decision(rule=rule, alpha=alpha, limit=best(alpha), worth=best(hopeful) > 0,
+                    cost=cost, spent=spent)

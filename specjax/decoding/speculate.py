@@ -1,0 +1,180 @@
+"""One speculative step of `DecodeLoop`: propose, verify the bucket the policy picks in
+one target forward, then commit the accepted tokens, their KV and the counters."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from specjax import rng
+from specjax.decoding.policy import Decision, decide, probe_schedule
+from specjax.decoding.state import LoopState, Params, Speculation
+from specjax.model import step
+from specjax.models.transformer import Hidden
+from specjax.speculators.base import CommitContext, ProposeContext
+from specjax.tree import ancestor_mask, check_tree
+from specjax.verify import verify, verify_no_draft
+
+if TYPE_CHECKING:
+    from specjax.decoding.loop import DecodeLoop
+
+
+def gather_hidden(hidden: Hidden, idx: jax.Array) -> Hidden:
+    """Hidden [B, T, ...] at per-row indices idx [B, J] -> Hidden [B, J, ...]."""
+    take = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
+    return Hidden(final=take(hidden.final), layers=tuple(take(x) for x in hidden.layers))
+
+
+def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def write_tokens(buf: jax.Array, start: jax.Array, new: jax.Array, count: jax.Array):
+    """buf [B, S] with new [B, J] written at start[b] + j for j < count[b]."""
+    j = jnp.arange(new.shape[1])[None, :]
+    cols = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])
+    rows = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], cols.shape)
+    return buf.at[rows, cols].set(new, mode="drop")
+
+
+def _propose(params: Params, st: LoopState, decision: Decision):
+    """(tree cut to each row's depth limit, speculator state, limit [B], probed [B])."""
+    spec = params.speculator
+    n, dm = spec.num_nodes, spec.max_depth
+    active = ~st.done
+    limit, probed = decision.depth_limits(st, dm)
+    k_prop = rng.step_keys(st.keys, st.lengths, rng.PROPOSE)  # [B] keys, one per row
+    tree, spec_state = spec.propose(
+        st.spec_state,
+        ProposeContext(st.tokens, st.lengths, active, params.sampling, k_prop, limit),
+        params.target)
+    check_tree(tree)
+    if tree.num_nodes != n or tree.max_depth != dm:
+        raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
+                         f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
+    tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))  # limit 0: inactive
+    return tree, spec_state, limit, probed
+
+
+def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
+              decision: Decision | None = None) -> Speculation:
+    """Propose, then one target forward over the tree's verified prefix and verification
+    (decision None: the policy's for `st`, as `specjax.inspect` asks)."""
+    if decision is None:
+        decision = decide(params.speculator, params.rule, loop.buckets, st)
+    active = ~st.done
+    tree, spec_state, limit, probed = _propose(params, st, decision)
+    row_depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # [B]
+    depths = [d for d, _ in loop.buckets]
+    which = decision.bucket(depths, row_depth, active, probed)
+    tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
+    k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
+    branches = [functools.partial(_verify_prefix, loop, w, params, st, tree, k_ver)
+                for _, w in loop.buckets]
+
+    def idle():
+        """No forward: every row finished (inside the plain-step loop, which hands over
+        to this step only then or when a row would draft); all of it is masked out."""
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(branches[0]))
+        res, kept, hidden, cache = zeros
+        return (res.replace(accepted=res.accepted - 1), kept, hidden,
+                st.cache if loop.commit.write_in_verify else cache)
+
+    which = jnp.where(jnp.any(active), which, len(branches))
+    res, kept, kept_hidden, out = jax.lax.switch(which, branches + [idle])
+    cache, kept_kv = loop.commit.split(st.cache, out)
+    width = jnp.asarray([w for _, w in loop.buckets] + [0], jnp.int32)[which]
+    return Speculation(tree=tree, result=res, kept_inputs=kept, kept_hidden=kept_hidden,
+                       cache=cache, kept_kv=kept_kv, spec_state=spec_state, depth_limit=limit,
+                       probed=probed, width=width, bucket=which)
+
+
+def _verify_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState, tree, key):
+    """Target forward over [root, first `width` nodes], verification, and the kept
+    inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket).
+    Returns (result, kept inputs, kept hidden, what the commit strategy keeps)."""
+    spec = params.speculator
+    b = st.tokens.shape[0]
+    active = ~st.done
+    n = max(width, 1)  # width 0 keeps one (invalid) node so the tree is never empty
+    sub = tree.replace(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n],
+                       depth=tree.depth[:, :n], valid=tree.valid[:, :n] & (width > 0),
+                       draft_probs=None if tree.draft_probs is None
+                       else tree.draft_probs[:, :n])
+    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
+    inputs = jnp.concatenate([root, sub.tokens[:, :width]], axis=1)  # [B, width+1]
+    positions = (st.lengths - 1)[:, None] + jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
+    mask = ancestor_mask(sub.parents[:, :width], spec.max_depth) if width else None
+    logits, hidden, out = step(loop.config, params.target, st.cache, inputs, positions,
+                               mask=mask, q_lens=jnp.where(active, width + 1, 0),
+                               hidden_layers=spec.hidden_layers, attention_backend=loop.backend,
+                               write_cache=loop.commit.write_in_verify)
+    # the token after the accepted path is drawn with the key a plain step at this length
+    # samples with: a row that drafts nothing draws what the plain-step loop would draw
+    bonus_keys = rng.step_keys(st.keys, st.lengths, rng.SAMPLE)
+    if width == 0:  # a plain decode step's sampling, no verifier
+        res = verify_no_draft(logits[:, 0], sub, params.sampling, key, bonus_keys)
+    else:
+        verification = spec.verification if loop.verification is None else loop.verification
+        res = verify(logits, sub, params.sampling, key, verification, bonus_keys)
+    kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
+    return (res, kept, gather_hidden(hidden, res.path_inputs),
+            loop.commit.kept(out, res.path_inputs))
+
+
+def speculative_step(loop: "DecodeLoop", params: Params, st: LoopState,
+                     decision: Decision) -> LoopState:
+    """Propose and verify, then emit the accepted tokens and the bonus (up to the row's
+    budget and its first EOS), commit their KV and hand the speculator its pairs."""
+    spec, dm = params.speculator, params.speculator.max_depth
+    active = ~st.done
+    sp = speculate(loop, params, st, decision)
+    res, lens = sp.result, st.lengths
+    # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
+    budget = params.max_new - (lens - st.prompt_lens)
+    emit = jnp.minimum(res.num_accepted + 1, budget)
+    j = jnp.arange(dm + 1)[None, :]
+    eos_at = is_eos(res.path_tokens, params.eos_ids) & (j < emit[:, None])
+    new_eos = jnp.any(eos_at, axis=1)
+    emit = jnp.where(new_eos, jnp.argmax(eos_at, axis=1) + 1, emit)
+    emit = jnp.where(active, emit, 0)
+    cache = loop.commit.apply(sp.cache, sp.kept_kv, res.accepted, lens, emit)
+    cache = cache.replace(lengths=jnp.where(active, lens - 1 + emit, st.cache.lengths))
+    tokens = write_tokens(st.tokens, lens, res.path_tokens, emit)
+    lengths = lens + emit
+    done = st.done | (active & new_eos) | (lengths - st.prompt_lens >= params.max_new)
+    spec_state = spec.commit(sp.spec_state, CommitContext(
+        tokens=sp.kept_inputs, next_tokens=res.path_tokens,
+        positions=(lens - 1)[:, None] + jnp.arange(dm + 1)[None, :], num_pairs=emit,
+        hidden=sp.kept_hidden, num_accepted=res.num_accepted, lengths=lengths), params.target)
+    acc = jnp.where(active, res.num_accepted, 0)  # what the verifier accepted (α), even
+    # if the row's budget or an EOS then emits fewer
+    next_probe, gap = probe_schedule(st.probes.next_probe, st.probes.probe_gap, st.steps,
+                                     sp.depth_limit > 0, sp.probed, acc)
+    return st.replace(
+        cache=cache, tokens=tokens, lengths=lengths, done=done, spec_state=spec_state,
+        counters=_count(params, st, sp, acc, decision), steps=st.steps + 1,
+        probes=st.probes.replace(next_probe=next_probe, probe_gap=gap))
+
+
+def _count(params: Params, st: LoopState, sp: Speculation, acc, decision: Decision):
+    """The counters after a speculative step that accepted `acc` [B] drafts per row."""
+    c, b, dm = st.counters, st.tokens.shape[0], params.speculator.max_depth
+    active = ~st.done
+    depth_used = jnp.max(jnp.where(sp.tree.valid, sp.tree.depth, 0), axis=1)
+    d = jnp.arange(1, dm + 1)[None, :]
+    tried = c.tried + (active[:, None] & (d <= jnp.minimum(acc + 1, depth_used)[:, None]))
+    # drafting stops at the deepest depth any row keeps (ProposeContext.depth_limit):
+    # every row waits for that many calls
+    calls = jnp.minimum(params.speculator.draft_calls_per_step(),
+                        jnp.maximum(jnp.max(jnp.where(active, sp.depth_limit, 0)), 1))
+    return c.replace(
+        target_calls=c.target_calls + active, draft_calls=c.draft_calls + active * calls,
+        drafted=c.drafted + jnp.where(active, depth_used, 0), accepted=c.accepted + acc,
+        hist=c.hist.at[jnp.arange(b), acc].add(active), tried=tried,
+        verified=c.verified + active * (sp.width + 1),
+        verify_cost=c.verify_cost + active * decision.spent[sp.bucket])
