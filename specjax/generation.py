@@ -177,7 +177,7 @@ def _prefill(config: ModelConfig, params, spec: Speculator | None, cache: PagedK
             num_pairs=jnp.ones((b,), jnp.int32), hidden=last,
             num_accepted=jnp.zeros((b,), jnp.int32), lengths=lengths), params)
     done = _is_eos(first, eos_ids) | (max_new <= 1)
-    dm = spec.max_depth if spec is not None else 0
+    dm = spec.shape.max_depth if spec is not None else 0
     zeros = jnp.zeros((b,), jnp.int32)
     return shard.constrain_caches(LoopState(
         cache, tokens, lengths, prompt_lens, done, keys, spec_state, zeros, zeros, zeros, zeros,
@@ -282,7 +282,7 @@ def _verify_prefix(width: int, config, params, spec: Speculator, st: LoopState, 
     inputs = jnp.concatenate([root, sub.tokens[:, :width]], axis=1)  # [B, width+1]
     positions = (st.lengths - 1)[:, None] + jnp.concatenate(
         [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
-    mask = ancestor_mask(sub.parents[:, :width], spec.max_depth) if width else None
+    mask = ancestor_mask(sub.parents[:, :width], spec.shape.max_depth) if width else None
     defer = _defer_kv_write(backend)
     logits, hidden, cache = step(config, params, st.cache, inputs, positions, mask=mask,
                                  q_lens=jnp.where(active, width + 1, 0),
@@ -319,13 +319,13 @@ def _rule(spec: Speculator, st: LoopState, rule: Rule):
     probes in a row would make the rule draft; where they would not (a head whose
     deeper acceptance is known to be low, or whose one call costs more than one
     accepted token returns), no outcome of the probe changes what the row does."""
-    buckets = verify_buckets(tuple(spec.depth_widths))
+    buckets = verify_buckets(tuple(spec.shape.depth_widths))
     inputs = np.asarray(_bucket_width_per_depth(buckets)) + 1  # verified tokens per k
     rows = _decision_rows(st, rule)
-    calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
+    calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`_plain_steps`); k > 0 a forward in the verify switch
     v = jnp.where(inputs > 1, rule.vcost.speculative(inputs, rows), 1.0)
-    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.max_depth, v, calls)
+    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls)
     alpha = position_acceptance(st.hist, st.tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(st.hist.at[:, 1].add(PROBE_LOOKAHEAD),
                                   st.tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
@@ -375,12 +375,12 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
                     rule: Rule, decision=None, verification: str | None = None) -> Speculation:
     """Propose, then one target forward over the tree and verification (`verification`:
     a `specjax.verify.METHODS` name; None: the speculator's own)."""
-    n, dm = spec.num_nodes, spec.max_depth
+    n, dm = spec.shape.num_nodes, spec.shape.max_depth
     verification = spec.verification if verification is None else verification
     active = ~st.done
     k_prop = rng.step_keys(st.keys, st.lengths, rng.PROPOSE)  # [B] keys, one per row
     k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
-    widths = tuple(spec.depth_widths)
+    widths = tuple(spec.shape.depth_widths)
     if len(widths) != dm + 1 or widths[0] != 0 or widths[-1] != n or list(widths) != sorted(
             widths):
         raise ValueError(f"{type(spec).__name__}.depth_widths={widths} must rise from 0 to "
@@ -438,7 +438,7 @@ def _propose_verify(config, params, spec: Speculator, st: LoopState, sampling, b
 def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_new, eos_ids,
                backend, rule: Rule, decision, verification: str) -> LoopState:
     b = st.tokens.shape[0]
-    dm = spec.max_depth
+    dm = spec.shape.max_depth
     active = ~st.done
     sp = _propose_verify(config, params, spec, st, sampling, backend, rule, decision,
                          verification)
@@ -483,7 +483,7 @@ def _spec_step(config, params, spec: Speculator, st: LoopState, sampling, max_ne
         # drafting stops at the deepest depth any row keeps (ProposeContext.depth_limit):
         # every row waits for that many calls
         draft_calls=st.draft_calls + active * jnp.minimum(
-            spec.draft_calls_per_step(), jnp.maximum(jnp.max(jnp.where(active, limit, 0)), 1)),
+            spec.cost.calls_per_step, jnp.maximum(jnp.max(jnp.where(active, limit, 0)), 1)),
         drafted=st.drafted + jnp.where(active, depth_used, 0),
         accepted=st.accepted + acc, hist=hist, tried=tried,
         verified=st.verified + active * (sp.width + 1),
@@ -558,12 +558,12 @@ def _verification(verification: str | None, speculator: Speculator | None) -> st
         if speculator is None:  # accepted in expectation, and no slower (docs/benchmarks.md)
             return METHODS[0]
         own = speculator.verification
-        return "block" if own == "rejection" and speculator.proposes_chains else own
+        return "block" if own == "rejection" and speculator.shape.proposes_chains else own
     if verification not in METHODS:
         raise ValueError(f"verification={verification!r} must be one of {METHODS}")
     if speculator is None:
         raise ValueError(f"verification={verification!r} needs a speculator")
-    if verification == "block" and not speculator.proposes_chains:
+    if verification == "block" and not speculator.shape.proposes_chains:
         raise ValueError(f"verification='block' verifies chains; {type(speculator).__name__} "
                          "proposes trees with siblings (use 'rejection')")
     return verification
@@ -631,16 +631,16 @@ def generate(
     verification: how sampled drafts are verified (`specjax.verify`): "rejection"
       (token-wise, lossless), "block" (block verification of chains, lossless, accepts
       at least as many tokens in expectation; speculators that propose chains only:
-      `Speculator.proposes_chains`), "typical" (Medusa's, LOSSY); None: the
+      `TreeShape.proposes_chains`), "typical" (Medusa's, LOSSY); None: the
       speculator's own (`speculator.verification`), "block" where that is "rejection"
       and the speculator proposes chains. Greedy decoding is unaffected.
     adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
     cost_ratio: one draft call's cost relative to a one-token target step, for the
-      adaptive rule and the analytical speedup; None takes `speculator.cost_ratio`
+      adaptive rule and the analytical speedup; None takes `speculator.cost.ratio`
       (parameter counts). Drafts cost more than their parameter share (the sampling,
       top-k and tree work around the matmuls), so pass a measured one
       (`specjax.bench.speculative.measured_cost_ratio`) where it matters. A step that
-      drafts k positions makes min(k, `speculator.draft_calls_per_step()`) calls.
+      drafts k positions makes min(k, `speculator.cost.calls_per_step`) calls.
     verify_cost: `specjax.VerifyCost(jump, slope, per_token, branch)`: a forward of T
       tokens costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target
       steps (or measured ratios, `VerifyCost.from_table`), times 1 + branch inside the
@@ -699,7 +699,7 @@ def generate(
     else:
         eos = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
     b = len(rows)
-    slack = speculator.num_nodes + 1 if speculator is not None else 1
+    slack = speculator.shape.num_nodes + 1 if speculator is not None else 1
     chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
     # token buffer S: the padded prompt chunks (and the token after them) and every row's
     # prompt, new tokens and draft slack
@@ -727,11 +727,11 @@ def generate(
     if speculator is None:
         cost = 0.0
     else:
-        cost = float(speculator.cost_ratio(cfg) if cost_ratio is None else cost_ratio)
+        cost = float(speculator.cost.ratio(cfg) if cost_ratio is None else cost_ratio)
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
-    prior = _prior(acceptance_prior, speculator.max_depth if speculator is not None else 0)
+    prior = _prior(acceptance_prior, speculator.shape.max_depth if speculator is not None else 0)
     plens = shard.put(np.asarray(lens, np.int32), mesh, ("batch",), name="prompt_lens")
 
     params = decode_params(cfg, model.params, layer_layout)

@@ -22,7 +22,7 @@ from specjax.stats import VerifyCost
 @functools.partial(jax.jit, static_argnames=("config",))
 def _one(config, params, spec, state, sampling):
     rule = gen.Rule(jnp.float32(0.0), jnp.bool_(False), VerifyCost(),  # full depth, free
-                    jnp.full((spec.max_depth,), jnp.nan, jnp.float32))  # verify
+                    jnp.full((spec.shape.max_depth,), jnp.nan, jnp.float32))  # verify
     return gen._propose_verify(config, params, spec, state, sampling, None, rule)
 
 
@@ -38,7 +38,7 @@ def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
     cfg = model.config
     params = model.params if params is None else params
     ids = gen._as_token_lists(model, [prompt])[0]
-    width = gen._bucket(len(ids) + speculator.num_nodes + 2, 64)
+    width = gen._bucket(len(ids) + speculator.shape.num_nodes + 2, 64)
     per_row = -(-width // page_size)
     pool = PagePool(batch * per_row, page_size)
     for r in range(batch):
