@@ -46,7 +46,7 @@ def _generate(args) -> int:
     elif args.speculator == "draft":
         if not args.draft:
             raise ValueError("--speculator draft needs --draft DIR")
-        spec = DraftModel(model=specjax.load(args.draft), k=args.k, target=model)
+        spec = DraftModel.create(specjax.load(args.draft), k=args.k, target=model)
     print(f"model: {source}")
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)

@@ -32,7 +32,7 @@ def params_for(params, spec: Speculator | None, sampling: Sampling, rule: Rule |
 @functools.partial(jax.jit, static_argnames=("config",))
 def _one(config, params, spec, state, sampling):
     rule = Rule(jnp.float32(0.0), jnp.bool_(False), VerifyCost(),  # full depth, free
-                jnp.full((spec.max_depth,), jnp.nan, jnp.float32))  # verify
+                jnp.full((spec.shape.max_depth,), jnp.nan, jnp.float32))  # verify
     return DecodeLoop.create(config, spec).speculate(params_for(params, spec, sampling, rule),
                                                      state)
 
@@ -49,7 +49,7 @@ def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
     cfg = model.config
     params = model.params if params is None else params
     ids = as_token_lists(model, [prompt])[0]
-    width = round_up(len(ids) + speculator.num_nodes + 2, 64)
+    width = round_up(len(ids) + speculator.shape.num_nodes + 2, 64)
     per_row = -(-width // page_size)
     pool = PagePool(batch * per_row, page_size)
     for r in range(batch):

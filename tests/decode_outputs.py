@@ -45,8 +45,8 @@ def speculators(target, draft) -> dict:
     return {
         "plain": (None, False),
         "ngram": (NGram(k=3), True),
-        "draft": (DraftModel(model=draft, k=3), True),
-        "self": (DraftModel(model=target, k=4), True),
+        "draft": (DraftModel.create(draft, k=3), True),
+        "self": (DraftModel.create(target, k=4), True),
         "medusa": (Medusa.random(target, num_heads=2, tree=[[0], [1], [0, 0], [0, 1]]), False),
         "eagle2": (Eagle.random(target, top_k=2, depth=3, total_tokens=6), False),
         "eagle1_static": (Eagle.random(target, tree=[[0], [1], [0, 0]]), False),

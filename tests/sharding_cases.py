@@ -70,7 +70,7 @@ def speculator(kind: str):
     if kind == "eagle3":  # three target layers handed over, head cache, draft vocabulary
         return specjax.speculators.Eagle.random(target(), version=3, draft_vocab_size=128,
                                                 top_k=2, depth=2, total_tokens=4)
-    return specjax.speculators.DraftModel(model=draft(), k=3)
+    return specjax.speculators.DraftModel.create(draft(), k=3)
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,7 +61,7 @@ def _eagle(target, seed, vd=VD, **flags):
     config = EagleConfig(3, LAYERS, vd, **flags).resolved(target.config)
     params = _perturbed(init_eagle_params(config, target.config, seed), seed)
     d2t = _d2t(target.config.vocab_size, vd, seed) if vd < target.config.vocab_size else None
-    return Eagle(params, config, target=target, vocab_map=d2t)
+    return Eagle.create(params, config, target=target, vocab_map=d2t)
 
 
 def _inputs(target, seed):
@@ -158,7 +158,7 @@ def test_specjax_runs_speculators_saved_head(interop, target, name):
     """A head speculators initialises (from_training_args) and saves loads into `Eagle` and
     gives the logits speculators computed; its own embedding (the verifier's) is kept."""
     path = interop["work"] / f"saved_{name}"
-    eagle = Eagle(heads=path, target=target)
+    eagle = Eagle.load(path, target=target)
     ins = interop["inputs"][f"saved_{name}"]
     np.testing.assert_array_equal(np.asarray(eagle.d2t), ins["d2t"])
     assert eagle.config.hidden_layers == LAYERS
@@ -191,7 +191,7 @@ def test_bfloat16_export(interop, target):
     assert tensors["d2t"].dtype == np.int64 and tensors["t2d"].dtype == bool
     raw = json.loads((path / "config.json").read_text())
     assert raw["transformer_layer_config"]["torch_dtype"] == "bfloat16"
-    back, eagle = Eagle(heads=path, target=target), interop["heads"]["plain"]
+    back, eagle = Eagle.load(path, target=target), interop["heads"]["plain"]
     rounded = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16)
                            .astype(np.float32), eagle.params)
     assert not np.array_equal(rounded["fc"]["kernel"], np.asarray(eagle.params["fc"]["kernel"]))
@@ -205,7 +205,7 @@ def test_speculators_round_trip_is_exact(interop, target, tmp_path):
     for name, eagle in interop["heads"].items():
         path = interop["work"] / f"spec_{name}"
         tgt = interop["qwen3"] if name == "qwen3" else target
-        back = Eagle(heads=path, target=tgt)
+        back = Eagle.load(path, target=tgt)
         _same_head(back, eagle, tgt)
         verifier = interop["work"] / "verifier_qwen3" if name == "qwen3" else interop["verifier"]
         again = specjax.export.export_speculators(back, tmp_path / name, verifier=str(verifier))
@@ -263,9 +263,9 @@ def test_speculators_converter_takes_original_layout(interop, target):
 def test_original_layout_round_trip_is_exact(interop, target, tmp_path):
     path = interop["work"] / "original"
     ckpt = eagle3_original.read_eagle3(path, target.config)
-    back = Eagle(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map)
+    back = Eagle.create(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map)
     _same_head(back, interop["heads"]["plain"], target)
-    again = specjax.export.export_eagle3(Eagle(heads=path, target=target), tmp_path / "o")
+    again = specjax.export.export_eagle3(Eagle.load(path, target=target), tmp_path / "o")
     _same_files(path, again)
 
 
@@ -289,8 +289,8 @@ def _same_files(a: Path, b: Path):
 def test_imported_head_drafts_losslessly(interop, target):
     """A head speculators saved (its own embedding included) drafts inside
     `specjax.generate`, and greedy output is the target's own."""
-    eagle = Eagle(heads=interop["work"] / "saved_plain", target=target, top_k=2, depth=2,
-                  total_tokens=4)
+    eagle = Eagle.load(interop["work"] / "saved_plain", target=target, top_k=2, depth=2,
+                       total_tokens=4)
     prompts = [[5, 17, 33, 2, 9, 71, 40, 8]]
     plain = specjax.generate(target, prompts, max_new_tokens=12, ignore_eos=True)
     out = specjax.generate(target, prompts, speculator=eagle, max_new_tokens=12,
@@ -319,17 +319,17 @@ def test_head_for_another_target_is_refused(interop, tmp_path):
     src = interop["work"] / "spec_plain"
     other = _target(vocab_size=100).config
     with pytest.raises(ValueError, match=r"made for another target: vocab_size=96.*100"):
-        Eagle(heads=src, target=other)
+        Eagle.load(src, target=other)
     with pytest.raises(ValueError, match=r"made for another target: .*num_layers=6.*8"):
-        Eagle(heads=interop["work"] / "original", target=_target(num_layers=8).config)
+        Eagle.load(interop["work"] / "original", target=_target(num_layers=8).config)
     # a head from elsewhere (no specjax fingerprint): what the format says is checked
     bare = _copy_head(src, tmp_path / "bare", lambda c: c.pop("specjax_target"))
     with pytest.raises(ValueError, match=r"made for another target: vocab_size=96 "
                                          r"\(target has 100\)"):
-        Eagle(heads=bare, target=other)
+        Eagle.load(bare, target=other)
     with pytest.raises(ValueError, match=r"verifier architectures=\['LlamaForCausalLM'\] "
                                          r"\(target is Qwen3ForCausalLM\)"):
-        Eagle(heads=bare, target=_target(model_type="qwen3", qk_norm=True).config)
+        Eagle.load(bare, target=_target(model_type="qwen3", qk_norm=True).config)
 
 
 def test_reduced_vocabulary_without_d2t_is_refused(interop, target, tmp_path):
@@ -337,7 +337,7 @@ def test_reduced_vocabulary_without_d2t_is_refused(interop, target, tmp_path):
         head = _copy_head(interop["work"] / name, tmp_path / name, drop=("d2t",))
         with pytest.raises(ValueError, match=r"draft_vocab_size=48 is smaller than the "
                                              r"target's vocab_size=96, but there is no 'd2t'"):
-            Eagle(heads=head, target=target)
+            Eagle.load(head, target=target)
 
 
 def _set_layer(key, value):
@@ -358,7 +358,7 @@ def _set_layer(key, value):
 def test_fields_specjax_cannot_honour_are_refused(interop, target, tmp_path, edit, message):
     head = _copy_head(interop["work"] / "spec_plain", tmp_path / "h", edit)
     with pytest.raises(ValueError, match=message):
-        Eagle(heads=head, target=target)
+        Eagle.load(head, target=target)
 
 
 def test_unknown_layout_and_unwritable_heads_are_refused(interop, target, tmp_path):
@@ -399,7 +399,7 @@ def _medusa_keys(m, r):
 @pytest.mark.parametrize("r", [0, 1])
 def test_medusa_round_trip_and_key_names(target, tmp_path, r):
     heads = Medusa.random(target, num_heads=4, num_residual_layers=r, seed=4)
-    heads = Medusa(_perturbed(heads.params, 4), heads.config, target=target)
+    heads = Medusa.create(_perturbed(heads.params, 4), heads.config, target=target)
     path = specjax.export.export_medusa(heads, tmp_path / "m", base_model_name_or_path="t")
     tensors = load_file(str(path / "medusa_lm_head.safetensors"))
     assert set(tensors) == _medusa_keys(4, r)
@@ -407,7 +407,7 @@ def test_medusa_round_trip_and_key_names(target, tmp_path, r):
     raw = json.loads((path / "config.json").read_text())
     assert (raw["medusa_num_heads"], raw["medusa_num_layers"],
             raw["base_model_name_or_path"]) == (4, r, "t")
-    back = Medusa(heads=path, target=target)
+    back = Medusa.load(path, target=target)
     assert back.config == heads.config
     _same_tree(back.params, heads.params)
     again = specjax.export.export_medusa(back, tmp_path / "again", base_model_name_or_path="t")
@@ -435,15 +435,16 @@ def test_medusa_layouts_it_cannot_hold_are_refused(target, tmp_path):
     p = dict(heads.params)
     p["res_kernel"] = jnp.repeat(p["res_kernel"][:, :1], 2, axis=1)  # one ResBlock repeated
     p["res_bias"] = jnp.repeat(p["res_bias"][:, :1], 2, axis=1)
-    path = specjax.export.export_medusa(Medusa(p, heads.config, target=target), tmp_path / "ok")
-    _same_tree(Medusa(heads=path, target=target).params, p)
+    path = specjax.export.export_medusa(Medusa.create(p, heads.config, target=target),
+                                        tmp_path / "ok")
+    _same_tree(Medusa.load(path, target=target).params, p)
     with pytest.raises(ValueError, match=r"made for another target: vocab_size=96"):
-        Medusa(heads=path, target=_target(vocab_size=100).config)
+        Medusa.load(path, target=_target(vocab_size=100).config)
     tensors = load_file(str(path / "medusa_lm_head.safetensors"))
     save_file({k: v for k, v in tensors.items() if k != "1.2.weight"},
               str(path / "medusa_lm_head.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['1.2.weight'\]"):
-        Medusa(heads=path, target=target)
+        Medusa.load(path, target=target)
 
 
 # ---- training jobs and the CLI -----------------------------------------------------------
@@ -458,7 +459,7 @@ def test_training_jobs_write_the_serving_layout(interop, target, tmp_path):
     out = jobs.serving_export(tmp_path, "eagle", eagle.config, eagle.params, target, "tgt",
                               np.asarray(eagle.d2t))
     assert out == tmp_path / "speculators"
-    _same_head(Eagle(heads=out, target=target), eagle, target)
+    _same_head(Eagle.load(out, target=target), eagle, target)
     raw = json.loads((out / "config.json").read_text())
     assert raw["speculators_config"]["verifier"]["name_or_path"] == "tgt"
     medusa = Medusa.random(target, num_heads=2, num_residual_layers=1, seed=2, tree=[[0]])
@@ -564,7 +565,7 @@ def test_published_heads_load_by_hub_id_and_from_pytorch_bin(interop, target, tm
     out = _run("import json, numpy as np, specjax\n"
                "from specjax.speculators import Eagle\n"
                f"t = specjax.load({str(interop['verifier'])!r}, dtype='float32')\n"
-               "e = Eagle(heads='Org/eagle3-head', target=t)\n"
+               "e = Eagle.load('Org/eagle3-head', target=t)\n"
                "print(json.dumps(np.asarray(e.d2t).tolist()))\n", tmp_path / "hub")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == \
@@ -576,7 +577,7 @@ def test_published_heads_load_by_hub_id_and_from_pytorch_bin(interop, target, tm
     tensors = load_file(str(interop["work"] / "original" / "model.safetensors"))
     torch.save({k: torch.from_numpy(v) for k, v in tensors.items()},
                bin_dir / "pytorch_model.bin")
-    back = Eagle(heads=bin_dir, target=target)
+    back = Eagle.load(bin_dir, target=target)
     _same_head(back, interop["heads"]["plain"], target)
 
 
@@ -586,6 +587,6 @@ def test_imported_head_params_have_sharding_rules(interop, target):
     from specjax.sharding.rules import tree_specs
 
     for name in ("fc_norm", "norm_before_fc_full_vocab"):
-        back = Eagle(heads=interop["work"] / f"spec_{name}", target=target)
+        back = Eagle.load(interop["work"] / f"spec_{name}", target=target)
         specs = tree_specs(back.params, {"data": 1, "model": 2}, config=target.config)
         assert specs["embed_tokens"]["embedding"] == jax.sharding.PartitionSpec("model", None)

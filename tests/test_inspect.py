@@ -10,7 +10,7 @@ from tests.conftest import PROMPTS
 
 def test_first_draft_of_the_target_as_its_own_draft(tiny_target):
     ref = specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=6, ignore_eos=True)
-    t = first_draft(tiny_target, PROMPTS[0], DraftModel(model=tiny_target, k=4))
+    t = first_draft(tiny_target, PROMPTS[0], DraftModel.create(tiny_target, k=4))
     assert t["num_accepted"] == 4 and len(t["tokens"]) == 4
     # root, the 4 accepted drafts, then the bonus: target-only greedy's first 6 tokens
     assert [t["root"], *t["tokens"], t["bonus"]] == ref.tokens[0]

@@ -33,7 +33,7 @@ def pair():
 
 
 def _speculators(target, draft):
-    return {"plain": None, "ngram": NGram(k=2), "draft": DraftModel(model=draft, k=2),
+    return {"plain": None, "ngram": NGram(k=2), "draft": DraftModel.create(draft, k=2),
             "medusa": Medusa.random(target, num_heads=2, tree=[[0], [1], [0, 0]]),
             "eagle": Eagle.random(target, top_k=2, depth=2, total_tokens=4)}
 
@@ -61,7 +61,7 @@ def test_a_row_samples_the_same_alone_and_in_any_batch(pair, name, adaptive):
         # fail drop to k = 0 while others still draft, and the verify forward's cost (this
         # backend's table) grows with the batch, so a batch-priced rule would decide
         # differently at 1, 4 and 64 rows
-        kw.update(cost_ratio=0.0, acceptance_prior=[0.9] * spec.max_depth)
+        kw.update(cost_ratio=0.0, acceptance_prior=[0.9] * spec.shape.max_depth)
     alone = specjax.generate(target, [ROW], seed=[SEED], **kw).tokens[0]
     for n, at in ((4, 2), (64, 37)):
         prompts, seeds = _batch(n, at)

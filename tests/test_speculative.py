@@ -19,8 +19,8 @@ def greedy_ref(tiny_target):
 def _speculators(tiny_target, tiny_draft):
     return {
         "ngram": NGram(k=4),
-        "draft": DraftModel(model=tiny_draft, k=3),
-        "self": DraftModel(model=tiny_target, k=4),
+        "draft": DraftModel.create(tiny_draft, k=3),
+        "self": DraftModel.create(tiny_target, k=4),
     }
 
 
@@ -38,7 +38,7 @@ def test_greedy_is_lossless(tiny_target, tiny_draft, greedy_ref, name):
 
 def test_target_as_its_own_draft_accepts_everything(tiny_target):
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                           speculator=DraftModel(model=tiny_target, k=4), adaptive=False)
+                           speculator=DraftModel.create(tiny_target, k=4), adaptive=False)
     assert out.stats.acceptance_rate == 1.0
     assert out.stats.mean_accepted_length > 4.0  # k + 1 per step but for the budget's end
     assert out.stats.draft_calls == 4 * out.stats.target_calls
@@ -81,14 +81,14 @@ def test_eos_inside_an_accepted_run_stops_the_row(tiny_target, greedy_ref):
     eos = greedy_ref[2][5]
     plain = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, eos_id=eos)
     spec = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, eos_id=eos,
-                            speculator=DraftModel(model=tiny_target, k=4), adaptive=False)
+                            speculator=DraftModel.create(tiny_target, k=4), adaptive=False)
     assert spec.tokens == plain.tokens
 
 
 @pytest.mark.parametrize("make,match", [
     (lambda t, d: NGram(k=0), "k=0"),
     (lambda t, d: NGram(n_min=3, n_max=2), "n_min"),
-    (lambda t, d: DraftModel(model=d, k=0), "k=0"),
+    (lambda t, d: DraftModel.create(d, k=0), "k=0"),
 ])
 def test_bad_speculator_settings(tiny_target, tiny_draft, make, match):
     with pytest.raises(ValueError, match=match):
@@ -99,9 +99,9 @@ def test_draft_with_another_vocabulary_is_rejected(tiny_target):
     other = specjax.init_model(tiny_llama(vocab_size=100, num_layers=1), seed=2)
     with pytest.raises(ValueError, match="vocab_size=100"):
         specjax.generate(tiny_target, PROMPTS, max_new_tokens=4,
-                         speculator=DraftModel(model=other, k=2))
+                         speculator=DraftModel.create(other, k=2))
     with pytest.raises(ValueError, match="vocab_size=100"):
-        DraftModel(model=other, k=2, target=tiny_target)
+        DraftModel.create(other, k=2, target=tiny_target)
 
 
 # ---- sampling: the output distribution is the target's ------------------------------
@@ -131,7 +131,7 @@ def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temp
     target, draft = peaked_pair
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n_rows = 3000
-    spec = DraftModel(model=draft, k=2) if spec_name == "draft" else NGram(k=2)
+    spec = DraftModel.create(draft, k=2) if spec_name == "draft" else NGram(k=2)
     out = specjax.generate(target, [prompt] * n_rows, max_new_tokens=3, ignore_eos=True,
                            temperature=temperature, top_p=top_p, seed=1, speculator=spec,
                            adaptive=False, verification=verification)
@@ -145,7 +145,7 @@ def test_verify_buckets_and_depth_widths():
     from specjax.decoding.policy import verify_buckets
     from specjax.tree import depth_widths
 
-    assert NGram(k=4).depth_widths == (0, 1, 2, 3, 4)
+    assert NGram(k=4).shape.depth_widths == (0, 1, 2, 3, 4)
     # a plain step, depth 1 (probes, short n-gram matches), half and full depth
     assert verify_buckets((0, 1, 2, 3, 4, 5, 6, 7, 8)) == ((0, 0), (1, 1), (4, 4), (8, 8))
     assert verify_buckets((0, 1, 2, 3, 4)) == ((0, 0), (1, 1), (2, 2), (4, 4))
@@ -178,7 +178,7 @@ def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
     assert branched.stats.verify_cost == pytest.approx(1.5)
     # a draft as costly as the target never pays, whatever the verify costs
     selfish = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                               speculator=DraftModel(model=tiny_target, k=4),
+                               speculator=DraftModel.create(tiny_target, k=4),
                                verify_cost=VerifyCost())
     assert selfish.tokens == greedy_ref and selfish.stats.drafted <= 4
     for bad, match in ((VerifyCost(slope=-1.0), "slope=-1"),
@@ -249,7 +249,7 @@ def test_batch_rule_spares_idle_rows(tiny_target):
 def test_cost_ratio_override_drives_the_rule(tiny_target, tiny_draft, greedy_ref):
     """generate(cost_ratio=) replaces the parameter-count estimate: a draft said to cost
     as much as the target never drafts, a free one does; bad values are refused."""
-    spec = DraftModel(model=tiny_draft, k=3)
+    spec = DraftModel.create(tiny_draft, k=3)
     runs = {c: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                                 speculator=spec, cost_ratio=c, verify_cost=VerifyCost())
             for c in (0.0, 1.0)}
@@ -273,7 +273,7 @@ def test_verify_cost_model_and_its_stats(tiny_target, greedy_ref):
     vc = VerifyCost(jump=0.5, slope=0.25)
     np.testing.assert_allclose(vc(np.asarray([1, 2, 8])), [1.0, 1.75, 2.25], rtol=1e-6)
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                           speculator=DraftModel(model=tiny_target, k=4), adaptive=False,
+                           speculator=DraftModel.create(tiny_target, k=4), adaptive=False,
                            verify_cost=vc)
     assert out.tokens == greedy_ref and out.stats.mean_verified == 5.0
     assert out.stats.verify_cost == pytest.approx(
@@ -332,7 +332,7 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     # at α = 0.875 (E = 3.9, the prior after four accepted probes), not at 0.83 (3.57)
     never = flat_verify_cost(3.75)
     own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
-                           speculator=DraftModel(model=tiny_target, k=4), verify_cost=never,
+                           speculator=DraftModel.create(tiny_target, k=4), verify_cost=never,
                            cost_ratio=0.0)
     assert own.tokens == ref
     # rows at k = 0 decode plainly (the nested loop) and probe one token at steps 15
@@ -341,7 +341,7 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     assert own.stats.accepted == own.stats.drafted
     assert own.stats.target_calls == (40 - 1 - 2) * len(PROMPTS)
     other = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
-                             speculator=DraftModel(model=tiny_draft, k=3), verify_cost=never)
+                             speculator=DraftModel.create(tiny_draft, k=3), verify_cost=never)
     assert other.tokens == ref
 
 
@@ -358,7 +358,7 @@ def test_plain_steps_keep_every_speculator_lossless(tiny_target, tiny_draft, gre
 
     never = VerifyCost(per_token=100.0)
     for spec in (NGram(k=3), Medusa.random(tiny_target, num_heads=4, seed=1),
-                 DraftModel(model=tiny_draft, k=3),
+                 DraftModel.create(tiny_draft, k=3),
                  Eagle.random(tiny_target, top_k=2, depth=3, total_tokens=6),
                  Eagle.random(tiny_target, version=1, tree=[[0], [1], [0, 0]])):
         out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
@@ -401,7 +401,7 @@ def test_both_kv_commit_paths_are_lossless():
 
     target = _attention_sensitive_target()
     want = [greedy_reference(target, p, 24) for p in PROMPTS]
-    specs = [DraftModel(model=target, k=4), Medusa.random(target, num_heads=4, seed=0)]
+    specs = [DraftModel.create(target, k=4), Medusa.random(target, num_heads=4, seed=0)]
     assert commit.default_commit(None) is commit.WRITE_KEPT  # CPU default: deferred
     for defer in (False, True):
         kv_commit = "write-kept" if defer else "compact"  # a static choice of the loop
@@ -427,7 +427,7 @@ def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch)
     target = _attention_sensitive_target()
     medusa = Medusa.random(target, num_heads=4, seed=0)
     eagle = Eagle.random(target, top_k=2, depth=3, total_tokens=6)
-    for spec in (DraftModel(model=target, k=4), eagle):
+    for spec in (DraftModel.create(target, k=4), eagle):
         state = spec.init(target.config, 2, 64, kv_dtype=jnp.dtype(jnp.int8))
         assert state.cache.quantized and state.cache.k_pages.dtype == jnp.int8
         assert not spec.init(target.config, 2, 64).cache.quantized
@@ -447,7 +447,7 @@ def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch)
         runs = {type(spec).__name__: specjax.generate(target, PROMPTS, speculator=spec,
                                                       adaptive=False, kv_commit=kv_commit,
                                                       **kw)
-                for spec in (medusa, DraftModel(model=target, k=4), eagle)}
+                for spec in (medusa, DraftModel.create(target, k=4), eagle)}
         for name, out in runs.items():
             assert out.tokens == want, (defer, name)
         assert runs["Medusa"].stats.acceptance_rate > 0.3, defer  # drafts were kept
@@ -559,7 +559,7 @@ def test_a_step_with_every_row_finished_runs_no_forward(tiny_target):
     spec = NGram(k=3)
     state, sampling = prefilled_state(tiny_target, PROMPTS[0], spec)
     rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(),
-                jnp.full((spec.max_depth,), jnp.nan, jnp.float32))
+                jnp.full((spec.shape.max_depth,), jnp.nan, jnp.float32))
     loop = DecodeLoop.create(tiny_target.config, spec)
     run = jax.jit(lambda st: loop.speculate(
         params_for(tiny_target.params, spec, sampling, rule), st))
@@ -576,7 +576,7 @@ def test_acceptance_prior_starts_the_rule_where_calibration_left_it(tiny_target,
     if α is near 1: from the default prior (0.75) the rule never drafts within 16
     tokens; from a calibrated prior of 1.0 it drafts full depth from the first step.
     A prior of 0 keeps n-gram from drafting at all. Output is greedy's either way."""
-    spec = DraftModel(model=tiny_target, k=4)
+    spec = DraftModel.create(tiny_target, k=4)
     # batch 1 (a batch's plain step has T = rows > 1 too): v(T > 1) = 4, so depth 4
     # pays at E = 5 tokens, not at the default prior's 3.05
     kw = dict(max_new_tokens=16, ignore_eos=True, cost_ratio=0.0,
@@ -642,16 +642,17 @@ def test_verification_option_is_checked(tiny_target, tiny_draft):
     from specjax.speculators import Eagle, Medusa
     from specjax.tree import DraftTree
 
-    assert NGram(k=2).proposes_chains and DraftModel(model=tiny_draft, k=2).proposes_chains
-    assert not DraftModel(model=tiny_draft, k=2, tree_top_k=2).proposes_chains
-    assert Eagle.random(tiny_target, version=1, tree=[[0], [0, 0]]).proposes_chains
-    assert not Eagle.random(tiny_target, top_k=2, depth=2, total_tokens=3).proposes_chains
+    assert NGram(k=2).shape.proposes_chains
+    assert DraftModel.create(tiny_draft, k=2).shape.proposes_chains
+    assert not DraftModel.create(tiny_draft, k=2, tree_top_k=2).shape.proposes_chains
+    assert Eagle.random(tiny_target, version=1, tree=[[0], [0, 0]]).shape.proposes_chains
+    assert not Eagle.random(tiny_target, top_k=2, depth=2, total_tokens=3).shape.proposes_chains
     kw = dict(max_new_tokens=4, temperature=1.0)
     with pytest.raises(ValueError, match="verification='fast'"):
         specjax.generate(tiny_target, PROMPTS, speculator=NGram(k=2), verification="fast", **kw)
     with pytest.raises(ValueError, match="DraftModel proposes trees"):
         specjax.generate(tiny_target, PROMPTS, verification="block", **kw,
-                         speculator=DraftModel(model=tiny_draft, k=2, tree_top_k=2))
+                         speculator=DraftModel.create(tiny_draft, k=2, tree_top_k=2))
     with pytest.raises(ValueError, match="needs a speculator"):
         specjax.generate(tiny_target, PROMPTS, verification="block", **kw)
     with pytest.raises(ValueError, match="has siblings"):

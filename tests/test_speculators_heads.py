@@ -32,8 +32,8 @@ def _make(name, target):
         "eagle2": lambda: Eagle.random(target, top_k=3, depth=3, total_tokens=8),
         "eagle3": lambda: Eagle.random(target, version=3, draft_vocab_size=48, top_k=2, depth=3,
                                        total_tokens=6),
-        "draft_tree": lambda: DraftModel(model=_noisy_copy(target), k=3, tree_top_k=2,
-                                         total_tokens=6),
+        "draft_tree": lambda: DraftModel.create(_noisy_copy(target), k=3, tree_top_k=2,
+                                                total_tokens=6),
     }[name]()
 
 
@@ -55,7 +55,7 @@ def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
                            speculator=spec, adaptive=False)
     assert out.tokens == greedy_ref
     st = out.stats
-    assert st.draft_calls == st.target_calls * spec.draft_calls_per_step()
+    assert st.draft_calls == st.target_calls * spec.cost.calls_per_step
     if name in ("medusa", "draft_tree"):
         assert st.accepted > 0  # accepted runs went through commit
 
@@ -88,8 +88,8 @@ def test_a_one_branch_tree_is_the_chain(tiny_target, greedy_ref):
     draft = _noisy_copy(tiny_target, scale=0.3)
     run = lambda spec: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16,
                                         ignore_eos=True, speculator=spec, adaptive=False)
-    chain = run(DraftModel(model=draft, k=4))
-    tree = run(DraftModel(model=draft, k=4, tree_top_k=1))
+    chain = run(DraftModel.create(draft, k=4))
+    tree = run(DraftModel.create(draft, k=4, tree_top_k=1))
     _same_run(chain, tree)
     assert chain.tokens == greedy_ref
     assert 0 < chain.stats.accepted < chain.stats.drafted  # both accepts and rejections
@@ -98,7 +98,8 @@ def test_a_one_branch_tree_is_the_chain(tiny_target, greedy_ref):
 @pytest.mark.slow
 def test_eagle_one_branch_static_tree_is_the_top1_dynamic_tree(tiny_target):
     head = Eagle.random(tiny_target, top_k=1, depth=3, total_tokens=3)
-    static = Eagle(head.params, head.config, target=tiny_target, tree=[[0], [0, 0], [0, 0, 0]])
+    static = Eagle.create(head.params, head.config, target=tiny_target,
+                          tree=[[0], [0, 0], [0, 0, 0]])
     run = lambda spec: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16,
                                         ignore_eos=True, speculator=spec, adaptive=False)
     _same_run(run(head), run(static))
@@ -131,7 +132,7 @@ def test_eagle_state_after_commits_matches_a_fresh_run_of_the_head(tiny_target):
         (b - a - 1) * one, lengths * one), t.params)
     propose = lambda st, lengths: jpropose(st, ProposeContext(
         tok, lengths * one, jnp.ones((1,), bool), sampling, jax.random.key(0),
-        jnp.full((1,), spec.max_depth, jnp.int32)), t.params)
+        jnp.full((1,), spec.shape.max_depth, jnp.int32)), t.params)
     st = commit(st, p - 1, p, p + 1)  # root = x_6
     _, st = propose(st, p + 1)  # drafts written into the head cache, to be rolled back
     st = commit(st, p, p + 3, p + 4)  # kept inputs 6, 7, 8; root = x_9
@@ -226,9 +227,9 @@ def test_saved_heads_load_into_a_speculator_that_generates_the_same(
     spec = _make(name, tiny_target)
     spec.save(tmp_path)
     if name == "medusa":
-        loaded = Medusa(heads=tmp_path, target=tiny_target, tree=SMALL_TREE)
+        loaded = Medusa.load(tmp_path, target=tiny_target, tree=SMALL_TREE)
     else:
-        loaded = Eagle(heads=tmp_path, target=tiny_target, top_k=2, depth=3, total_tokens=6)
+        loaded = Eagle.load(tmp_path, target=tiny_target, top_k=2, depth=3, total_tokens=6)
         np.testing.assert_array_equal(loaded.d2t, spec.d2t)
     assert loaded.config == spec.config
     jax.tree.map(np.testing.assert_array_equal, loaded.params, spec.params)
@@ -244,12 +245,12 @@ def test_heads_for_another_target_are_refused(tmp_path, tiny_target):
                           jax.tree.map(cut, tiny_target.params))
     Medusa.random(other, num_heads=2, tree=[[0], [0, 0]]).save(tmp_path / "m")
     with pytest.raises(ValueError, match=r"vocab_size=100 \(target has 128\)"):
-        Medusa(heads=tmp_path / "m", target=tiny_target)
+        Medusa.load(tmp_path / "m", target=tiny_target)
     spec = Eagle.random(other, top_k=2, depth=2, total_tokens=3)
     with pytest.raises(ValueError, match="vocab_size=100"):
         specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec)
     with pytest.raises(ValueError, match="'medusa' heads, not 'eagle'"):
-        Eagle(heads=tmp_path / "m", target=other)
+        Eagle.load(tmp_path / "m", target=other)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -260,8 +261,8 @@ def test_heads_for_another_target_are_refused(tmp_path, tiny_target):
     (lambda t: Eagle.random(t, version=3, draft_vocab_size=4, top_k=5, depth=2,
                             total_tokens=5), "top-5"),
     (lambda t: Eagle.random(t, version=1, vocab_map=np.arange(8)), "EAGLE-3"),
-    (lambda t: DraftModel(model=t, k=2, tree_top_k=2, total_tokens=9), "total_tokens"),
-    (lambda t: Medusa(heads={}, target=t), "MedusaConfig"),
+    (lambda t: DraftModel.create(t, k=2, tree_top_k=2, total_tokens=9), "total_tokens"),
+    (lambda t: Medusa.create({}, None, target=t), "MedusaConfig"),
 ])
 def test_bad_settings_are_named(tiny_target, make, match):
     with pytest.raises(ValueError, match=match):
@@ -330,14 +331,14 @@ def shallow_target():
 
 D2T = np.asarray([15, 3, 7, 0, 9, 12, 5, 1])  # EAGLE-3's reduced vocabulary, not a prefix
 E2E = {  # speculator, sampling settings
-    "draft_tree": (lambda t: DraftModel(model=_noisy_copy(t, 0.3), k=2, tree_top_k=2,
-                                        total_tokens=4), dict(temperature=1.0)),
+    "draft_tree": (lambda t: DraftModel.create(_noisy_copy(t, 0.3), k=2, tree_top_k=2,
+                                               total_tokens=4), dict(temperature=1.0)),
     "eagle1_top_k": (lambda t: Eagle.random(t, version=1, tree=[[0], [1], [0, 0]]),
                      dict(temperature=0.8, top_k=5)),
     "eagle3_d2t": (lambda t: Eagle.random(t, version=3, draft_vocab_size=8, vocab_map=D2T,
                                           top_k=2, depth=2, total_tokens=4),
                    dict(temperature=1.0)),
-    "adaptive_probes": (lambda t: DraftModel(model=_noisy_copy(t, 0.3), k=2),
+    "adaptive_probes": (lambda t: DraftModel.create(_noisy_copy(t, 0.3), k=2),
                         dict(temperature=0.7, top_p=0.9)),
 }
 

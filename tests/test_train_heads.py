@@ -93,7 +93,7 @@ def test_trained_heads_learn_and_generate_losslessly(tmp_path, target_dir, head,
     target = specjax.load(target_dir, dtype="float32")
     ckpt = load_heads(job.export_dir, target.config)
     if isinstance(head, MedusaConfig):
-        spec = Medusa(heads=job.export_dir, target=target, tree=[[0], [1], [0, 0]])
+        spec = Medusa.load(job.export_dir, target=target, tree=[[0], [1], [0, 0]])
         # the Medusa repository's layout, written beside (tests/test_export.py checks it)
         assert job.summary["serving"] == str(tmp_path / "medusa")
         served = load_heads(tmp_path / "medusa", target.config)
@@ -102,7 +102,7 @@ def test_trained_heads_learn_and_generate_losslessly(tmp_path, target_dir, head,
     elif head.version == 3:  # a 2-layer target has no 3 distinct layers for servers
         assert job.summary["serving"].startswith("not written: hidden_layers=(1, 0, 0)")
     if isinstance(head, EagleConfig):
-        spec = Eagle(heads=job.export_dir, target=target, top_k=2, depth=2, total_tokens=4)
+        spec = Eagle.load(job.export_dir, target=target, top_k=2, depth=2, total_tokens=4)
         if head.version == 3:  # d2t: the 200 ids most frequent in the training split
             assert ckpt.vocab_map.shape == (200,) and np.all(np.diff(ckpt.vocab_map) > 0)
             np.testing.assert_array_equal(spec.d2t, ckpt.vocab_map)

@@ -203,7 +203,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     for kk in sweep_k:
         sub = {"autoregressive": None, "ngram": NGram(k=kk)}
         if draft is not None:
-            sub["draft"] = DraftModel(model=draft, k=kk)
+            sub["draft"] = DraftModel.create(draft, k=kk)
         for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
                          seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
                          repeats=repeats):

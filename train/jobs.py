@@ -222,10 +222,10 @@ def serving_export(workdir: Path, kind: str, head_config, params, target: Model,
     try:
         if kind == "medusa":
             tree = [(0,) * d for d in range(1, head_config.num_heads + 1)]
-            return export_medusa(Medusa(params, head_config, target=target, tree=tree), out,
-                                 base_model_name_or_path=str(target_dir))
-        eagle = Eagle(params, head_config, target=target, vocab_map=d2t, top_k=1, depth=1,
-                      total_tokens=1)
+            medusa = Medusa.create(params, head_config, target=target, tree=tree)
+            return export_medusa(medusa, out, base_model_name_or_path=str(target_dir))
+        eagle = Eagle.create(params, head_config, target=target, vocab_map=d2t, top_k=1,
+                             depth=1, total_tokens=1)
         return export_speculators(eagle, out, target=target, verifier=str(target_dir))
     except ValueError as e:
         log.warning("heads not written for serving (%s): %s", SERVING_DIRS[kind], e)
@@ -242,7 +242,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
           stop_at: int | None = None, **method_kwargs: Any) -> JobResult:
     """Trains Medusa heads (`MedusaConfig`) or an EAGLE head (`EagleConfig`) on the frozen
     target at `target_dir` and, when finished, writes them with `specjax.heads.save_heads`
-    to `<workdir>/heads` (what `Medusa(heads=...)` / `Eagle(heads=...)` load); a joint
+    to `<workdir>/heads` (what `Medusa.load(...)` / `Eagle.load(...)` load); a joint
     Medusa-2 run also exports its trained target to `<workdir>/export`. `serving`: also
     write them for servers (`serving_export`: EAGLE-3 in speculators' format, Medusa in
     the Medusa repository's); the summary's "serving" says where, or why not.

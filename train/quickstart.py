@@ -103,7 +103,7 @@ def from_scratch(workdir: str | Path, *, target_config: ModelConfig, draft_confi
     from specjax.speculators import DraftModel, NGram
 
     specs = {"autoregressive": None, "ngram": NGram(k=k),
-             "draft": DraftModel(model=draft, k=k, target=target)}
+             "draft": DraftModel.create(draft, k=k, target=target)}
     specs.update(_head_specs(workdir, tdir / "export", target, head_stages, common,
                              num_prompts, prompt_len, new_tokens, seed, k))
     return evaluate(workdir, target, draft, specs, common, data_config.corpus,
@@ -187,7 +187,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
         ddir = _stage(workdir, "draft", distill,
                       dict(common, layers=list(layers), train=_jsonable(draft_train)))
         draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
-        specs["draft"] = DraftModel(model=draft, k=k, target=target_model)
+        specs["draft"] = DraftModel.create(draft, k=k, target=target_model)
     specs.update(_head_specs(workdir, export, target_model, head_stages, common,
                              num_prompts, prompt_len, new_tokens, seed, k, record_tau=False))
     # Prompts from the held-out split of the whole corpus: the split is by document hash,

@@ -59,10 +59,10 @@ def head_speculator(heads_dir: str | Path, target: specjax.Model,
     ckpt = load_heads(heads_dir, target.config)
     if ckpt.kind == "medusa":
         tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]
-        return Medusa(ckpt.params, ckpt.config, target=target, tree=tree)
+        return Medusa.create(ckpt.params, ckpt.config, target=target, tree=tree)
     top_k, depth, total = eagle_tree
-    return Eagle(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map,
-                 top_k=top_k, depth=depth, total_tokens=total)
+    return Eagle.create(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map,
+                        top_k=top_k, depth=depth, total_tokens=total)
 
 
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,

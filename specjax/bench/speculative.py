@@ -72,7 +72,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     The draft side is the speculator's whole `propose` at full depth after a
     `context`-token prompt (the draft model's queue forward and chain, Medusa's heads,
     EAGLE's tree levels with their top-k and reranking), divided by the draft calls it
-    makes there (`draft_calls_per_step`). Parameter counts miss exactly that work
+    makes there (`DraftCost.calls_per_step`). Parameter counts miss exactly that work
     around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
     a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
     (`measured_cost_ratios`)."""
@@ -83,7 +83,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     from specjax.speculators.base import ProposeContext
     from specjax.xla_options import compile_decode
 
-    calls = speculator.draft_calls_per_step()
+    calls = speculator.cost.calls_per_step
     if calls == 0:
         return 0.0
     cfg = target.config
@@ -96,7 +96,7 @@ def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128
     def propose(p, sp, st: LoopState):
         ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling,
                              rng.step_keys(st.keys, st.lengths, rng.PROPOSE),
-                             jnp.full_like(st.lengths, sp.max_depth))
+                             jnp.full_like(st.lengths, sp.shape.max_depth))
         return sp.propose(st.spec_state, ctx, p)[0].tokens
 
     def target_step(p, st: LoopState):
@@ -275,7 +275,7 @@ def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = No
 
     specs = {"autoregressive": None, "ngram": NGram(k=k)}
     if draft is not None:
-        specs["draft"] = DraftModel(model=draft, k=k, target=target)
+        specs["draft"] = DraftModel.create(draft, k=k, target=target)
     for name, heads in (("medusa", medusa), ("eagle", eagle)):
         if heads:
             specs[name] = head_speculator(heads, target, eagle_tree)

@@ -559,7 +559,7 @@ def _models(target, draft, speculators) -> str:
     if "eagle" in speculators:
         e = speculators["eagle"]
         parts.append(f"EAGLE-{e.config.version} head (dynamic tree top_k {e.top_k}, depth "
-                     f"{e.max_depth}, {e.total_tokens} nodes)")
+                     f"{e.shape.max_depth}, {e.total_tokens} nodes)")
     return "; ".join(parts)
 
 

@@ -185,7 +185,7 @@ class _Sizes:
     @classmethod
     def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh):
         b = len(lens)
-        slack = speculator.num_nodes + 1 if speculator is not None else 1
+        slack = speculator.shape.num_nodes + 1 if speculator is not None else 1
         chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
         # token buffer S: the padded prompt chunks (and the token after them) and every
         # row's prompt, new tokens and draft slack
@@ -230,7 +230,7 @@ def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
         raise ValueError(f"cost_ratio={cost_ratio!r} must be a finite number >= 0")
     if speculator is None:
         return 0.0
-    return float(speculator.cost_ratio(cfg) if cost_ratio is None else cost_ratio)
+    return float(speculator.cost.ratio(cfg) if cost_ratio is None else cost_ratio)
 
 
 def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator, seed,
@@ -239,7 +239,7 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
-    prior = _prior(acceptance_prior, speculator.max_depth if speculator is not None else 0)
+    prior = _prior(acceptance_prior, speculator.shape.max_depth if speculator is not None else 0)
     per_row = not rng.is_seed(seed)  # one seed per prompt: rows decide alone
     return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
@@ -313,12 +313,12 @@ def _verification(verification: str | None, speculator: Speculator | None) -> st
         if speculator is None:
             return METHODS[0]
         own = speculator.verification
-        return "block" if own == "rejection" and speculator.proposes_chains else own
+        return "block" if own == "rejection" and speculator.shape.proposes_chains else own
     if verification not in METHODS:
         raise ValueError(f"verification={verification!r} must be one of {METHODS}")
     if speculator is None:
         raise ValueError(f"verification={verification!r} needs a speculator")
-    if verification == "block" and not speculator.proposes_chains:
+    if verification == "block" and not speculator.shape.proposes_chains:
         raise ValueError(f"verification='block' verifies chains; {type(speculator).__name__} "
                          "proposes trees with siblings (use 'rejection')")
     return verification

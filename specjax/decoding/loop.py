@@ -29,16 +29,6 @@ from specjax.sharding import rules as shard
 from specjax.speculators.base import CommitContext, PrefillChunk, Speculator
 
 
-def check_widths(spec: Speculator) -> tuple[int, ...]:
-    """The speculator's `depth_widths`, checked against its node count and depth."""
-    n, dm, widths = spec.num_nodes, spec.max_depth, tuple(spec.depth_widths)
-    if len(widths) != dm + 1 or widths[0] != 0 or widths[-1] != n or list(widths) != sorted(
-            widths):
-        raise ValueError(f"{type(spec).__name__}.depth_widths={widths} must rise from 0 to "
-                         f"num_nodes={n} over depths 0..max_depth={dm}")
-    return widths
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
     """The compiled loop's static settings: equal loops share one program. The weights
@@ -56,7 +46,7 @@ class DecodeLoop:
                verification: str | None = None) -> "DecodeLoop":
         """The loop for `spec`, its verify buckets computed once here (commit None: the
         backend's default under the mesh active now)."""
-        buckets = verify_buckets(check_widths(spec)) if spec is not None else ()
+        buckets = verify_buckets(spec.shape.depth_widths) if spec is not None else ()
         commit = commit_lib.default_commit(backend) if commit is None else commit
         return cls(config, backend, commit, verification, buckets)
 
@@ -89,7 +79,7 @@ class DecodeLoop:
                 num_pairs=jnp.ones((b,), jnp.int32), hidden=last,
                 num_accepted=jnp.zeros((b,), jnp.int32), lengths=lengths), params.target)
         done = is_eos(first, params.eos_ids) | (params.max_new <= 1)
-        dm = spec.max_depth if spec is not None else 0
+        dm = spec.shape.max_depth if spec is not None else 0
         return shard.constrain_caches(LoopState(
             cache=cache, tokens=tokens, lengths=lengths, prompt_lens=plens, done=done,
             keys=prompt.keys, spec_state=spec_state, steps=jnp.int32(0),

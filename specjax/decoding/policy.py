@@ -183,10 +183,10 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
     cost = rule.vcost.speculative(inputs, rows)
     spent = rule.vcost.speculative(np.append(inputs, 1), b)
     per_k = np.asarray(bucket_per_depth(buckets))
-    calls = np.minimum(np.arange(spec.max_depth + 1), spec.draft_calls_per_step())
+    calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
     v = jnp.where(inputs[per_k] > 1, cost[per_k], 1.0)
-    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.max_depth, v, calls)
+    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls)
     hist, tried = st.counters.hist, st.counters.tried
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),

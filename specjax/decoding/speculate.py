@@ -43,7 +43,7 @@ def write_tokens(buf: jax.Array, start: jax.Array, new: jax.Array, count: jax.Ar
 def _propose(params: Params, st: LoopState, decision: Decision):
     """(tree cut to each row's depth limit, speculator state, limit [B], probed [B])."""
     spec = params.speculator
-    n, dm = spec.num_nodes, spec.max_depth
+    n, dm = spec.shape.num_nodes, spec.shape.max_depth
     active = ~st.done
     limit, probed = decision.depth_limits(st, dm)
     k_prop = rng.step_keys(st.keys, st.lengths, rng.PROPOSE)  # [B] keys, one per row
@@ -108,7 +108,7 @@ def _verify_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState
     inputs = jnp.concatenate([root, sub.tokens[:, :width]], axis=1)  # [B, width+1]
     positions = (st.lengths - 1)[:, None] + jnp.concatenate(
         [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
-    mask = ancestor_mask(sub.parents[:, :width], spec.max_depth) if width else None
+    mask = ancestor_mask(sub.parents[:, :width], spec.shape.max_depth) if width else None
     logits, hidden, out = step(loop.config, params.target, st.cache, inputs, positions,
                                mask=mask, q_lens=jnp.where(active, width + 1, 0),
                                hidden_layers=spec.hidden_layers, attention_backend=loop.backend,
@@ -130,7 +130,7 @@ def speculative_step(loop: "DecodeLoop", params: Params, st: LoopState,
                      decision: Decision) -> LoopState:
     """Propose and verify, then emit the accepted tokens and the bonus (up to the row's
     budget and its first EOS), commit their KV and hand the speculator its pairs."""
-    spec, dm = params.speculator, params.speculator.max_depth
+    spec, dm = params.speculator, params.speculator.shape.max_depth
     active = ~st.done
     sp = speculate(loop, params, st, decision)
     res, lens = sp.result, st.lengths
@@ -163,14 +163,14 @@ def speculative_step(loop: "DecodeLoop", params: Params, st: LoopState,
 
 def _count(params: Params, st: LoopState, sp: Speculation, acc, decision: Decision):
     """The counters after a speculative step that accepted `acc` [B] drafts per row."""
-    c, b, dm = st.counters, st.tokens.shape[0], params.speculator.max_depth
+    c, b, dm = st.counters, st.tokens.shape[0], params.speculator.shape.max_depth
     active = ~st.done
     depth_used = jnp.max(jnp.where(sp.tree.valid, sp.tree.depth, 0), axis=1)
     d = jnp.arange(1, dm + 1)[None, :]
     tried = c.tried + (active[:, None] & (d <= jnp.minimum(acc + 1, depth_used)[:, None]))
     # drafting stops at the deepest depth any row keeps (ProposeContext.depth_limit):
     # every row waits for that many calls
-    calls = jnp.minimum(params.speculator.draft_calls_per_step(),
+    calls = jnp.minimum(params.speculator.cost.calls_per_step,
                         jnp.maximum(jnp.max(jnp.where(active, sp.depth_limit, 0)), 1))
     return c.replace(
         target_calls=c.target_calls + active, draft_calls=c.draft_calls + active * calls,

@@ -6,8 +6,8 @@
   export_gguf(draft, file)        a draft model as llama.cpp's GGUF (`save_gguf`)
 
 `read_heads(dir, target_config)` reads any of the head layouts back (the format is told by
-its config.json); `specjax.heads.load_heads`, and so `Eagle(heads=dir)` and
-`Medusa(heads=dir)`, fall back to it for a directory without specjax's own `heads.json`.
+its config.json); `specjax.heads.load_heads`, and so `Eagle.load(dir)` and
+`Medusa.load(dir)`, fall back to it for a directory without specjax's own `heads.json`.
 """
 
 from __future__ import annotations

@@ -89,10 +89,10 @@ def export(fmt: str, src: str | os.PathLike, out: str | os.PathLike, *,
         from specjax.speculators.medusa import DEFAULT_TREE
 
         tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]  # any will do
-        return export_medusa(Medusa(ckpt.params, ckpt.config, target=model, tree=tree), out,
-                             base_model_name_or_path=verifier or str(target_dir),
+        medusa = Medusa.create(ckpt.params, ckpt.config, target=model, tree=tree)
+        return export_medusa(medusa, out, base_model_name_or_path=verifier or str(target_dir),
                              dtype=weights)
-    eagle = Eagle(ckpt.params, ckpt.config, target=model, vocab_map=ckpt.vocab_map)
+    eagle = Eagle.create(ckpt.params, ckpt.config, target=model, vocab_map=ckpt.vocab_map)
     if fmt == "eagle3":
         return export_eagle3(eagle, out, target=model, dtype=weights)
     return export_speculators(eagle, out, target=model, verifier=verifier or str(target_dir),

@@ -135,7 +135,7 @@ def load_heads(path, target_config: ModelConfig, kind: str | None = None) -> Hea
 
 
 def resolve_heads(kind: str, heads, config, target) -> tuple[Any, Any, ModelConfig, Any]:
-    """What a speculator's constructor was given -> (params, head config, target config,
+    """What `Medusa`/`Eagle.create` or `.load` was given -> (params, head config, target config,
     vocab map): `heads` is a params pytree (with `config`) or a saved heads directory;
     `target` the target Model or its ModelConfig."""
     tcfg = target.config if isinstance(target, Model) else target
@@ -147,6 +147,6 @@ def resolve_heads(kind: str, heads, config, target) -> tuple[Any, Any, ModelConf
         ckpt = load_heads(heads, tcfg, kind=kind)
         heads, config, vocab_map = ckpt.params, ckpt.config, ckpt.vocab_map
     if heads is None or not isinstance(config, KINDS[kind]):
-        raise ValueError(f"{name} needs heads=<params or a saved heads directory> and, for "
-                         f"params, config={KINDS[kind].__name__}(...)")
+        raise ValueError(f"{name} needs params with config={KINDS[kind].__name__}(...) "
+                         f"({name}.create) or a saved heads directory ({name}.load)")
     return heads, config, tcfg, vocab_map

@@ -15,12 +15,18 @@ over the pairs of the verified inputs that were kept: the root and the accepted 
 each with the token after it (the next accepted token, or the bonus). So after a commit
 the speculator has seen every pair up to the new root, and its next `propose` drafts
 the root's children. Draft models and EAGLE heads keep their own paged caches in the
-state; n-gram reads the token buffer of the context.
+state (a `PairQueue`, `specjax.speculators.queue`); n-gram reads the token buffer of
+the context.
+
+Besides the four functions a speculator declares the static `shape` of its trees
+(`TreeShape`) and what drafting `cost`s (`DraftCost`). docs/speculators.md walks through
+writing one (`specjax.speculators.example`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +35,61 @@ from flax import struct
 from specjax.config import ModelConfig
 from specjax.models.transformer import Hidden
 from specjax.sampling import Sampling
-from specjax.tree import DraftTree
+from specjax.tree import DraftTree, depth_widths, is_chain, static_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """The static shape of every tree a speculator proposes: part of the compiled program.
+
+    depth_widths: W[d], d = 0..max_depth: every node of depth <= d is among the first W[d]
+    nodes. When no kept node is deeper than d, the loop verifies only those W[d] nodes (a
+    cheaper target forward; W[0] = 0 is a plain decode step).
+    proposes_chains: every tree is a chain (parents -1, 0, 1, ...), what block
+    verification needs.
+    """
+    num_nodes: int
+    max_depth: int
+    depth_widths: tuple[int, ...]
+    proposes_chains: bool = False
+
+    def __post_init__(self):
+        w = tuple(int(x) for x in self.depth_widths)
+        object.__setattr__(self, "depth_widths", w)
+        if (self.num_nodes < 1 or self.max_depth < 1 or len(w) != self.max_depth + 1
+                or w[0] != 0 or w[-1] != self.num_nodes or list(w) != sorted(w)):
+            raise ValueError(f"TreeShape depth_widths={w} must rise from 0 to num_nodes="
+                             f"{self.num_nodes} over depths 0..max_depth={self.max_depth} "
+                             "(both >= 1)")
+
+    @classmethod
+    def chain(cls, k: int) -> "TreeShape":
+        """A chain of k drafts: depth d is node d - 1."""
+        return cls(k, k, tuple(range(k + 1)), proposes_chains=True)
+
+    @classmethod
+    def of_paths(cls, paths: Sequence[Sequence[int]]) -> "TreeShape":
+        """A static tree of Medusa-style paths (`specjax.tree.static_tree`)."""
+        parents, depth, _ = static_tree(paths)
+        return cls(len(paths), int(depth.max()), depth_widths(depth), is_chain(parents))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftCost:
+    """What drafting costs, for the analytical speedup and adaptive length.
+
+    params_per_call: parameters one draft call runs through (0 for free drafts like
+    n-gram); `ratio` turns it into a cost relative to one one-token target forward
+    (`specjax.bench.speculative.measured_cost_ratio` measures it instead).
+    calls_per_step: draft calls of a full-depth step; drafting k positions makes
+    min(k, this) (a chain draft: one per position; Medusa: one).
+    """
+    params_per_call: int = 0
+    calls_per_step: int = 0
+
+    def ratio(self, target_config: ModelConfig) -> float:
+        """One draft call's estimated cost in one-token target forwards."""
+        return self.params_per_call / target_config.param_count()
 
 
 @struct.dataclass
@@ -49,8 +109,14 @@ class ProposeContext:
     sampling: Sampling
     key: jax.Array  # [B] one key per row (`specjax.rng`): a row's draws are its own
     # [B] int32: the loop keeps only nodes with depth <= depth_limit (adaptive length);
-    # a speculator may skip draft work beyond max(depth_limit) to save its cost.
+    # a speculator may skip draft work beyond `levels` (their max) to save its cost.
     depth_limit: jax.Array
+
+    @property
+    def levels(self) -> jax.Array:
+        """[] int32: the deepest depth the loop keeps this step over all active rows (0: no
+        row drafts); the one name for it, so a speculator stops drafting there."""
+        return jnp.max(jnp.where(self.active, self.depth_limit, 0))
 
 
 @struct.dataclass
@@ -66,36 +132,21 @@ class CommitContext:
 
 class Speculator:
     """Base class; subclasses are `flax.struct.dataclass`es (pytrees) implementing the four
-    functions. Static fields (`pytree_node=False`) are part of the compiled program."""
+    functions. Static fields (`pytree_node=False`) are part of the compiled program.
+    Construction goes through classmethods, so that `__init__` stays jax's unflatten."""
 
     #: target decoder layers whose outputs `prefill`/`commit` need (EAGLE-3: low/mid/high)
     hidden_layers: tuple[int, ...] = ()
     #: verification method for sampled decoding: "rejection" (lossless), "block" (chains,
     #: lossless) or "typical" (lossy); `generate(verification=)` overrides it
     verification: str = "rejection"
+    #: what one step of drafting costs (free unless a subclass says otherwise)
+    cost: DraftCost = DraftCost()
 
     @property
-    def proposes_chains(self) -> bool:
-        """Whether every proposed tree is a chain (parents -1, 0, 1, ...): what block
-        verification needs (static)."""
-        return False
-
-    @property
-    def num_nodes(self) -> int:
-        """N: nodes in every proposed tree (static)."""
+    def shape(self) -> TreeShape:
+        """The static shape of every proposed tree."""
         raise NotImplementedError
-
-    @property
-    def max_depth(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def depth_widths(self) -> tuple[int, ...]:
-        """W[d], d = 0..max_depth (static): every node of depth <= d of a proposed tree is
-        among its first W[d] nodes. When no kept node is deeper than d, the loop verifies
-        only those W[d] nodes (a cheaper target forward; W[0] = 0 is a plain decode
-        step). The default knows nothing of the layout: all nodes, or none."""
-        return (0,) + (self.num_nodes,) * self.max_depth
 
     def for_decoding(self, layout: str = "auto") -> "Speculator":
         """This speculator with its weights in the layer layout `generate` decodes with
@@ -104,17 +155,6 @@ class Speculator:
 
     def check_target(self, target_config: ModelConfig) -> None:
         """Raises a clear error if this speculator cannot serve `target_config`."""
-
-    def cost_ratio(self, target_config: ModelConfig) -> float:
-        """Estimated cost of one draft call relative to one one-token target forward
-        (for the analytical speedup and adaptive length); 0 for free drafts like n-gram.
-        `specjax.bench.speculative.measured_cost_ratio` measures it."""
-        return 0.0
-
-    def draft_calls_per_step(self) -> int:
-        """Draft calls of a full-depth step; drafting k positions makes min(k, this) (a
-        chain draft: one per position; Medusa: one). `cost_ratio` is per call."""
-        return 0
 
     def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
              kv_dtype=None) -> Any:
@@ -135,92 +175,10 @@ class Speculator:
 
     def can_skip(self, state: Any) -> jax.Array:
         """[] bool: whether the loop may run a plain step with no `propose` call, then
-        `commit` its one pair after `skip(state)` (speculators with a pending queue:
-        while the queue has room)."""
+        `commit` its one pair after `skip(state)` (speculators with a `PairQueue`: while
+        the queue has room)."""
         return jnp.bool_(True)
 
     def skip(self, state: Any) -> Any:
         """The state after a step that made no draft call (see `can_skip`)."""
         return state
-
-
-# Queue slots beyond a step's kept pairs, for speculators with their own cache: while no
-# row drafts they skip their call and the kept pairs pile up, to be consumed in one call
-# (a forward of Q + 1 rows costs about what 2 do on CPU) when a row drafts again or the
-# queue is full (`requeue(append=True)`).
-QUEUE_SLACK = 8
-
-
-def requeue(ctx: CommitContext, cache, queue: tuple, count: jax.Array,
-            kept: tuple, append: jax.Array | bool = False) -> tuple[Any, tuple, jax.Array]:
-    """The pending queue of a speculator with its own cache (draft model, EAGLE head).
-
-    After a commit, a row's kept pairs (root and accepted nodes, `kept` arrays [B, J, ...])
-    become its queue ([B, Q, ...], zero-padded), and its cache rolls back to the old
-    root's position: what the draft wrote for tree nodes is dropped, and the next
-    `propose` feeds queue + new root in one call. Rows without pairs keep everything.
-
-    append ([] bool): the last propose made no draft call, so nothing was consumed: the
-    kept pairs go after the queue and the cache stays where it is.
-    Returns (cache, queue, count).
-    """
-    act = ctx.num_pairs > 0
-    b, q = count.shape[0], queue[0].shape[1]
-    j = jnp.arange(kept[0].shape[1])[None, :]
-    slot = jnp.where(j < ctx.num_pairs[:, None], count[:, None] + j, q)  # past Q: dropped
-    rows = jnp.arange(b)[:, None]
-
-    def put(old, new):
-        new = new.astype(old.dtype)
-        pad = [(0, 0), (0, old.shape[1] - new.shape[1])] + [(0, 0)] * (new.ndim - 2)
-        sel = act.reshape((-1,) + (1,) * (old.ndim - 1))
-        replaced = jnp.where(sel, jnp.pad(new, pad), old)
-        appended = old.at[rows, slot].set(new, mode="drop")
-        return jnp.where(append, appended, replaced)
-
-    rolled = jnp.where(act, ctx.positions[:, 0], cache.lengths)
-    lengths = jnp.where(append, cache.lengths, rolled)
-    new_count = jnp.where(act, ctx.num_pairs + jnp.where(append, count, 0), count)
-    return (cache.replace(lengths=lengths), tuple(put(o, n) for o, n in zip(queue, kept)),
-            new_count)
-
-
-def queue_has_room(state) -> jax.Array:
-    """[] bool: every row's pending queue can take one more pair (`requeue`)."""
-    return jnp.all(state.pending_count + 1 < state.pending.shape[1])
-
-
-class QueuedSpeculator(Speculator):
-    """A speculator with its own cache and a pending queue of pairs (`requeue`; state
-    fields `pending` [B, Q, ...], `pending_count` [B], `skipped` []): it may skip its
-    draft call while every queue has room, and the next commit then appends."""
-
-    def can_skip(self, state) -> jax.Array:
-        return queue_has_room(state)
-
-    def skip(self, state):
-        return state.replace(skipped=jnp.bool_(True))
-
-
-def propose_or_skip(state, ctx: ProposeContext, empty: DraftTree,
-                    run: Callable[[], tuple[DraftTree, Any]]) -> tuple[DraftTree, Any]:
-    """The propose of a speculator with its own cache and pending queue (`requeue`):
-    when no row drafts this step and every queue has room for one more pair, no call
-    at all (`empty` tree; the state's `skipped` flag makes the next commit append),
-    else `run()`. `state` needs `pending` [B, Q, ...], `pending_count` [B], `skipped`."""
-    levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
-    room = queue_has_room(state)
-
-    def go():
-        tree, new = run()
-        return tree, new.replace(skipped=jnp.bool_(False))
-
-    return jax.lax.cond((levels == 0) & room,
-                        lambda: (empty, state.replace(skipped=jnp.bool_(True))), go)
-
-
-def set_fields(obj: Speculator, **fields) -> None:
-    """Sets the fields of a frozen speculator from a custom `__init__`. Such an `__init__`
-    must also accept every field by name: jax rebuilds pytrees by calling it that way."""
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)

@@ -29,9 +29,10 @@ from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
-from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, QueuedSpeculator, propose_or_skip,
-                                      requeue, set_fields)
+from specjax.speculators import queue as queue_lib
+from specjax.speculators.base import (CommitContext, DraftCost, PrefillChunk, ProposeContext,
+                                      Speculator, TreeShape)
+from specjax.speculators.queue import PairQueue, propose_lazily
 from specjax.speculators.dynamic_tree import Nodes, dynamic_depth_widths, dynamic_tree
 from specjax.tree import DraftTree, chain, empty_tree
 
@@ -39,13 +40,11 @@ from specjax.tree import DraftTree, chain, empty_tree
 @struct.dataclass
 class DraftState:
     cache: PagedKVCache
-    pending: jax.Array  # [B, Q] kept target inputs the draft has not consumed yet
-    pending_count: jax.Array  # [B]
-    skipped: jax.Array  # [] bool: the last propose made no draft call (queue appends)
+    queue: PairQueue  # items: ([B, Q] kept target inputs the draft has not consumed yet,)
 
 
 @struct.dataclass
-class DraftModel(QueuedSpeculator):
+class DraftModel(Speculator):
     params: Any
     config: ModelConfig = struct.field(pytree_node=False)
     k: int = struct.field(pytree_node=False, default=4)
@@ -53,18 +52,17 @@ class DraftModel(QueuedSpeculator):
     tree_top_k: int = struct.field(pytree_node=False, default=0)
     total_tokens: int = struct.field(pytree_node=False, default=0)
 
-    def __init__(self, model: Model | None = None, k: int = 4, *, target: Model | None = None,
-                 params=None, config=None, page_size: int = 16, tree_top_k: int = 0,
-                 total_tokens: int | None = None):
-        """`DraftModel(model=draft, k=4)`; pass `target=` to check vocabularies up front.
+    @classmethod
+    def create(cls, model: Model, k: int = 4, *, target: Model | None = None,
+               page_size: int = 16, tree_top_k: int = 0,
+               total_tokens: int | None = None) -> "DraftModel":
+        """`DraftModel.create(draft, k=4)`; pass `target=` to check vocabularies up front.
 
         Tree mode: `tree_top_k=2` (branching), `total_tokens` nodes (default
         k * tree_top_k), depth k; `tree_top_k=0` is the chain of k drafts.
         """
-        if model is not None:
-            params, config = model.params, model.config
-        if config is None:
-            raise ValueError("DraftModel needs model=<specjax Model>")
+        if not isinstance(getattr(model, "config", None), ModelConfig):
+            raise ValueError(f"DraftModel needs model=<specjax Model>; got {type(model).__name__}")
         if k < 1:
             raise ValueError(f"DraftModel k={k} must be >= 1")
         if tree_top_k < 0:
@@ -72,38 +70,32 @@ class DraftModel(QueuedSpeculator):
         if tree_top_k:
             total_tokens = k * tree_top_k if total_tokens is None else total_tokens
             n_cand = tree_top_k + (k - 1) * tree_top_k ** 2
-            if not k <= total_tokens <= n_cand or tree_top_k > config.vocab_size:
+            if not k <= total_tokens <= n_cand or tree_top_k > model.config.vocab_size:
                 raise ValueError(
                     f"DraftModel tree mode needs k <= total_tokens <= tree_top_k + (k - 1) * "
                     f"tree_top_k**2 = {n_cand} and tree_top_k <= vocab_size; got {k=}, "
                     f"{tree_top_k=}, {total_tokens=}")
         if target is not None:
             _check_tokenizers(model, target)
-        set_fields(self, params=params, config=config, k=k, page_size=page_size,
-                   tree_top_k=tree_top_k, total_tokens=total_tokens or 0)
+        spec = cls(model.params, model.config, k, page_size, tree_top_k, total_tokens or 0)
+        spec.shape  # validates the tree's shape once
         if target is not None:
-            self.check_target(target.config)
+            spec.check_target(target.config)
+        return spec
 
     @property
-    def num_nodes(self) -> int:
-        return self.total_tokens if self.tree_top_k else self.k
+    def shape(self) -> TreeShape:
+        if self.tree_top_k:  # the dynamic tree's depth-major candidates
+            widths = dynamic_depth_widths(self.tree_top_k, self.k, self.total_tokens)
+            return TreeShape(self.total_tokens, self.k, widths)
+        return TreeShape.chain(self.k)
 
     @property
-    def max_depth(self) -> int:
-        return self.k
-
-    @property
-    def proposes_chains(self) -> bool:
-        return not self.tree_top_k
+    def cost(self) -> DraftCost:
+        return DraftCost(self.config.param_count(), self.k)
 
     def for_decoding(self, layout: str = "auto") -> "DraftModel":
         return self.replace(params=decode_params(self.config, self.params, layout))
-
-    @property
-    def depth_widths(self) -> tuple[int, ...]:
-        if self.tree_top_k:  # the dynamic tree's depth-major candidates
-            return dynamic_depth_widths(self.tree_top_k, self.k, self.total_tokens)
-        return tuple(range(self.k + 1))
 
     def check_target(self, target_config: ModelConfig) -> None:
         if self.config.vocab_size != target_config.vocab_size:
@@ -112,19 +104,14 @@ class DraftModel(QueuedSpeculator):
                 f"vocab_size={target_config.vocab_size}; a draft must share the target's "
                 "vocabulary")
 
-    def cost_ratio(self, target_config: ModelConfig) -> float:
-        return self.config.param_count() / target_config.param_count()
-
-    def draft_calls_per_step(self) -> int:
-        return self.k
+    can_skip, skip = queue_lib.can_skip, queue_lib.skip
 
     def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
              kv_dtype=None) -> DraftState:
         extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
         m = -(-(capacity + extra) // self.page_size)
         cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size, dtype=kv_dtype)
-        return DraftState(cache, jnp.zeros((batch, self.k + 1 + QUEUE_SLACK), jnp.int32),
-                          jnp.zeros((batch,), jnp.int32), jnp.bool_(False))
+        return DraftState(cache, PairQueue.zeros(batch, self.k, ((), jnp.int32)))
 
     def prefill(self, state: DraftState, chunk: PrefillChunk, target_params) -> DraftState:
         _, _, cache = step(self.config, self.params, state.cache, chunk.tokens, chunk.positions,
@@ -133,17 +120,18 @@ class DraftModel(QueuedSpeculator):
 
     def propose(self, state: DraftState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, DraftState]:
-        """Drafts; while no row drafts, no draft call at all (`propose_or_skip`)."""
+        """Drafts; while no row drafts, no draft call at all (`propose_lazily`)."""
         vocab = None if self.tree_top_k else self.config.vocab_size  # chains carry probs
-        empty = empty_tree(state.pending.shape[0], self.num_nodes, self.max_depth, vocab)
-        return propose_or_skip(state, ctx, empty, lambda: self._propose(state, ctx))
+        shape = self.shape
+        empty = empty_tree(ctx.lengths.shape[0], shape.num_nodes, shape.max_depth, vocab)
+        return propose_lazily(state, ctx, empty, lambda: self._propose(state, ctx))
 
     def _propose(self, state: DraftState, ctx: ProposeContext) -> tuple[DraftTree, DraftState]:
-        b, q = state.pending.shape
+        (pending,), c = state.queue.items, state.queue.count
+        b, q = pending.shape
         rows = jnp.arange(b)
-        c = state.pending_count
         root = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)[:, 0]
-        inp = jnp.concatenate([state.pending, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        inp = jnp.concatenate([pending, jnp.zeros((b, 1), jnp.int32)], axis=1)
         inp = inp.at[rows, c].set(root)  # [B, Q+1]: queue then root
         start = ctx.lengths - 1 - c
         pos = start[:, None] + jnp.arange(q + 1)[None, :]
@@ -161,7 +149,6 @@ class DraftModel(QueuedSpeculator):
         drafts = jnp.zeros((b, self.k), jnp.int32).at[:, 0].set(tok)
         dprobs = jnp.zeros((b, self.k, prob.shape[-1]), jnp.float32).at[:, 0].set(prob)
         # Further draft calls only up to the deepest depth the loop will keep this step.
-        steps = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))
 
         def one(i, carry):
             cache, drafts, dprobs = carry
@@ -172,7 +159,7 @@ class DraftModel(QueuedSpeculator):
             return (cache, drafts.at[:, i].set(nxt),
                     dprobs.at[:, i].set(sampling_lib.probs(logits[:, 0], ctx.sampling)))
 
-        cache, drafts, dprobs = jax.lax.fori_loop(1, steps, one, (cache, drafts, dprobs))
+        cache, drafts, dprobs = jax.lax.fori_loop(1, ctx.levels, one, (cache, drafts, dprobs))
         return chain(drafts, draft_probs=dprobs, sampled=True), state.replace(cache=cache)
 
     def _tree(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
@@ -188,10 +175,9 @@ class DraftModel(QueuedSpeculator):
             logits = self._logits(jnp.take(hidden.final, nodes.query, axis=1))
             return jax.nn.log_softmax(logits, axis=-1), cache
 
-        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
         tree, cache = dynamic_tree(jax.nn.log_softmax(first, axis=-1), expand, cache,
                                    top_k=self.tree_top_k, depth=self.k,
-                                   total_tokens=self.total_tokens, levels=levels)
+                                   total_tokens=self.total_tokens, levels=ctx.levels)
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def _logits(self, h: jax.Array) -> jax.Array:
@@ -200,14 +186,12 @@ class DraftModel(QueuedSpeculator):
                                              method=Transformer.logits)
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
-        cache, (pending,), count = requeue(ctx, state.cache, (state.pending,),
-                                           state.pending_count, (ctx.tokens,),
-                                           append=state.skipped)
-        return state.replace(cache=cache, pending=pending, pending_count=count)
+        cache, queue = state.queue.push(ctx, state.cache, (ctx.tokens,))
+        return DraftState(cache, queue)
 
 
-def _check_tokenizers(draft: Model | None, target: Model) -> None:
-    if draft is None or draft.tokenizer is None or target.tokenizer is None:
+def _check_tokenizers(draft: Model, target: Model) -> None:
+    if draft.tokenizer is None or target.tokenizer is None:
         return
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError("draft and target tokenizers differ; a draft must share the target's "

@@ -72,7 +72,7 @@ def _put(buf: jax.Array, new: jax.Array, start) -> jax.Array:
 
 
 def dynamic_depth_widths(top_k: int, depth: int, total_tokens: int) -> tuple[int, ...]:
-    """`Speculator.depth_widths` of `dynamic_tree`'s trees: W[d] = min(N, k + (d-1)·k²).
+    """`TreeShape.depth_widths` of `dynamic_tree`'s trees: W[d] = min(N, k + (d-1)·k²).
 
     Its nodes are candidates in candidate order, which is depth-major (the k children
     of the root, then k² per further depth), so the nodes of depth <= d come first and

@@ -24,6 +24,7 @@ verification are lossless whatever the head's quality.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import jax
@@ -38,25 +39,24 @@ from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_fea
                                  init_eagle_params, layer_config, layer_params,
                                  target_features)
 from specjax.model import Model
-from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, QueuedSpeculator, propose_or_skip,
-                                      requeue, set_fields)
+from specjax.speculators import queue as queue_lib
+from specjax.speculators.base import (CommitContext, DraftCost, PrefillChunk, ProposeContext,
+                                      Speculator, TreeShape)
+from specjax.speculators.queue import PairQueue, propose_lazily
 from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
                                               static_tree_expand)
-from specjax.tree import DraftTree, depth_widths, empty_tree, is_chain, static_tree
+from specjax.tree import DraftTree, empty_tree, static_tree
 
 
 @struct.dataclass
 class EagleState:
     cache: PagedKVCache  # the head's own, one layer
-    pending: jax.Array  # [B, Q] tokens x_{i+1} of queued pairs
-    pending_feats: jax.Array  # [B, Q, D] fused target features h_i of queued pairs
-    pending_count: jax.Array  # [B]
-    skipped: jax.Array  # [] bool: the last propose made no head call (queue appends)
+    # items: tokens x_{i+1} [B, Q] and fused target features h_i [B, Q, D] of queued pairs
+    queue: PairQueue
 
 
 @struct.dataclass
-class Eagle(QueuedSpeculator):
+class Eagle(Speculator):
     params: Any
     d2t: jax.Array | None  # [Vd] int32 draft index -> target id (EAGLE-3), else None
     config: EagleConfig = struct.field(pytree_node=False)
@@ -67,26 +67,20 @@ class Eagle(QueuedSpeculator):
     total_tokens: int = struct.field(pytree_node=False, default=60)
     page_size: int = struct.field(pytree_node=False, default=16)
 
-    def __init__(self, heads=None, config: EagleConfig | None = None, *,
-                 target: Model | ModelConfig | None = None, tree: Sequence | None = None,
-                 top_k: int = 10, depth: int = 6, total_tokens: int = 60,
-                 vocab_map=None, page_size: int = 16, params=None, d2t=None,
-                 target_config: ModelConfig | None = None):
-        """`Eagle(heads=params_or_path, config=EagleConfig(version=1|3), target=model, ...)`.
+    @classmethod
+    def create(cls, params, config: EagleConfig, target: Model | ModelConfig, *,
+               vocab_map=None, tree: Sequence | None = None, top_k: int = 10,
+               depth: int = 6, total_tokens: int = 60, page_size: int = 16) -> "Eagle":
+        """A head from a params pytree and its `config` (`EagleConfig(version=1|3)`),
+        checked against `target` (the target Model or its ModelConfig).
 
-        heads: a params pytree (needs `config`) or a directory written by `save_heads`.
         tree: static paths (EAGLE-1); None = EAGLE-2's dynamic tree of `total_tokens`
           nodes, `depth` levels, `top_k` branching.
         vocab_map: EAGLE-3's d2t [Vd] (default: the first Vd target ids, or the map
           saved with the heads).
-        (`params=`, `d2t=`, `target_config=` are the pytree fields, for jax's unflatten.)
         """
-        fields = dict(config=config, tree=tree, top_k=top_k, depth=depth,
-                      total_tokens=total_tokens, page_size=page_size)
-        if params is not None and target_config is not None:  # pytree unflatten
-            set_fields(self, params=params, d2t=d2t, target_config=target_config, **fields)
-            return
-        heads, config, tcfg, saved_map = heads_io.resolve_heads("eagle", heads, config, target)
+        params, config, tcfg, saved_map = heads_io.resolve_heads("eagle", params, config,
+                                                                 target)
         vocab_map = saved_map if vocab_map is None else vocab_map
         config.check(tcfg)
         config = config.resolved(tcfg)
@@ -96,11 +90,18 @@ class Eagle(QueuedSpeculator):
             vocab_map = jnp.asarray(vocab_map, jnp.int32)
         elif vocab_map is not None:
             raise ValueError("vocab_map (d2t) is an EAGLE-3 setting; these are version-1 heads")
-        fields.update(config=config, tree=None if tree is None else
-                      tuple(tuple(int(c) for c in p) for p in tree))
-        _check_tree(fields["tree"], top_k, depth, total_tokens)
-        set_fields(self, params=heads, d2t=vocab_map, target_config=tcfg, **fields)
-        self.check_target(tcfg)
+        tree = None if tree is None else tuple(tuple(int(c) for c in p) for p in tree)
+        _check_tree(tree, top_k, depth, total_tokens)
+        spec = cls(params, vocab_map, config, tcfg, tree, top_k, depth, total_tokens, page_size)
+        spec.shape  # validates the tree's shape once
+        spec.check_target(tcfg)
+        return spec
+
+    @classmethod
+    def load(cls, path, target: Model | ModelConfig, **kwargs) -> "Eagle":
+        """A head from a directory written by `save` (`specjax.heads.save_heads`) or a
+        published EAGLE checkpoint (`specjax.export`); kwargs as `create`."""
+        return cls.create(os.fspath(path), None, target, **kwargs)
 
     @classmethod
     def random(cls, target: Model, version: int = 1, seed: int = 0, *,
@@ -118,7 +119,7 @@ class Eagle(QueuedSpeculator):
                     kwargs.get("total_tokens", 60), config.draft_vocab_size or
                     target.config.vocab_size)  # before the (slower) init
         params = init_eagle_params(config, target.config, seed)
-        return cls(params, config, target=target, vocab_map=vocab_map, **kwargs)
+        return cls.create(params, config, target, vocab_map=vocab_map, **kwargs)
 
     def save(self, path):
         """Writes the head (its d2t for EAGLE-3, the target's fingerprint) to `path`."""
@@ -141,25 +142,11 @@ class Eagle(QueuedSpeculator):
         return static_tree(self.tree)
 
     @property
-    def num_nodes(self) -> int:
-        return self.total_tokens if self.tree is None else len(self.tree)
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth if self.tree is None else max(len(p) for p in self.tree)
-
-    @property
-    def depth_widths(self) -> tuple[int, ...]:
+    def shape(self) -> TreeShape:
         if self.tree is None:  # EAGLE-2's dynamic tree: depth-major candidates
-            return dynamic_depth_widths(self.top_k, self.depth, self.total_tokens)
-        return depth_widths(static_tree(self.tree)[1])
-
-    @property
-    def proposes_chains(self) -> bool:
-        """A static tree of one path, or a dynamic tree of one child per node."""
-        if self.tree is None:
-            return self.top_k == 1
-        return is_chain(static_tree(self.tree)[0])
+            widths = dynamic_depth_widths(self.top_k, self.depth, self.total_tokens)
+            return TreeShape(self.total_tokens, self.depth, widths, self.top_k == 1)
+        return TreeShape.of_paths(self.tree)
 
     @property
     def _extra_slots(self) -> int:
@@ -179,15 +166,16 @@ class Eagle(QueuedSpeculator):
             raise ValueError(f"d2t has shape {self.d2t.shape}; expected "
                              f"({self.config.draft_vocab_size},)")
 
-    def cost_ratio(self, target_config: ModelConfig) -> float:
+    @property
+    def cost(self) -> DraftCost:
+        """The queue call, then one per further depth."""
         # a head's own embedding is a lookup, not compute: not counted
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(layer_params(self.params)))
         if self.config.version == 1:  # the target's lm_head runs on every head output
-            size += target_config.vocab_size * target_config.hidden_size
-        return size / target_config.param_count()
+            size += self.target_config.vocab_size * self.target_config.hidden_size
+        return DraftCost(size, self.shape.max_depth)
 
-    def draft_calls_per_step(self) -> int:
-        return self.max_depth  # the queue call, then one per further depth
+    can_skip, skip = queue_lib.can_skip, queue_lib.skip
 
     # -- protocol ----------------------------------------------------------------------
     def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
@@ -195,11 +183,9 @@ class Eagle(QueuedSpeculator):
         m = -(-(capacity + self._extra_slots) // self.page_size)
         cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size,
                                       dtype=kv_dtype)
-        q = self.max_depth + 1 + QUEUE_SLACK
-        d = target_config.hidden_size
-        dt = jnp.dtype(target_config.dtype)
-        return EagleState(cache, jnp.zeros((batch, q), jnp.int32), jnp.zeros((batch, q, d), dt),
-                          jnp.zeros((batch,), jnp.int32), jnp.bool_(False))
+        d, dt = target_config.hidden_size, jnp.dtype(target_config.dtype)
+        return EagleState(cache, PairQueue.zeros(batch, self.shape.max_depth, ((), jnp.int32),
+                                                 ((d,), dt)))
 
     def _features(self, hidden, target_params):
         feats = target_features(self.config, hidden, self._layer_index)
@@ -223,20 +209,22 @@ class Eagle(QueuedSpeculator):
 
     def propose(self, state: EagleState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, EagleState]:
-        """Drafts; while no row drafts, no head call at all (`propose_or_skip`)."""
-        empty = empty_tree(state.pending.shape[0], self.num_nodes, self.max_depth)
-        return propose_or_skip(state, ctx, empty,
-                               lambda: self._propose(state, ctx, target_params))
+        """Drafts; while no row drafts, no head call at all (`propose_lazily`)."""
+        empty = self._empty(ctx.lengths.shape[0])
+        return propose_lazily(state, ctx, empty, lambda: self._propose(state, ctx, target_params))
+
+    def _empty(self, batch: int) -> DraftTree:
+        return empty_tree(batch, self.shape.num_nodes, self.shape.max_depth)
 
     def _propose(self, state: EagleState, ctx: ProposeContext,
                  target_params) -> tuple[DraftTree, EagleState]:
-        b, q = state.pending.shape
+        (pending, pending_feats), c = state.queue.items, state.queue.count
+        b, q = pending.shape
         rows = jnp.arange(b)
-        c = state.pending_count
         act = ctx.active.astype(jnp.int32)
         root_pos = ctx.lengths - 1  # the last queued pair is (h_{r-1}, root) at r - 1
         pos = (root_pos - c)[:, None] + jnp.arange(q)[None, :]
-        out, cache = self._step(target_params, state.cache, state.pending, state.pending_feats,
+        out, cache = self._step(target_params, state.cache, pending, pending_feats,
                                 pos, q_lens=c * act)
         root_out = out[rows, jnp.maximum(c - 1, 0)]  # [B, D]: drafts the root's children
         base = cache.lengths
@@ -252,7 +240,7 @@ class Eagle(QueuedSpeculator):
 
         prev = jnp.zeros((b, 1 + self._extra_slots, root_out.shape[-1]), root_out.dtype)
         carry = (cache, prev.at[:, 0].set(root_out))
-        levels = jnp.max(jnp.where(ctx.active, ctx.depth_limit, 0))  # deepest depth kept
+        levels = ctx.levels
 
         def grow():
             first = self._logp(target_params, root_out)  # [B, V']
@@ -268,18 +256,15 @@ class Eagle(QueuedSpeculator):
             return tree, grown
 
         def skip():  # no row drafts, but the queue was full: the call above consumed it
-            return empty_tree(b, self.num_nodes, self.max_depth), cache
+            return self._empty(b), cache
 
         tree, cache = jax.lax.cond(levels > 0, grow, skip)
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def commit(self, state: EagleState, ctx: CommitContext, target_params) -> EagleState:
         feats = self._features(ctx.hidden, target_params)
-        cache, (pending, pending_feats), count = requeue(
-            ctx, state.cache, (state.pending, state.pending_feats), state.pending_count,
-            (ctx.next_tokens, feats), append=state.skipped)
-        return state.replace(cache=cache, pending=pending, pending_feats=pending_feats,
-                             pending_count=count)
+        cache, queue = state.queue.push(ctx, state.cache, (ctx.next_tokens, feats))
+        return EagleState(cache, queue)
 
 
 def _check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):

@@ -19,6 +19,7 @@ path to depth 4, so a 4-head Medusa uses every head.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import jax
@@ -30,9 +31,9 @@ from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
 from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits
 from specjax.model import Model
-from specjax.speculators.base import (CommitContext, ProposeContext, Speculator,
-                                      set_fields)
-from specjax.tree import DraftTree, depth_widths, is_chain, static_tree
+from specjax.speculators.base import (CommitContext, DraftCost, ProposeContext, Speculator,
+                                      TreeShape)
+from specjax.tree import DraftTree, static_tree
 from specjax.verify import METHODS
 
 DEFAULT_TREE = ((0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3),
@@ -57,36 +58,33 @@ class Medusa(Speculator):
     tree: tuple = struct.field(pytree_node=False, default=DEFAULT_TREE)
     verification: str = struct.field(pytree_node=False, default="rejection")
 
-    def __init__(self, heads=None, config: MedusaConfig | None = None, *,
-                 target: Model | ModelConfig | None = None, tree: Sequence = DEFAULT_TREE,
-                 verification: str = "rejection", params=None,
-                 target_config: ModelConfig | None = None):
-        """`Medusa(heads=params_or_path, config=MedusaConfig(...), target=model, tree=paths)`.
+    @classmethod
+    def create(cls, params, config: MedusaConfig, target: Model | ModelConfig, *,
+               tree: Sequence = DEFAULT_TREE, verification: str = "rejection") -> "Medusa":
+        """Heads from a params pytree and its `config`, checked against `target` (the
+        target Model or its ModelConfig).
 
-        heads: a params pytree (needs `config`) or a directory written by
-        `specjax.heads.save_heads` (its config is read from there).
-        target: the target Model (or its ModelConfig); the heads are checked against it.
         tree: Medusa-style paths, each the top-k choice index per depth.
         verification: "rejection" (lossless) or "typical" (lossy) for sampled decoding.
-        (`params=` / `target_config=` are the pytree fields, for jax's unflatten.)
         """
-        if params is not None and target_config is not None:  # pytree unflatten
-            set_fields(self, params=params, config=config, target_config=target_config,
-                       tree=tree, verification=verification)
-            return
-        heads, config, tcfg, _ = heads_io.resolve_heads("medusa", heads, config, target)
+        params, config, tcfg, _ = heads_io.resolve_heads("medusa", params, config, target)
         if verification not in METHODS:
             raise ValueError(f"verification={verification!r} must be one of {METHODS}")
-        set_fields(self, params=heads, config=config, target_config=tcfg, tree=_paths(tree),
-             verification=verification)
-        if verification == "block" and not self.proposes_chains:
+        spec = cls(params, config, tcfg, _paths(tree), verification)
+        if verification == "block" and not spec.shape.proposes_chains:
             raise ValueError("verification='block' verifies chains; this Medusa tree has "
                              "siblings")
-        _, depth, _ = static_tree(self.tree)
-        if depth.max() > config.num_heads:
-            raise ValueError(f"tree depth {int(depth.max())} exceeds the {config.num_heads} "
-                             "Medusa heads (head d - 1 drafts depth d)")
-        self.check_target(tcfg)
+        if spec.shape.max_depth > config.num_heads:
+            raise ValueError(f"tree depth {spec.shape.max_depth} exceeds the "
+                             f"{config.num_heads} Medusa heads (head d - 1 drafts depth d)")
+        spec.check_target(tcfg)
+        return spec
+
+    @classmethod
+    def load(cls, path, target: Model | ModelConfig, **kwargs) -> "Medusa":
+        """Heads from a directory written by `save` (`specjax.heads.save_heads`; its config
+        is read from there); kwargs as `create`."""
+        return cls.create(os.fspath(path), None, target, **kwargs)
 
     @classmethod
     def random(cls, target: Model, num_heads: int = 4, seed: int = 0, *,
@@ -94,28 +92,20 @@ class Medusa(Speculator):
         """Untrained heads: LM heads copied from the target, ResBlocks normal(init_scale)."""
         config = MedusaConfig(num_heads, num_residual_layers)
         params = init_medusa_params(config, target.config, target.params, seed, init_scale)
-        return cls(params, config, target=target, **kwargs)
+        return cls.create(params, config, target, **kwargs)
 
     def save(self, path):
         """Writes the heads (and the target's fingerprint) to directory `path`."""
         return heads_io.save_heads(path, "medusa", self.config, self.params, self.target_config)
 
-    # -- static tree -----------------------------------------------------------------
     @property
-    def num_nodes(self) -> int:
-        return len(self.tree)
+    def shape(self) -> TreeShape:
+        return TreeShape.of_paths(self.tree)
 
     @property
-    def max_depth(self) -> int:
-        return max(len(p) for p in self.tree)
-
-    @property
-    def depth_widths(self) -> tuple[int, ...]:
-        return depth_widths(static_tree(self.tree)[1])
-
-    @property
-    def proposes_chains(self) -> bool:
-        return is_chain(static_tree(self.tree)[0])
+    def cost(self) -> DraftCost:
+        """All heads run once per step, whatever the depth: one call."""
+        return DraftCost(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params)), 1)
 
     def check_target(self, target_config: ModelConfig) -> None:
         heads_io.check_fingerprint(heads_io.target_fingerprint(self.target_config),
@@ -124,15 +114,6 @@ class Medusa(Speculator):
         if widest > target_config.vocab_size:
             raise ValueError(f"tree asks for the top-{widest} tokens of a head but the "
                              f"vocabulary has {target_config.vocab_size}")
-
-    def cost_ratio(self, target_config: ModelConfig) -> float:
-        """Per draft call: all heads run once per step, whatever the depth
-        (`draft_calls_per_step` is 1)."""
-        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
-        return size / target_config.param_count()
-
-    def draft_calls_per_step(self) -> int:
-        return 1
 
     # -- protocol ----------------------------------------------------------------------
     def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
@@ -154,11 +135,10 @@ class Medusa(Speculator):
             return top[:, depth - 1, np.asarray(choice)].astype(jnp.int32)  # [B, N]
 
         # The heads are stateless: when no row drafts this step, skip their cost.
-        drafting = jnp.any(ctx.active & (ctx.depth_limit > 0))
-        tokens = jax.lax.cond(drafting, heads, lambda: jnp.zeros((b, n), jnp.int32))
+        tokens = jax.lax.cond(ctx.levels > 0, heads, lambda: jnp.zeros((b, n), jnp.int32))
         bc = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (b, n))
         return DraftTree(tokens.astype(jnp.int32), bc(parents), bc(depth),
-                         jnp.ones((b, n), bool), None, max_depth=self.max_depth), state
+                         jnp.ones((b, n), bool), None, max_depth=int(depth.max())), state
 
     def commit(self, state: MedusaState, ctx: CommitContext, target_params) -> MedusaState:
         last = jnp.maximum(ctx.num_pairs - 1, 0)

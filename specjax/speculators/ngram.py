@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.speculators.base import ProposeContext, Speculator
+from specjax.speculators.base import ProposeContext, Speculator, TreeShape
 from specjax.tree import DraftTree, chain
 
 
@@ -33,20 +33,8 @@ class NGram(Speculator):
                              f"n_max={self.n_max}")
 
     @property
-    def num_nodes(self) -> int:
-        return self.k
-
-    @property
-    def max_depth(self) -> int:
-        return self.k
-
-    @property
-    def depth_widths(self) -> tuple[int, ...]:
-        return tuple(range(self.k + 1))  # a chain: depth d is node d - 1
-
-    @property
-    def proposes_chains(self) -> bool:
-        return True
+    def shape(self) -> TreeShape:
+        return TreeShape.chain(self.k)
 
     def propose(self, state, ctx: ProposeContext, target_params) -> tuple[DraftTree, tuple]:
         toks, lens = ctx.tokens, ctx.lengths  # [B, S], [B]
