@@ -639,7 +639,7 @@ def generate(
       adaptive rule and the analytical speedup; None takes `speculator.cost_ratio`
       (parameter counts). Drafts cost more than their parameter share (the sampling,
       top-k and tree work around the matmuls), so pass a measured one
-      (`specjax.bench.speculative.measured_cost_ratio`) where it matters. A step that
+      (`specjax.calibrate.measured_cost_ratio`) where it matters. A step that
       drafts k positions makes min(k, `speculator.draft_calls_per_step()`) calls.
     verify_cost: `specjax.VerifyCost(jump, slope, per_token, branch)`: a forward of T
       tokens costs max(1 + jump·[T > 1] + slope·log2(T), per_token·T) one-token target

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import generation as gen
-from specjax import rng
+from specjax import generation as gen, rng
 from specjax.cache import PagedKVCache, PagePool
 from specjax.model import Model
 from specjax.sampling import Sampling

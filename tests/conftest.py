@@ -16,6 +16,15 @@ import numpy as np
 import pytest
 
 import specjax
+
+try:
+    import specjax.pallas_kernels  # noqa: F401
+    import specjax.train  # noqa: F401
+except ImportError as e:  # a source checkout that is not installed
+    raise pytest.UsageError(
+        "specjax.train and specjax.pallas_kernels are the root folders train/ and "
+        "pallas_kernels/, mapped by the install: run `pip install -e '.[test]'` first "
+        f"({e})") from e
 from specjax.config import tiny_llama
 
 
@@ -60,6 +69,7 @@ def _fresh_compile_caches():
     XLA:CPU's state until a late compile crashed in the full run (never in isolation)."""
     yield
     import jax
+
     from specjax import generation
 
     generation._COMPILED.clear()

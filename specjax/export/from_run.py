@@ -1,7 +1,7 @@
 """`specjax export`: a training run's heads or draft (or a heads/model directory) to a file
 format servers load.
 
-A run directory (written by `train.jobs`) holds `heads/` (head jobs) or `export/` (a
+A run directory (written by `specjax.train.jobs`) holds `heads/` (head jobs) or `export/` (a
 distilled draft) and records its target in `config.json` (`settings.target_dir`); a heads
 directory (specjax's `heads.json`, or an exported layout) needs the target named.
 """
@@ -12,8 +12,14 @@ import json
 import os
 from pathlib import Path
 
-from specjax.export import (FORMATS, export_eagle3, export_gguf, export_medusa,
-                            export_speculators, head_format)
+from specjax.export import (
+    FORMATS,
+    export_eagle3,
+    export_gguf,
+    export_medusa,
+    export_speculators,
+    head_format,
+)
 
 HEAD_FORMATS = {"speculators": "eagle", "eagle3": "eagle", "medusa": "medusa"}
 HEAD_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

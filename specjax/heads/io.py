@@ -21,9 +21,9 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from specjax.config import ModelConfig
-from specjax.model import Model
 from specjax.heads.eagle import EagleConfig
 from specjax.heads.medusa import MedusaConfig
+from specjax.model import Model
 
 KINDS = {"medusa": MedusaConfig, "eagle": EagleConfig}
 _TENSORS, _META = "heads.safetensors", "heads.json"

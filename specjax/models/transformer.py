@@ -232,7 +232,8 @@ class Transformer(nn.Module):
         c = self.config
         b, t = tokens.shape
         q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
-        x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(jnp.dtype(c.dtype))
+        x = (self.embed(tokens) if inputs_embeds is None
+             else inputs_embeds.astype(jnp.dtype(c.dtype)))
         if not write_cache and (cache is None or attn_lib.resolve_backend(
                 attention_backend) != "reference"):
             raise ValueError("write_cache=False needs a cache and the reference attention "

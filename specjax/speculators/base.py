@@ -108,7 +108,7 @@ class Speculator:
     def cost_ratio(self, target_config: ModelConfig) -> float:
         """Estimated cost of one draft call relative to one one-token target forward
         (for the analytical speedup and adaptive length); 0 for free drafts like n-gram.
-        `specjax.bench.speculative.measured_cost_ratio` measures it."""
+        `specjax.calibrate.measured_cost_ratio` measures it."""
         return 0.0
 
     def draft_calls_per_step(self) -> int:

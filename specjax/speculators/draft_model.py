@@ -23,15 +23,21 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import rng
-from specjax import sampling as sampling_lib
+from specjax import rng, sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
-from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, QueuedSpeculator, propose_or_skip,
-                                      requeue, set_fields)
+from specjax.speculators.base import (
+    QUEUE_SLACK,
+    CommitContext,
+    PrefillChunk,
+    ProposeContext,
+    QueuedSpeculator,
+    propose_or_skip,
+    requeue,
+    set_fields,
+)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_depth_widths, dynamic_tree
 from specjax.tree import DraftTree, chain, empty_tree
 

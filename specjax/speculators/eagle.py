@@ -34,15 +34,33 @@ from flax import struct
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
-from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
-                                 init_eagle_params, layer_config, layer_params,
-                                 target_features)
+from specjax.heads.eagle import (
+    EagleConfig,
+    eagle_logits,
+    eagle_step,
+    fuse_features,
+    init_eagle_params,
+    layer_config,
+    layer_params,
+    target_features,
+)
 from specjax.model import Model
-from specjax.speculators.base import (QUEUE_SLACK, CommitContext, PrefillChunk,
-                                      ProposeContext, QueuedSpeculator, propose_or_skip,
-                                      requeue, set_fields)
-from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
-                                              static_tree_expand)
+from specjax.speculators.base import (
+    QUEUE_SLACK,
+    CommitContext,
+    PrefillChunk,
+    ProposeContext,
+    QueuedSpeculator,
+    propose_or_skip,
+    requeue,
+    set_fields,
+)
+from specjax.speculators.dynamic_tree import (
+    Nodes,
+    dynamic_depth_widths,
+    dynamic_tree,
+    static_tree_expand,
+)
 from specjax.tree import DraftTree, depth_widths, empty_tree, is_chain, static_tree
 
 

@@ -30,8 +30,7 @@ from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
 from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits
 from specjax.model import Model
-from specjax.speculators.base import (CommitContext, ProposeContext, Speculator,
-                                      set_fields)
+from specjax.speculators.base import CommitContext, ProposeContext, Speculator, set_fields
 from specjax.tree import DraftTree, depth_widths, is_chain, static_tree
 from specjax.verify import METHODS
 
