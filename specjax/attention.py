@@ -28,6 +28,7 @@ Axis letters and the shape aliases in the signatures: `specjax.typing`.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import jax
 
@@ -42,7 +43,7 @@ from specjax.pallas_kernels.ragged_paged_attention.reference import (
 )
 from specjax.typing import NewKV, Pages, PageTable, Queries, RowLengths, Scales, TreeMask
 
-__all__ = ["BACKENDS", "allowed_mask", "attend", "attend_parts", "default_backend",
+__all__ = ["BACKENDS", "allowed_mask", "attend", "attend_parts", "default_backend", "kernel",
            "paged_attention", "reference_attention_with_new", "reference_paged_attention",
            "resolve_backend"]
 
@@ -68,6 +69,14 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
+def kernel(backend: str | None) -> Callable:
+    """The function `backend` names, both of the same signature: the plain-jnp reference
+    or the Pallas kernel."""
+    if resolve_backend(backend) == "reference":
+        return reference_paged_attention
+    return ragged_paged_attention
+
+
 def paged_attention(
     q: Queries,
     k_pages: Pages,
@@ -81,37 +90,25 @@ def paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
-    mesh=None,
     new_kv: tuple[NewKV, NewKV] | None = None,
     k_scales: Scales | None = None,  # float32 when the pages are int8
     v_scales: Scales | None = None,
 ) -> Queries:
-    """Attention of T new query tokens per row against a paged KV cache (see module doc).
-
-    With a mesh (`mesh`, or the one `jax.set_mesh` made active) the backend runs once per
-    shard under `shard_map`: KV heads over the model axis, rows over the data axis
-    (`specjax.sharding.per_shard`).
-    """
-    from specjax.sharding import per_shard, rules as sharding_rules
-
+    """Attention of T new query tokens per row against a paged KV cache (see module doc),
+    on one device or within one shard; on a mesh `specjax.sharding.per_shard
+    .paged_attention` runs it once per shard."""
     backend = resolve_backend(backend)
     if new_kv is not None:
-        mesh = sharding_rules.active_mesh() if mesh is None else mesh
-        if backend != "reference" or mesh is not None:
+        if backend != "reference":
             raise ValueError("new_kv (keys/values beside the pages) needs the reference "
-                             f"backend off-mesh (got backend={backend!r}, mesh={mesh})")
+                             f"backend off-mesh (got backend={backend!r})")
         if k_scales is not None:  # as a write to int8 pages and a read would see them
             new_kv = tuple(kv_quant.fake_quantize(x) for x in new_kv)
         return reference_attention_with_new(
             q, *new_kv, q_lens, mask, k_pages, v_pages, page_table, kv_lens - q_lens,
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
             k_scales=k_scales, v_scales=v_scales)
-    fn = reference_paged_attention if backend == "reference" else ragged_paged_attention
-    mesh = sharding_rules.active_mesh() if mesh is None else mesh
     opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    if mesh is not None:
-        return per_shard.per_shard_attention(fn, mesh, q, k_pages, v_pages, page_table, kv_lens,
-                                             q_lens, mask, k_scales, v_scales, **opts)
     if k_scales is not None:
         opts.update(k_scales=k_scales, v_scales=v_scales)
-    return fn(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, **opts)
+    return kernel(backend)(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, **opts)

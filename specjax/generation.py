@@ -28,11 +28,12 @@ from flax import struct
 from specjax import kv_quant, rng
 from specjax import sampling as sampling_lib
 from specjax.attention import resolve_backend
-from specjax.cache import PagedKVCache, PagePool, move_slots, write_slots
+from specjax.cache import PagedKVCache, PagePool, write_slots
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step, validate_tokens
 from specjax.models.transformer import Hidden, Transformer
 from specjax.sharding import rules as shard
+from specjax.sharding.per_shard import move_slots
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext, Speculator
 from specjax.stats import (GenerationStats, VerifyCost, batch_verify_bucket, build_stats,
                            default_verify_cost, leviathan_optimal_k, position_acceptance)

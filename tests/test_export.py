@@ -20,7 +20,6 @@ from safetensors.numpy import load_file, save_file
 
 import specjax
 from specjax.config import tiny_llama
-from specjax.export import eagle3_original, medusa_format, read_heads
 from specjax.heads.eagle import (
     EagleConfig,
     eagle_logits,
@@ -28,6 +27,7 @@ from specjax.heads.eagle import (
     fuse_features,
     init_eagle_params,
 )
+from specjax.heads.formats import eagle3_original, medusa_format, read_heads
 from specjax.speculators import Eagle, Medusa
 from tests.speculators_env import run_jobs
 

@@ -67,7 +67,7 @@ def export(fmt: str, src: str | os.PathLike, out: str | os.PathLike, *,
     name written as speculators' verifier (default: the target directory); dtype: the
     weights, F32, F16 or Q8_0 for gguf, F32, BF16 or F16 for heads."""
     import specjax
-    from specjax.heads.io import load_heads
+    from specjax.heads.loading import load_heads
     from specjax.speculators import Eagle, Medusa
 
     if fmt not in FORMATS:

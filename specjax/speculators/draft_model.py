@@ -28,6 +28,7 @@ from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
+from specjax.sharding.rules import cache_for_rows
 from specjax.speculators.base import (
     QUEUE_SLACK,
     CommitContext,
@@ -128,7 +129,7 @@ class DraftModel(QueuedSpeculator):
              kv_dtype=None) -> DraftState:
         extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
         m = -(-(capacity + extra) // self.page_size)
-        cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size, dtype=kv_dtype)
+        cache = cache_for_rows(self.config, batch, m, self.page_size, dtype=kv_dtype)
         return DraftState(cache, jnp.zeros((batch, self.k + 1 + QUEUE_SLACK), jnp.int32),
                           jnp.zeros((batch,), jnp.int32), jnp.bool_(False))
 

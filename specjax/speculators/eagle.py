@@ -44,7 +44,9 @@ from specjax.heads.eagle import (
     layer_params,
     target_features,
 )
+from specjax.heads.loading import resolve_heads
 from specjax.model import Model
+from specjax.sharding.rules import cache_for_rows
 from specjax.speculators.base import (
     QUEUE_SLACK,
     CommitContext,
@@ -104,7 +106,7 @@ class Eagle(QueuedSpeculator):
         if params is not None and target_config is not None:  # pytree unflatten
             set_fields(self, params=params, d2t=d2t, target_config=target_config, **fields)
             return
-        heads, config, tcfg, saved_map = heads_io.resolve_heads("eagle", heads, config, target)
+        heads, config, tcfg, saved_map = resolve_heads("eagle", heads, config, target)
         vocab_map = saved_map if vocab_map is None else vocab_map
         config.check(tcfg)
         config = config.resolved(tcfg)
@@ -211,7 +213,7 @@ class Eagle(QueuedSpeculator):
     def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
              kv_dtype=None) -> EagleState:
         m = -(-(capacity + self._extra_slots) // self.page_size)
-        cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size,
+        cache = cache_for_rows(layer_config(target_config), batch, m, self.page_size,
                                       dtype=kv_dtype)
         q = self.max_depth + 1 + QUEUE_SLACK
         d = target_config.hidden_size

@@ -28,6 +28,7 @@ from flax import struct
 
 from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
+from specjax.heads.loading import resolve_heads
 from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits
 from specjax.model import Model
 from specjax.speculators.base import CommitContext, ProposeContext, Speculator, set_fields
@@ -73,7 +74,7 @@ class Medusa(Speculator):
             set_fields(self, params=params, config=config, target_config=target_config,
                        tree=tree, verification=verification)
             return
-        heads, config, tcfg, _ = heads_io.resolve_heads("medusa", heads, config, target)
+        heads, config, tcfg, _ = resolve_heads("medusa", heads, config, target)
         if verification not in METHODS:
             raise ValueError(f"verification={verification!r} must be one of {METHODS}")
         set_fields(self, params=heads, config=config, target_config=tcfg, tree=_paths(tree),

@@ -1,10 +1,10 @@
-"""The speculator that trained heads go into, from their directory (`specjax.heads.io`)."""
+"""The speculator that trained heads go into, from their directory (`specjax.heads.load_heads`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from specjax.heads.io import load_heads
+from specjax.heads.loading import load_heads
 from specjax.model import Model
 from specjax.speculators.eagle import Eagle
 from specjax.speculators.medusa import DEFAULT_TREE, Medusa
