@@ -1,10 +1,10 @@
 """Benchmark of the ragged paged attention kernel against JAX's Pallas GPU paged attention
 and the jnp reference under XLA.
 
-    python -m pallas_kernels.bench                # on a GPU: the full table
-    python -m pallas_kernels.bench --small        # anywhere (CPU: interpret mode), tiny
-    python -m pallas_kernels.bench --tune         # sweep block sizes, print table entries
-    python -m pallas_kernels.bench --int8         # int8 KV pages with per-slot scales
+    python -m specjax.pallas_kernels.bench                # on a GPU: the full table
+    python -m specjax.pallas_kernels.bench --small        # anywhere (CPU: interpret mode), tiny
+    python -m specjax.pallas_kernels.bench --tune         # sweep block sizes, print table entries
+    python -m specjax.pallas_kernels.bench --int8         # int8 KV pages with per-slot scales
 
 First it measures the device's memory bandwidth with a large elementwise copy
 (read + write). Then, for a Llama-3-8B attention layer (32 query heads, 8 KV heads,
@@ -38,10 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import (
-    TUNED_BLOCK_SIZES, BlockSizes, dequantize_pages, native_lowering, quantize_pages,
-    ragged_paged_attention, reference_ragged_paged_attention, resolve_block_sizes)
-from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
+from specjax.pallas_kernels.ragged_paged_attention import (
+    TUNED_BLOCK_SIZES,
+    BlockSizes,
+    dequantize_pages,
+    native_lowering,
+    quantize_pages,
+    ragged_paged_attention,
+    reference_ragged_paged_attention,
+    resolve_block_sizes,
+    tuned_block_sizes as tuned,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Compile the Triton kernel for NVIDIA GPUs on a machine that has none.
 
-    python -m pallas_kernels.compile_check                  # sm_90 and sm_80, bench shapes
-    python -m pallas_kernels.compile_check --arch 90 --sweep  # every `bench --tune` candidate
+    python -m specjax.pallas_kernels.compile_check                # sm_90 and sm_80, bench shapes
+    python -m specjax.pallas_kernels.compile_check --arch 90 --sweep  # every `bench --tune` shape
 
 GPU time is scarce here (docs/kernels.md), and most of "does it build for a GPU" needs
 none: Pallas lowers the kernel to Triton IR on CPU (`lowering_platforms=("cuda",)`), and
@@ -32,8 +32,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import bench
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from specjax.pallas_kernels import bench
+from specjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
 @dataclasses.dataclass(frozen=True)

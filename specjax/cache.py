@@ -8,10 +8,11 @@ can grow, shrink and be recycled independently.
 
 On a mesh whose `data` axis splits the rows, the page axis is split with them: data
 shard i holds pages [i·P/d, (i+1)·P/d) and its rows' page tables name them by
-shard-local ids 0..P/d-1 (a `PagePool` with `num_shards=d` hands them out). Writes, moves
-and attention then run per shard under `shard_map` (`specjax.sharding.per_shard`), so
-no page ever crosses devices and each device holds 1/d of the pool. Without a split
-(one device, or rows replicated) local ids are global ids.
+shard-local ids 0..P/d-1 (a `PagePool` with `num_shards=d` hands them out). This module
+knows nothing of meshes: its functions are what one device (or one shard) does, and
+`specjax.sharding.per_shard` runs writes, moves and attention per shard under
+`shard_map`, so no page ever crosses devices and each device holds 1/d of the pool.
+Without a split (one device, or rows replicated) local ids are global ids.
 
 An int8 cache (`dtype=jnp.int8`, `generate(..., kv_cache_dtype="int8")`) holds int8
 pages and one float32 scale per token and KV head beside them (`k_scales`, `v_scales`;
@@ -84,13 +85,8 @@ class PagedKVCache:
         """Zeroed pages for `config`; `page_table` [B, M] from a `PagePool`.
 
         dtype: of the pages (default the config's); `jnp.int8` makes an int8 cache with
-        float32 scales beside the pages. Under an active mesh (`jax.set_mesh`) the cache
-        is laid out by the sharding rules (KV heads over `model`, rows over `data`); call
-        it inside `jax.jit` so the pages are created shard by shard rather than on one
-        device first.
+        float32 scales beside the pages. On a mesh: `specjax.sharding.create_cache`.
         """
-        from specjax.sharding.rules import constrain_cache
-
         dtype = jnp.dtype(dtype or config.dtype)
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
         page_table = jnp.asarray(page_table, jnp.int32)
@@ -98,18 +94,16 @@ class PagedKVCache:
             lengths = jnp.zeros((page_table.shape[0],), jnp.int32)
         scales = ((jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
                   if kv_quant.is_quantized(dtype) else (None, None))
-        return constrain_cache(cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_table,
-                                   jnp.asarray(lengths, jnp.int32), *scales))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_table,
+                   jnp.asarray(lengths, jnp.int32), *scales)
 
     @classmethod
     def for_rows(cls, config: ModelConfig, batch: int, pages_per_row: int, page_size: int,
-                 dtype=None) -> "PagedKVCache":
+                 dtype=None, num_shards: int = 1) -> "PagedKVCache":
         """A zeroed cache giving each of `batch` rows its own `pages_per_row` pages, from
-        one pool per data shard of the active mesh (what a speculator's own cache uses)."""
-        from specjax.sharding.rules import active_mesh, page_shards
-
-        pool = PagePool(batch * pages_per_row, page_size,
-                        num_shards=page_shards(batch, active_mesh()))
+        `num_shards` pools (what a speculator's own cache uses; on a mesh:
+        `specjax.sharding.cache_for_rows`)."""
+        pool = PagePool(batch * pages_per_row, page_size, num_shards=num_shards)
         table = pool.allocate_rows([pages_per_row * page_size] * batch, pages_per_row)
         return cls.create(config, table, num_pages=pool.num_pages, page_size=page_size,
                           dtype=dtype)
@@ -125,10 +119,6 @@ def slot_pages(page_table: PageTable, slots: SlotIndex, valid: SlotValid,
     return jnp.where(valid, page, num_pages), slots % page_size
 
 
-def _write_kv(pages, layer, new, page, offset):
-    return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
-
-
 def write_kv(
     pages: jax.Array,  # [L, K, P, Z, H] (or scales [L, K, P, Z])
     layer: jax.Array,  # [] int32
@@ -136,21 +126,8 @@ def write_kv(
     page: jax.Array,  # [B, T] int32 (>= P = drop)
     offset: jax.Array,  # [B, T] int32
 ) -> jax.Array:
-    """Writes `new` into layer `layer` at (page, offset); out-of-range pages are dropped.
-
-    Under an active mesh it runs per shard (each data shard writes its rows into its own
-    pages, each model shard its KV heads).
-    """
-    from specjax.sharding import per_shard, rules
-
-    mesh = rules.active_mesh()
-    if mesh is None:
-        return _write_kv(pages, layer, new, page, offset)
-    logical = per_shard.PAGES[:pages.ndim]
-    return per_shard.per_shard_pages(
-        _write_kv, mesh, (pages, layer, new, page, offset),
-        (logical, (), ("batch", None, "kv_heads", None)[:new.ndim], ("batch", None),
-         ("batch", None)), logical, kv_heads=pages.shape[1], batch=new.shape[0])
+    """Writes `new` into layer `layer` at (page, offset); out-of-range pages are dropped."""
+    return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
 
 
 def write_layer_kv(
@@ -160,15 +137,16 @@ def write_layer_kv(
     v: NewKV,
     page: SlotIndex,  # >= P = drop
     offset: SlotIndex,
+    write=write_kv,  # the array write (`specjax.sharding.per_shard.write_kv` on a mesh)
 ) -> tuple:
     """One layer's new keys and values written into `kv`; int8 pages get them quantized
     (`kv_quant.quantize`) and their scales beside them."""
     k_pages, v_pages, k_scales, v_scales = kv
     if k_scales is None:
-        return (write_kv(k_pages, layer, k, page, offset),
-                write_kv(v_pages, layer, v, page, offset), None, None)
+        return (write(k_pages, layer, k, page, offset),
+                write(v_pages, layer, v, page, offset), None, None)
     (kq, ks), (vq, vs) = kv_quant.quantize(k), kv_quant.quantize(v)
-    return tuple(write_kv(a, layer, new, page, offset)
+    return tuple(write(a, layer, new, page, offset)
                  for a, new in ((k_pages, kq), (v_pages, vq), (k_scales, ks), (v_scales, vs)))
 
 
@@ -190,7 +168,8 @@ def write_kv_layers(
 ) -> jax.Array:
     """`write_kv` for every layer at once (the keys or values a deferred-write step
     returned, `Transformer.__call__(write_cache=False)`). Single-device only, as that
-    step is (`specjax.decoding.commit.WriteKept`); meshes write through `write_kv`."""
+    step is (`specjax.decoding.commit.WriteKept`); meshes write through
+    `specjax.sharding.per_shard.write_kv`."""
     vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H] (or [L, K, B, T])
     return pages.at[:, :, page, offset].set(vals, mode="drop")
 
@@ -215,7 +194,8 @@ def write_slots(cache: "PagedKVCache", k_new: jax.Array, v_new: jax.Array,
                          v_scales=write_kv_layers(cache.v_scales, vs, page, offset))
 
 
-def _move_slots(page_table, src, dst, valid, *arrays):
+def move_slot_arrays(page_table, src, dst, valid, *arrays) -> tuple:
+    """`move_slots` on the cache's arrays (pages, then scales if int8) as a tuple."""
     z, p = arrays[0].shape[3], arrays[0].shape[2]  # this shard's pages
     sp, so = slot_pages(page_table, src, valid, z, p)
     dp, do = slot_pages(page_table, dst, valid, z, p)
@@ -233,21 +213,15 @@ def move_slots(cache: PagedKVCache, src: jax.Array, dst: jax.Array,
     """Copies KV of slots `src` [B, T] to slots `dst` [B, T] of the same row, in every layer.
 
     Used by tree commit: accepted nodes are compacted from their tree slots into the
-    contiguous slots that follow the committed prefix. Per shard under an active mesh.
+    contiguous slots that follow the committed prefix (on a mesh:
+    `specjax.sharding.per_shard.move_slots`).
     """
-    from specjax.sharding import per_shard, rules
-
     arrays = tuple(a for a in cache.kv if a is not None)  # pages, then scales if int8
-    args = (cache.page_table, src, dst, valid) + arrays
-    mesh = rules.active_mesh()
-    if mesh is None:
-        moved = _move_slots(*args)
-    else:
-        rows = ("batch", None)
-        logical = tuple(per_shard.PAGES[:a.ndim] for a in arrays)
-        moved = per_shard.per_shard_pages(
-            _move_slots, mesh, args, (rows,) * 4 + logical, logical,
-            kv_heads=cache.k_pages.shape[1], batch=src.shape[0])
+    return with_moved(cache, move_slot_arrays(cache.page_table, src, dst, valid, *arrays))
+
+
+def with_moved(cache: PagedKVCache, moved: tuple) -> PagedKVCache:
+    """`cache` with the arrays `move_slot_arrays` returned."""
     scales = tuple(moved[2:]) if cache.quantized else (None, None)
     return cache.with_kv(tuple(moved[:2]) + scales)
 

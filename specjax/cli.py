@@ -73,10 +73,10 @@ def _run(args) -> int:
     """`specjax run CONFIG.gin`: any configured experiment (training or evaluation)."""
     import logging
 
-    from train.run import run_config
+    from specjax.train.run import run_config
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("train").setLevel(logging.INFO)
+    logging.getLogger("specjax.train").setLevel(logging.INFO)
     result = run_config(args.config, args.gin, workdir=args.workdir)
     if hasattr(result, "export_dir"):
         print(f"workdir: {result.workdir}\nexport: {result.export_dir}\n"

@@ -3,7 +3,7 @@
 `enable()` points jax at a cache directory, so a compiled program (generate's prefill
 and decode loop, a training step) is written to disk once and read back by the next
 process instead of compiled again. The command lines (`specjax ...`, `python -m
-train.run`) call it before anything compiles; the library never does (importing
+specjax.train.run`) call it before anything compiles; the library never does (importing
 specjax or calling `specjax.generate` writes nothing to the user's home). In a notebook
 or script, `specjax.compile_cache.enable()` before the first compile does the same.
 

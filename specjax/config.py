@@ -58,8 +58,8 @@ class ModelConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -176,7 +176,8 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` dict transformers reads (new `rope_parameters` form plus the old keys)."""
+        """The `config.json` dict transformers reads (new `rope_parameters` form plus the old
+        keys)."""
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope.update(self.rope_scaling_dict)

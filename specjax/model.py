@@ -16,7 +16,12 @@ import numpy as np
 
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.models.transformer import TIED_HEAD_T, Hidden, Transformer
+from specjax.models.transformer import TIED_HEAD_T, Hidden, Transformer, module_for, param_shapes
+from specjax.sharding.per_shard import MESH_OPS
+from specjax.sharding.rules import mesh_of
+
+__all__ = ["LAYER_LAYOUTS", "Model", "decode_params", "forward", "init_model", "init_params",
+           "module_for", "param_shapes", "step", "unstack_layers", "validate_tokens"]
 
 
 @dataclasses.dataclass
@@ -34,16 +39,6 @@ class Model:
 
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
-
-
-@functools.lru_cache(maxsize=None)
-def _module(config: ModelConfig, scan_layers: bool) -> Transformer:
-    return Transformer(config, scan_layers=scan_layers)
-
-
-def module_for(config: ModelConfig, params: Any = None) -> Transformer:
-    """The module for `config`, in the layer layout of `params` (stacked by default)."""
-    return _module(config, params is None or "layers_0" not in params)
 
 
 def unstack_layers(params: Any) -> Any:
@@ -85,8 +80,6 @@ def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any
     """`params` in the layer layout to decode with, converted once per params object and
     kept while it lives. "auto": unrolled on CPU off-mesh (see `unstack_layers`), else
     the stored, scanned layout; "scan" / "unrolled" force one (not on a mesh)."""
-    from specjax.sharding.rules import mesh_of
-
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layout!r} must be one of {LAYER_LAYOUTS}")
     on_mesh = mesh_of(params) is not None
@@ -119,12 +112,6 @@ def init_model(config: ModelConfig, seed: int = 0, tokenizer=None) -> Model:
     return Model(config, init_params(config, seed), tokenizer)
 
 
-def param_shapes(config: ModelConfig) -> Any:
-    """Param shapes/dtypes via `jax.eval_shape`: no memory is allocated."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return jax.eval_shape(module_for(config).init, jax.random.key(0), tokens, tokens)["params"]
-
-
 def step(
     config: ModelConfig,
     params: Any,
@@ -134,9 +121,10 @@ def step(
     mask: jax.Array | None = None,  # [B, T, T]
     **kwargs,
 ) -> tuple[jax.Array | None, Hidden, PagedKVCache | None]:
-    """The pure model step `(params, cache, tokens, positions, mask) -> (logits, hidden, cache)`."""
+    """The pure model step `(params, cache, tokens, positions, mask) -> (logits, hidden,
+    cache)`; under an active mesh attention and cache writes run per shard (`MESH_OPS`)."""
     return module_for(config, params).apply({"params": params}, tokens, positions, cache,
-                                            mask=mask, **kwargs)
+                                            mask=mask, cache_ops=MESH_OPS, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden_layers"))

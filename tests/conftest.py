@@ -15,7 +15,17 @@ os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
 import numpy as np
 import pytest
 
-import specjax
+try:
+    import specjax
+    import specjax.pallas_kernels  # noqa: F401
+    import specjax.train  # noqa: F401
+except ModuleNotFoundError as e:  # a source checkout that is not installed
+    if e.name not in ("specjax.pallas_kernels", "specjax.train"):
+        raise
+    raise pytest.UsageError(
+        "specjax.train and specjax.pallas_kernels are the root folders train/ and "
+        "pallas_kernels/, mapped by the install: run `pip install -e '.[test]'` first "
+        f"({e})") from e
 from specjax.config import tiny_llama
 
 
@@ -60,6 +70,7 @@ def _fresh_compile_caches():
     XLA:CPU's state until a late compile crashed in the full run (never in isolation)."""
     yield
     import jax
+
     from specjax.decoding.generate import PROGRAMS
 
     PROGRAMS.clear()

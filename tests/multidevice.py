@@ -37,10 +37,10 @@ def medusa_two_steps(model, workdir, mesh=None):
     import numpy as np
 
     from specjax.heads import MedusaConfig
-    from train.data import TokenData
-    from train.methods import TrainMedusa
-    from train.optim import OptimConfig
-    from train.trainer import TrainConfig, train
+    from specjax.train.data import TokenData
+    from specjax.train.methods import TrainMedusa
+    from specjax.train.optim import OptimConfig
+    from specjax.train.trainer import TrainConfig, train
 
     rng = np.random.default_rng(0)
     data = TokenData(rng.integers(2, model.config.vocab_size, (32, 16), dtype=np.int32),

@@ -34,8 +34,8 @@ out = {kind: specjax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True,
 print("RESULT " + json.dumps(out), flush=True)
 
 import numpy as np  # noqa: E402
-
 from multidevice import medusa_two_steps  # noqa: E402
+
 from specjax.sharding import to_host  # noqa: E402
 
 result = medusa_two_steps(model, Path(ckpt) / "train", mesh=mesh)

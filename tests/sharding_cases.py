@@ -22,8 +22,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import specjax
 from specjax import attention, sharding
-from specjax.decoding.generate import PROGRAMS
 from specjax.config import tiny_llama
+from specjax.decoding.generate import PROGRAMS
 
 if jax.device_count() != 8:  # pragma: no cover - misuse guard
     pytest.exit("tests/sharding_cases.py needs XLA_FLAGS=--xla_force_host_platform_device_count=8",
@@ -248,7 +248,7 @@ def test_paged_attention_per_shard_matches(mesh_name, backend):
     mesh = mesh_of(mesh_name)
     args, local = _paged_inputs(np.random.default_rng(0), sharding.page_shards(4, mesh))
     want = attention.paged_attention(*args, scale=8 ** -0.5, backend="reference")
-    got = jax.jit(functools.partial(attention.paged_attention, mesh=mesh, scale=8 ** -0.5,
+    got = jax.jit(functools.partial(sharding.paged_attention, mesh=mesh, scale=8 ** -0.5,
                                     backend=backend))(*args[:3], local, *args[4:])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
 
@@ -257,7 +257,8 @@ def test_paged_attention_per_shard_matches(mesh_name, backend):
 def test_cache_writes_and_moves_stay_in_their_shard(mesh_name):
     """`write_kv` and `move_slots` per shard with shard-local ids == one device with global
     ids, bit for bit: every row writes and moves only within its data shard's pages."""
-    from specjax.cache import PagedKVCache, move_slots, slot_pages, write_kv
+    from specjax.cache import PagedKVCache, slot_pages
+    from specjax.sharding import move_slots, write_kv
 
     rng = np.random.default_rng(1)
     mesh = mesh_of(mesh_name)

@@ -49,9 +49,8 @@ def forward(job):
 
 
 def init_save(job):
-    from transformers import AutoConfig
-
     from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import AutoConfig
 
     inputs = np.load(job["inputs"])
     verifier = AutoConfig.from_pretrained(job["verifier"])
@@ -77,7 +76,6 @@ def init_save(job):
 
 def convert(job):
     from loguru import logger
-
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
     messages = []

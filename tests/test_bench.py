@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pallas_kernels import bench
+from specjax.pallas_kernels import bench
 
 
 def test_bench_small(tmp_path, capsys):
@@ -42,7 +42,7 @@ def test_tune_entries_resolve_to_the_timed_sizes(monkeypatch, lowering, kind):
     `resolve_block_sizes`, gives the same kernel options (splits and warps included)."""
     import jax.numpy as jnp
 
-    from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
+    from specjax.pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
 
     for s in bench.tune_shapes(small=False).values():
         candidates = bench.tune_candidates(s, False, jnp.bfloat16, lowering=lowering,

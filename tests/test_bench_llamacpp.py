@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.bench import llamacpp as lc
-from specjax.bench import prompts as P
-from specjax.bench import suite
+from specjax.bench import llamacpp as lc, prompts as P, suite
 from specjax.bench.speculative import workdir_paths
+from specjax.calibrate import acceptance_prior
+from specjax.speculators import NGram
 from tests.test_gguf_write import tiny_model, train_tokenizer
 
 INSTALL = "pip install -e '.[bench]'"
@@ -106,11 +106,11 @@ def test_ngram_prior_measures_full_depth_acceptance():
     model = tiny_model("llama")
     out = specjax.generate(model, [[5, 6, 7]], max_new_tokens=12, ignore_eos=True)
     loop = [5, 6, 7] + out.tokens[0]  # the model's own greedy continuation, then again
-    prior = lc.ngram_prior(model, 3, [loop + loop[:4]], new=8)
+    prior = acceptance_prior(model, NGram(k=3), [loop + loop[:4]], new_tokens=8)
     assert len(prior) == 3
     assert all(a is None or 0 <= a <= 1 for a in prior)
     assert prior[0] is not None
-    assert lc.ngram_prior(model, 3, [], new=8) is None
+    assert acceptance_prior(model, NGram(k=3), [], new_tokens=8) is None
 
 
 # ---- slow: llama.cpp itself ----------------------------------------------------------------

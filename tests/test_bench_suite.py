@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.bench import prompts as P
-from specjax.bench import suite
+from specjax.bench import prompts as P, suite
 from specjax.cli import main as cli
 from specjax.config import tiny_llama
+from specjax.corpus import CorpusConfig, load_corpus
 from specjax.speculators import Eagle, Medusa
-from train.corpus import CorpusConfig, load_corpus
-from train.tokenizer import train_bpe
+from specjax.train.tokenizer import train_bpe
 
 VOCAB = 320
 WORDS = ("alpha", "beta", "gamma", "delta", "total", "scale", "offset", "limit")
@@ -313,7 +312,7 @@ def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, m
     """c (a draft call's cost relative to a target step) moves with the batch, so the
     suite measures it at every batch it times and each row's adaptive rule and
     analytical figure use its own batch's (`measured_cost_ratio(batch=)`)."""
-    from specjax.bench import speculative as bench
+    from specjax import calibrate
 
     _, out, _ = finished
     asked = []
@@ -321,7 +320,7 @@ def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, m
     def fake(target, spec, temperature, batch):
         asked.append(batch)
         return 0.01 * batch
-    monkeypatch.setattr(bench, "measured_cost_ratio", fake)
+    monkeypatch.setattr(calibrate, "measured_cost_ratio", fake)
     argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
             "draft", "--temperatures", "0", "--batches", "1,2", "--out", "", "--figures",
             "", "--json", str(out / "batches.json")]

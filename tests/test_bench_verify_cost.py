@@ -1,21 +1,22 @@
-"""specjax.bench.verify_cost: the measurement on a tiny model, its fit, its docs section
-and its argument checks."""
+"""The verify-cost calibration (`specjax.calibrate`) on a tiny model, its fit, and the
+bench script's docs section and argument checks (`specjax.bench.verify_cost`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from specjax import calibrate
 from specjax.bench import verify_cost
 from specjax.config import tiny_llama
 
 
 def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
-    result = verify_cost.measure([1, 2, 5], batch=2, repeats=2, context=20,
-                                 config=tiny_llama(vocab_size=64))
+    result = calibrate.measure_verify_cost([1, 2, 5], batch=2, repeats=2, context=20,
+                                           config=tiny_llama(vocab_size=64))
     assert set(result["seconds"]) == {1, 2, 5} and min(result["seconds"].values()) > 0
     assert result["ratio"][1] == 1.0
-    assert (result["jump"], result["slope"]) == verify_cost.fit(result["ratio"])
+    assert (result["jump"], result["slope"]) == calibrate.fit_verify_cost(result["ratio"])
     assert result["per_token"] == 0.0  # no T >= 33 measured
     # the same programs under XLA's defaults, side by side
     assert set(result["seconds_no_ynn"]) == {1, 2, 5}
@@ -35,12 +36,12 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
 
 def test_fit_recovers_jump_and_slope():
     true = {t: 1 + (0.8 + 0.1 * np.log2(t) if t > 1 else 0) for t in (1, 2, 3, 5, 9, 17)}
-    jump, slope = verify_cost.fit(true)
+    jump, slope = calibrate.fit_verify_cost(true)
     assert jump == pytest.approx(0.8) and slope == pytest.approx(0.1)
     # a falling curve is a pure jump; a curve through 1 a pure slope; T = 1 alone: free
-    assert verify_cost.fit({1: 1.0, 2: 2.0, 4: 1.8}) == (pytest.approx(0.9), 0.0)
-    assert verify_cost.fit({1: 1.0, 2: 1.3, 4: 1.6}) == (0.0, pytest.approx(0.3))
-    assert verify_cost.fit({1: 1.0}) == (0.0, 0.0)
+    assert calibrate.fit_verify_cost({1: 1.0, 2: 2.0, 4: 1.8}) == (pytest.approx(0.9), 0.0)
+    assert calibrate.fit_verify_cost({1: 1.0, 2: 1.3, 4: 1.6}) == (0.0, pytest.approx(0.3))
+    assert calibrate.fit_verify_cost({1: 1.0}) == (0.0, 0.0)
 
 
 def test_fit_per_token_and_the_batched_cost():
@@ -49,8 +50,8 @@ def test_fit_per_token_and_the_batched_cost():
     from specjax.decoding.cost import VerifyCost
 
     ratio = {1: 1.0, 2: 1.5, 17: 2.2, 33: 3.3, 65: 6.5, 129: 12.9}
-    assert verify_cost.fit_per_token(ratio) == pytest.approx(0.1)
-    assert verify_cost.fit_per_token({1: 1.0, 17: 2.0}) == 0.0
+    assert calibrate.fit_per_token(ratio) == pytest.approx(0.1)
+    assert calibrate.fit_per_token({1: 1.0, 17: 2.0}) == 0.0
     vc = VerifyCost(jump=0.5, slope=0.1, per_token=0.1)
     np.testing.assert_allclose(vc(np.asarray([1, 16, 64])), [1.0, 1.9, 6.4], rtol=1e-6)
     np.testing.assert_allclose(vc.relative(np.asarray([1, 16]), 4),

@@ -174,7 +174,8 @@ def test_extra_tensor_names_tensor_and_file(ckpt):
 
 def test_wrong_shape_names_tensor_file_and_shapes(ckpt):
     def shrink(t):
-        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:8]
+        name = "model.layers.0.self_attn.k_proj.weight"
+        t[name] = t[name][:8]
     f = _edit_tensors(ckpt, shrink)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' in "
                                          rf"{f} has shape \(8, 32\), expected \(16, 32\)"):

@@ -1,5 +1,5 @@
 """The Triton kernel compiles for Hopper (sm_90) and Ampere (sm_80) on this CPU, without
-spills and within shared memory (`pallas_kernels.compile_check`; needs the `triton`
+spills and within shared memory (`specjax.pallas_kernels.compile_check`; needs the `triton`
 wheel, which the test extras install on Linux x86_64)."""
 
 import dataclasses
@@ -9,8 +9,10 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton wheel exists for Linux x86_64 only")
 
-from pallas_kernels import bench  # noqa: E402
-from pallas_kernels import compile_check as cc  # noqa: E402
+from specjax.pallas_kernels import (
+    bench,  # noqa: E402
+    compile_check as cc,  # noqa: E402
+)
 
 H100, A100 = cc.ARCHS[90], cc.ARCHS[80]
 

@@ -90,7 +90,8 @@ def test_eos_ids():
 @pytest.mark.parametrize("raw, match", [
     ({**BASE, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
      r"cfg\.json: unsupported architecture \(model_type='gpt2'"),
-    ({k: v for k, v in BASE.items() if k != "hidden_size"}, r"missing required keys \['hidden_size'\]"),
+    ({k: v for k, v in BASE.items() if k != "hidden_size"},
+     r"missing required keys \['hidden_size'\]"),
     (_old(10000.0, {"type": "longrope", "factor": 2.0}), r"rope_type='longrope' is not supported"),
     ({**BASE, "num_key_value_heads": 3}, r"num_heads=4 must be a multiple of num_kv_heads=3"),
 ])

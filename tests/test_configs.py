@@ -1,18 +1,18 @@
 """Every gin file under configs/ parses and binds; misspellings are errors; a configured
-job runs end to end through `train.run.run_config` and resumes."""
+job runs end to end through `specjax.train.run.run_config` and resumes."""
 
 import json
 from pathlib import Path
 
 import gin
 import pytest
+from train_setup import DRAFT, GIN_BINDINGS, MODEL
 
 import specjax
 from specjax.config import ModelConfig
-from train import run
-from train.data import DataConfig
-from train.trainer import TrainConfig
-from train_setup import DRAFT, GIN_BINDINGS, MODEL
+from specjax.train import run
+from specjax.train.data import DataConfig
+from specjax.train.trainer import TrainConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TIERS = {tier: sorted((CONFIGS / tier).glob("*.gin"))
@@ -98,6 +98,13 @@ def test_run_config_end_to_end(tmp_path):
     assert "trainer.TrainConfig.steps = 12" in gin_text
     again = run.run_config(experiment, GIN_BINDINGS, workdir=tmp_path / "target")
     assert again.train.step == 12 and again.train.eval == pytest.approx(target.train.eval)
+    assert not list((tmp_path / "target").glob("config.gin.*"))
+    # a run directory from before specjax.train: its config.gin says `from train import`
+    saved_gin = tmp_path / "target" / "config.gin"
+    saved_gin.write_text(gin_text.replace("from specjax.train import", "from train import")
+                         .replace("from specjax import corpus", "from train import corpus"))
+    old = run.run_config(saved_gin, workdir=tmp_path / "target")
+    assert old.train.step == 12 and old.train.eval == pytest.approx(target.train.eval)
     assert not list((tmp_path / "target").glob("config.gin.*"))
 
     draft_bindings = [b for b in GIN_BINDINGS if "TrainConfig.steps" not in b] + [

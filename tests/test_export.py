@@ -20,9 +20,14 @@ from safetensors.numpy import load_file, save_file
 
 import specjax
 from specjax.config import tiny_llama
-from specjax.export import eagle3_original, medusa_format, read_heads
-from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
-                                 init_eagle_params)
+from specjax.heads.eagle import (
+    EagleConfig,
+    eagle_logits,
+    eagle_step,
+    fuse_features,
+    init_eagle_params,
+)
+from specjax.heads.formats import eagle3_original, medusa_format, read_heads
 from specjax.speculators import Eagle, Medusa
 from tests.speculators_env import run_jobs
 
@@ -451,9 +456,9 @@ def test_medusa_layouts_it_cannot_hold_are_refused(target, tmp_path):
 
 
 def test_training_jobs_write_the_serving_layout(interop, target, tmp_path):
-    """What `train.jobs.heads` writes beside its own heads: speculators' format for EAGLE-3
+    """What `specjax.train.jobs.heads` writes beside its own heads: speculators' format for EAGLE-3
     (read back exactly), Medusa's layout, and a reason where a head cannot be written."""
-    from train import jobs
+    from specjax.train import jobs
 
     eagle = interop["heads"]["plain"]
     out = jobs.serving_export(tmp_path, "eagle", eagle.config, eagle.params, target, "tgt",

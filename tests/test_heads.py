@@ -9,14 +9,29 @@ import pytest
 import specjax
 from specjax.cache import PagedKVCache
 from specjax.config import tiny_llama
-from specjax.heads import (EagleConfig, MedusaConfig, build_vocab_map, eagle3_layers,
-                           eagle_logits, eagle_step, init_eagle_params, init_medusa_params,
-                           load_heads, medusa_logits, save_heads, target_to_draft)
+from specjax.heads import (
+    EagleConfig,
+    MedusaConfig,
+    build_vocab_map,
+    eagle3_layers,
+    eagle_logits,
+    eagle_step,
+    init_eagle_params,
+    init_medusa_params,
+    load_heads,
+    medusa_logits,
+    save_heads,
+    target_to_draft,
+)
 from specjax.heads.eagle import layer_config
 from specjax.model import module_for
 from specjax.models.transformer import Transformer
-from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
-                                              static_tree_expand)
+from specjax.speculators.dynamic_tree import (
+    Nodes,
+    dynamic_depth_widths,
+    dynamic_tree,
+    static_tree_expand,
+)
 from specjax.tree import static_tree
 
 ATOL = 1e-5  # float32
@@ -77,7 +92,8 @@ def test_eagle_step_in_ragged_chunks_equals_one_uncached_forward(target, version
     out1, cache = step(cfg, target.config, params, target.params, cache, tokens[:, :6],
                        feats[:, :6], pos[:, :6], q_lens=jnp.asarray(cut))
     rest = np.stack([np.arange(c, c + 6) for c in cut])
-    take = lambda x: jnp.take_along_axis(x, jnp.asarray(rest).reshape(b, 6, *([1] * (x.ndim - 2))), 1)
+    take = lambda x: jnp.take_along_axis(
+        x, jnp.asarray(rest).reshape(b, 6, *([1] * (x.ndim - 2))), 1)
     out2, cache = step(cfg, target.config, params, target.params, cache, take(tokens),
                        take(feats), take(pos))
     np.testing.assert_array_equal(cache.lengths, cut + 6)

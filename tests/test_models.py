@@ -1,4 +1,5 @@
-"""specjax.model / specjax.models: parity with transformers, hidden states, eval_shape, bad input."""
+"""specjax.model / specjax.models: parity with transformers, hidden states, eval_shape, bad
+input."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import torch
 
 import specjax
 from specjax.checkpoint import hf_to_params
-from specjax.config import ModelConfig, llama3_70b, llama3_8b
-from tests.hf_models import (PARITY_ATOL, VOCAB, hf_logits, max_diff, random_params,
-                             state_dict_np, tiny_hf)
+from specjax.config import ModelConfig, llama3_8b, llama3_70b
+from tests.hf_models import (
+    PARITY_ATOL,
+    VOCAB,
+    hf_logits,
+    max_diff,
+    random_params,
+    state_dict_np,
+    tiny_hf,
+)
 
 ATOL = PARITY_ATOL["float32"]
 SEQ = 40  # > 32: past llama3/yarn original_max_position_embeddings and the sliding window

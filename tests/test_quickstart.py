@@ -9,7 +9,7 @@ import time
 import pytest
 
 from specjax.cli import main as cli
-from train.run import CONFIGS_ROOT, run_config
+from specjax.train.run import CONFIGS_ROOT, run_config
 
 TINY = [
     "target/trainer.TrainConfig.steps = 3", "draft/trainer.TrainConfig.steps = 3",

@@ -19,10 +19,15 @@ import numpy as np
 import pytest
 
 import specjax
-from pallas_kernels.ragged_paged_attention import (
-    check_inputs, dequantize_pages, quantize_pages, ragged_paged_attention,
-    reference_ragged_paged_attention, static_check)
 from specjax.cache import PagePool
+from specjax.pallas_kernels.ragged_paged_attention import (
+    check_inputs,
+    dequantize_pages,
+    quantize_pages,
+    ragged_paged_attention,
+    reference_ragged_paged_attention,
+    static_check,
+)
 
 # One tolerance table keyed by dtype (STYLE): float32 parity is tight.
 TOL = {

@@ -21,13 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from multidevice import ROOT, medusa_two_steps, run_cases
 
 import specjax
 from specjax import sharding
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig, llama3_8b, llama3_70b, tiny_llama
-
-from multidevice import ROOT, medusa_two_steps, run_cases
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 

@@ -5,8 +5,8 @@ import pytest
 
 import specjax
 from specjax.config import tiny_llama
-from specjax.speculators import DraftModel, NGram
 from specjax.decoding.cost import VerifyCost
+from specjax.speculators import DraftModel, NGram
 from tests.conftest import PROMPTS, flat_verify_cost
 from tests.stat_utils import assert_same_distribution, exact_joint
 
@@ -634,9 +634,9 @@ def test_probes_run_only_where_their_outcome_could_change_the_rule(tiny_target):
 
 
 def test_verification_option_is_checked(tiny_target, tiny_draft):
-    """generate(verification=): an unknown name, block on a speculator that proposes trees, or no speculator at all
-    are refused by name; a tree that carries draft_probs without declaring its nodes
-    sampled is refused where the loop checks the proposal."""
+    """generate(verification=): an unknown name, block on a speculator that proposes trees,
+    or no speculator at all are refused by name; a tree that carries draft_probs without
+    declaring its nodes sampled is refused where the loop checks the proposal."""
     from flax import struct
 
     from specjax.speculators import Eagle, Medusa

@@ -290,7 +290,7 @@ def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
 def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
     """`measured_cost_ratio` runs any speculator's full-depth propose as generate lays it
     out (decode params, `for_decoding`) after a prompt; n-gram makes no draft calls."""
-    from specjax.bench.speculative import measured_cost_ratio
+    from specjax.calibrate import measured_cost_ratio
     from specjax.speculators import NGram
 
     c = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20, repeats=2,
@@ -306,14 +306,14 @@ def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
 def test_measured_cost_ratios_time_greedy_and_sampled_drafts_apart(tiny_target, monkeypatch):
     """c per temperature: sampling costs a draft more than argmax, and every T > 0 runs
     the same sampling code, so one greedy and one sampled measurement serve them all."""
-    from specjax.bench import speculative as bench
+    from specjax import calibrate
     from specjax.speculators import NGram
 
     calls = []
-    monkeypatch.setattr(bench, "measured_cost_ratio", lambda target, spec, temperature, batch: (
+    monkeypatch.setattr(calibrate, "measured_cost_ratio", lambda target, spec, temperature, batch: (
         calls.append((spec.k, temperature, batch)) or spec.k + temperature))
     specs = {"autoregressive": None, "a": NGram(k=2), "b": NGram(k=3)}
-    got = bench.measured_cost_ratios(tiny_target, specs, temperatures=(0.7, 0.0, 1.0))
+    got = calibrate.measured_cost_ratios(tiny_target, specs, temperatures=(0.7, 0.0, 1.0))
     assert sorted(calls) == [(2, 0.0, 1), (2, 0.7, 1), (3, 0.0, 1), (3, 0.7, 1)]
     assert got == {0.0: {"a": 2.0, "b": 3.0}, 0.7: {"a": 2.7, "b": 3.7},
                    1.0: {"a": 2.7, "b": 3.7}}

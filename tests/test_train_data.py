@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import tokenizer as tok_lib
-from train.corpus import CorpusConfig, is_held_out, load_corpus, split_documents, stdlib_files
-from train.data import TokenData, batch_rows, pack, tokenize_corpus
+from specjax.corpus import CorpusConfig, is_held_out, load_corpus, split_documents, stdlib_files
+from specjax.train import tokenizer as tok_lib
+from specjax.train.data import TokenData, batch_rows, pack, tokenize_corpus
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_setup import DATA, DRAFT, MODEL, tiny_data, train_config
 
 import specjax
-from train import jobs, losses
-from train import tokenizer as tok_lib
-from train.forward import causal_logits
-from train.methods import Distill
-from train_setup import DATA, DRAFT, MODEL, tiny_data, train_config
+from specjax.train import jobs, losses, tokenizer as tok_lib
+from specjax.train.forward import causal_logits
+from specjax.train.methods import Distill
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,15 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+from train_setup import MODEL, tiny_data
 
 from specjax.heads import EagleConfig, MedusaConfig
 from specjax.model import init_params
-from train import features as F
-from train.data import TokenData
-from train.forward import FINAL_KEY, LAYERS_KEY, frozen_hidden
-from train.methods import TrainEagle, TrainMedusa
-from train.trainer import evaluate
-from train_setup import MODEL, tiny_data
+from specjax.train import features as F
+from specjax.train.data import TokenData
+from specjax.train.forward import FINAL_KEY, LAYERS_KEY, frozen_hidden
+from specjax.train.methods import TrainEagle, TrainMedusa
+from specjax.train.trainer import evaluate
 
 BATCH = 8
 LAYERS = (0, 1)  # EAGLE-3's low/mid/high of a 2-layer target resolve to (1, 0, 0)

@@ -7,18 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_setup import DATA, GIN_BINDINGS, MODEL, tokenizer, train_config
 
 import specjax
 from specjax.checkpoint import save_hf
 from specjax.heads import EagleConfig, MedusaConfig, load_heads
 from specjax.model import Model, init_params
 from specjax.speculators import Eagle, Medusa
-from train import jobs
-from train.methods import TrainMedusa
-from train.methods.eagle import ttt_mask
-from train.run import CONFIGS_ROOT, run_config
-from train.speculation import SpeculativeEval
-from train_setup import DATA, GIN_BINDINGS, MODEL, tokenizer, train_config
+from specjax.train import jobs
+from specjax.train.methods import TrainMedusa
+from specjax.train.methods.eagle import ttt_mask
+from specjax.train.run import CONFIGS_ROOT, run_config
+from specjax.train.speculation import SpeculativeEval
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11] * 12, [40, 41, 42, 40, 41]]
 
@@ -184,7 +184,7 @@ def test_eagle3_init_from_target_is_the_targets_next_layer(tied):
     the last layer, its logits are the target's at the draft vocabulary's ids."""
     from specjax.config import tiny_llama
     from specjax.heads.eagle import eagle_logits, eagle_step, fuse_features
-    from train.methods import TrainEagle
+    from specjax.train.methods import TrainEagle
 
     cfg = tiny_llama(vocab_size=96, num_layers=4, tie_word_embeddings=tied)
     target = specjax.init_model(cfg, seed=2)

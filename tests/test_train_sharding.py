@@ -2,7 +2,6 @@
 subprocess per method (see tests/multidevice.py)."""
 
 import pytest
-
 from multidevice import run_cases
 
 KINDS = ["medusa", "eagle3", "distill"]

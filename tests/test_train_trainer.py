@@ -13,13 +13,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from train_setup import MODEL, Bigram, tiny_data, train_config as config
 
-from train.checkpointing import CheckpointError
-from train.methods import Pretrain
-from train.optim import OptimConfig
-from train.trainer import Method, TrainConfig, train
-from train_setup import MODEL, Bigram, tiny_data
-from train_setup import train_config as config
+from specjax.train.checkpointing import CheckpointError
+from specjax.train.methods import Pretrain
+from specjax.train.optim import OptimConfig
+from specjax.train.trainer import Method, TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +147,9 @@ def test_bf16_compute_pretrain(data, tmp_path):
 _MESH_SCRIPT = textwrap.dedent("""
     import sys
     import jax, numpy as np
-    from train.jobs import data_parallel_mesh
-    from train.methods import Pretrain
-    from train.trainer import train
+    from specjax.train.jobs import data_parallel_mesh
+    from specjax.train.methods import Pretrain
+    from specjax.train.trainer import train
     from train_setup import MODEL, Bigram, tiny_data, train_config
     assert jax.device_count() == 2, jax.devices()
     method = Pretrain(MODEL) if sys.argv[2] == "pretrain" else Bigram()

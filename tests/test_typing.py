@@ -11,7 +11,7 @@ def test_the_suite_runs_with_the_shape_checks(pytestconfig):
     """pyproject's addopts instrument these modules (jaxtyping's pytest plugin)."""
     packages = (pytestconfig.getoption("--jaxtyping-packages") or "").split(",")
     assert {"specjax.attention", "specjax.kv_quant",
-            "pallas_kernels.ragged_paged_attention.launch"} <= set(packages), packages
+            "specjax.pallas_kernels.ragged_paged_attention.launch"} <= set(packages), packages
 
 
 def test_a_call_whose_shapes_disagree_fails_naming_the_argument():

@@ -10,13 +10,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import verify as verify_lib
 from specjax.sampling import Sampling, probs, sample
 from specjax.tree import DraftTree
-from specjax import verify as verify_lib
 from specjax.verify import verify, verify_greedy, verify_typical
-from tests.exact_verify import (Spec, Table, chain_shape, draw_rows,
-                                emitted, expected_accepted, step_dist, target_joint,
-                                tree_nodes, tv, warp)
+from tests.exact_verify import (
+    Spec,
+    Table,
+    chain_shape,
+    draw_rows,
+    emitted,
+    expected_accepted,
+    step_dist,
+    target_joint,
+    tree_nodes,
+    tv,
+    warp,
+)
 from tests.stat_utils import assert_same_distribution, chi_square_power
 
 V = 5

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import tiny_llama
-from train import tokenizer as tok_lib
-from train.corpus import CorpusConfig, load_corpus
-from train.data import DataConfig, tokenize_corpus
-from train.methods.pretrain import next_token_metrics
-from train.optim import OptimConfig
-from train.trainer import TrainConfig
+from specjax.corpus import CorpusConfig, load_corpus
+from specjax.train import tokenizer as tok_lib
+from specjax.train.data import DataConfig, tokenize_corpus
+from specjax.train.methods.pretrain import next_token_metrics
+from specjax.train.optim import OptimConfig
+from specjax.train.trainer import TrainConfig
 
 VOCAB = 320
 # bos/eos as a tokenizer from `train_bpe` places them, so the model `jobs.pretrain`

@@ -27,10 +27,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import specjax
 from specjax.config import tiny_llama
 from specjax.heads import EagleConfig, MedusaConfig
-from train.data import TokenData
-from train.methods import Distill, TrainEagle, TrainMedusa
-from train.optim import OptimConfig
-from train.trainer import TrainConfig, _init_state, layout, train
+from specjax.train.data import TokenData
+from specjax.train.methods import Distill, TrainEagle, TrainMedusa
+from specjax.train.optim import OptimConfig
+from specjax.train.trainer import TrainConfig, _init_state, layout, train
 
 if jax.device_count() != 8:  # pragma: no cover - misuse guard
     pytest.exit("tests/train_sharding_cases.py needs XLA_FLAGS=--xla_force_host_platform_"
@@ -227,11 +227,12 @@ def test_sharded_medusa_checkpoint_resumes_on_another_mesh(tmp_path):
 def test_heads_job_on_a_mesh(tmp_path):
     """`jobs.heads(mesh_shape=...)` loads the target straight onto a 4×2 mesh and trains
     Medusa heads there to the one-device job's heads (the train tests' tiny target)."""
+    from train_setup import DATA, MODEL, tokenizer, train_config
+
     from specjax.checkpoint import save_hf
     from specjax.heads import load_heads
     from specjax.model import Model
-    from train import jobs
-    from train_setup import DATA, MODEL, tokenizer, train_config
+    from specjax.train import jobs
 
     save_hf(Model(MODEL, specjax.init_params(MODEL, 0), tokenizer()), tmp_path / "target")
     cfg = train_config(steps=3, checkpoint_every=0, optim=OPTIM)

@@ -1,7 +1,7 @@
-"""train/: training for specjax — targets, drafts, Medusa and EAGLE heads.
+"""specjax.train (the folder train/): training for specjax — targets, drafts, Medusa and
+EAGLE heads. It uses the library; the library never imports it.
 
-Modules, one concern each:
-  corpus       documents: the embedded Python-stdlib corpus, text / JSON-lines files, hash split
+Modules, one concern each (the documents come from `specjax.corpus`):
   tokenizer    ByteLevel BPE (`tokenizers`) with <|bos|> <|eos|> <|pad|>
   data         packing into fixed-length rows, the step-addressed (resumable) batch order
   losses       cross-entropy, forward/reverse KL, TVD, top-1 agreement
@@ -11,20 +11,20 @@ Modules, one concern each:
   forward      causal forwards of specjax models, the frozen target's hidden states (online
                or from a batch's offline features); sampler: a plain jitted target sampler
   features     offline target features: dumped once to tensorstore (zarr), streamed back
-  speculation  held-out prompts, the heads' speculator, α and τ of a short generation
+  speculation  held-out prompts, α and τ of a short generation
   methods/     pretrain (next-token CE), distill (draft on a frozen target), Medusa, EAGLE
   jobs         whole jobs as plain functions (data + method + trainer + HF export / heads)
   run          the gin front end (the only module that imports gin)
 """
 
-from train.corpus import Corpus, CorpusConfig, load_corpus
-from train.data import DataConfig, TokenData, build_data, tokenize_corpus
-from train.features import FeatureStore, FeaturesError, OfflineData, dump_features
-from train.jobs import JobResult, distill, heads, offline_features, pretrain
-from train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
-from train.speculation import SpeculativeEval
-from train.optim import OptimConfig
-from train.trainer import Method, TrainConfig, TrainResult, evaluate, train
+from specjax.corpus import Corpus, CorpusConfig, load_corpus
+from specjax.train.data import DataConfig, TokenData, build_data, tokenize_corpus
+from specjax.train.features import FeaturesError, FeatureStore, OfflineData, dump_features
+from specjax.train.jobs import JobResult, distill, heads, offline_features, pretrain
+from specjax.train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
+from specjax.train.optim import OptimConfig
+from specjax.train.speculation import SpeculativeEval
+from specjax.train.trainer import Method, TrainConfig, TrainResult, evaluate, train
 
 __all__ = [
     "Corpus", "CorpusConfig", "DataConfig", "Distill", "FeatureStore", "FeaturesError",

@@ -14,11 +14,12 @@ import jax
 import numpy as np
 
 import specjax
+from specjax.calibrate import acceptance_priors, cost_ratio_of, measured_cost_ratios
+from specjax.corpus import CorpusConfig, load_corpus
 from specjax.stats import leviathan_speedup
-from train.corpus import CorpusConfig, load_corpus
-from train.speculation import heldout_prompts, speculative_run
+from specjax.train.speculation import heldout_prompts, speculative_run
 
-DONE = "DONE.json"  # a finished stage's marker in its directory (train.quickstart)
+DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
 
 
 def versions() -> dict[str, str]:
@@ -48,13 +49,11 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     in turn, so that each sees the same machine load; tokens/s is the median over the
     rounds, the stats are the last round's (greedy ones are the same in every round).
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
-    analytical figure (`bench.speculative.measured_cost_ratios`), else the run's own
+    analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: acceptance per depth}} for the adaptive
-    rule's start (`calibrated_priors`). batch: rows per generate call (None: all prompts
-    at once). adaptive: the draft-length rule on (what `generate` does by default), else
-    full depth every step."""
-    from specjax.bench.speculative import cost_ratio_of
-
+    rule's start (`specjax.calibrate.acceptance_priors`). batch: rows per generate call
+    (None: all prompts at once). adaptive: the draft-length rule on (what `generate` does
+    by default), else full depth every step."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     rows = []
@@ -87,21 +86,6 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                                                          r["draft_calls_per_call"]),
                              identical_to_plain=tokens == next(iter(last.values()))[0]))
     return rows
-
-
-def calibrated_priors(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
-                      temperatures, seed: int, cost_ratios: dict | None = None) -> dict:
-    """{temperature: {method: acceptance per depth}}: each speculator at full depth
-    (every depth tried whenever the one before was accepted) over calibration prompts, as
-    `generate(acceptance_prior=)` takes it, so that the adaptive rule starts from what the
-    draft does rather than from the default prior, and a draft that does not pay never
-    drafts to find that out."""
-    from specjax.bench.speculative import cost_ratio_of
-
-    return {temp: {name: speculative_run(
-        target, spec, prompts, new_tokens=new_tokens, temperature=temp, seed=seed, batch=1,
-        cost_ratio=cost_ratio_of(cost_ratios, temp, name))[1]["acceptance_by_position"]
-        for name, spec in speculators.items() if spec is not None} for temp in temperatures}
 
 
 def table(rows: list) -> str:
@@ -165,7 +149,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     evaluation with the same settings is printed again, not recomputed. Raises if greedy
     outputs differ (lossy speculation). repeats: interleaved timed rounds (`compare`);
     calibrate: with `adaptive`, other held-out prompts whose full-depth acceptance
-    starts the rule (`calibrated_priors`; 0: the default prior)."""
+    starts the rule (`specjax.calibrate.acceptance_priors`; 0: the default prior)."""
     from specjax.speculators import DraftModel, NGram
 
     settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
@@ -186,7 +170,6 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
             return old
     prompts = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                               num_prompts, prompt_len, seed)
-    from specjax.bench.speculative import measured_cost_ratios
 
     costs = measured_cost_ratios(target, specs, temperatures, batch=batch or 1)
     priors = None
@@ -194,7 +177,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
         pool = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                                calibrate + num_prompts, prompt_len, seed + 1)
         calib = [p for p in pool if p not in prompts][:calibrate]
-        priors = calibrated_priors(target, specs, calib, new_tokens=new_tokens,
+        priors = acceptance_priors(target, specs, calib, new_tokens=new_tokens,
                                    temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from train import tokenizer as tok_lib
-from train.corpus import Corpus, CorpusConfig, load_corpus
+from specjax.corpus import Corpus, CorpusConfig, load_corpus
+from specjax.train import tokenizer as tok_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 beside training (the EAGLE and Medusa repositories' "generate data, then train" path).
 
 What is stored is exactly what the head methods read from the target
-(`train.forward.frozen_hidden`, the same function the online path calls):
+(`specjax.train.forward.frozen_hidden`, the same function the online path calls):
 
   final   [N, T, D]     the final-normed hidden state. Medusa's heads read it; EAGLE-1/2
                         reads it as its feature; EAGLE's target distributions are the
@@ -48,11 +48,11 @@ from tqdm.auto import tqdm
 
 from specjax.config import ModelConfig
 from specjax.heads.io import target_fingerprint
-from train.checkpointing import CheckpointError, diff, jsonable
-from train.data import TokenData
-from train.forward import FINAL_KEY, LAYERS_KEY, frozen_hidden
+from specjax.train.checkpointing import CheckpointError, diff, jsonable
+from specjax.train.data import TokenData
+from specjax.train.forward import FINAL_KEY, LAYERS_KEY, frozen_hidden
 
-log = logging.getLogger("train")
+log = logging.getLogger("specjax.train")
 FORMAT = "specjax.features/1"
 META_FILE = "features.json"
 SPLITS = ("train", "eval")
@@ -123,7 +123,7 @@ def _compatible(directory: Path, saved: dict, wanted: dict) -> None:
 def _read_meta(directory: Path) -> dict | None:
     path = directory / META_FILE
     if not path.exists():
-        # A gin run's own config.gin (train.run writes it first) is no foreign content.
+        # A gin run's own config.gin (specjax.train.run writes it first) is no foreign content.
         if directory.exists() and any(not p.name.startswith("config.gin")
                                       for p in directory.iterdir()):
             raise FeaturesError(f"{directory} is not empty and has no {META_FILE}: not a "
@@ -135,7 +135,7 @@ def _read_meta(directory: Path) -> dict | None:
         raise FeaturesError(f"{path} is not valid JSON ({e}); refusing to use {directory}"
                             ) from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise FeaturesError(f"{path} was not written by train.features (no "
+        raise FeaturesError(f"{path} was not written by specjax.train.features (no "
                             f"format={FORMAT!r}); refusing to use {directory}")
     return meta
 
@@ -211,7 +211,7 @@ class FeatureStore:
         meta = _read_meta(directory)
         if meta is None:
             raise FeaturesError(f"{directory} holds no features ({META_FILE} is missing); "
-                                f"dump them first (train.features.dump_features)")
+                                f"dump them first (specjax.train.features.dump_features)")
         _compatible(directory, meta["identity"], wanted)
         store = cls(directory, meta)
         if not store.complete:

@@ -1,6 +1,6 @@
 """Plain causal forwards of a specjax model for training (no KV cache), and the frozen
 target's hidden states that head methods read: computed here (online) or carried by the
-batch (offline features dumped by `train.features`)."""
+batch (offline features dumped by `specjax.train.features`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from specjax.config import ModelConfig
 from specjax.model import module_for, step
 from specjax.models.transformer import Hidden, Transformer
 
-# Batch keys of offline features (`train.features.OfflineData`), beside tokens and mask:
+# Batch keys of offline features (`specjax.train.features.OfflineData`), beside tokens and mask:
 FINAL_KEY = "target_final"  # [B, T, D] the target's final-normed hidden state
 LAYERS_KEY = "target_layers"  # [B, T, K, D] outputs of the K decoder layers a method asks for
 

@@ -1,6 +1,6 @@
 """Whole training jobs: data + method + trainer + export, as plain functions.
 
-gin configures these (see configs/ and `train.run`), but they take ordinary Python
+gin configures these (see configs/ and `specjax.train.run`), but they take ordinary Python
 values, so scripts and tests call them directly. Each job writes into one workdir and
 resumes there when re-run; a finished job exports a Hugging Face directory to
 `<workdir>/export` (config.json, model.safetensors, tokenizer.json).
@@ -19,21 +19,26 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
-from specjax.sharding import make_mesh
 from specjax.config import ModelConfig
-from specjax.heads import (EagleConfig, MedusaConfig, build_vocab_map, save_heads,
-                           target_fingerprint)
+from specjax.corpus import load_corpus
+from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads, target_fingerprint
 from specjax.model import Model
-from train import features as features_lib
-from train import tokenizer as tok_lib
-from train.corpus import load_corpus
-from train.data import DataConfig, build_data, tokenize_corpus
-from train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
-from train.speculation import (SpeculativeEval, head_speculator, heldout_prompts,
-                               speculative_run)
-from train.trainer import DATA_AXIS, METRICS_FILE, MetricsLog, TrainConfig, TrainResult, train
+from specjax.sharding import make_mesh
+from specjax.speculators import head_speculator
+from specjax.train import features as features_lib, tokenizer as tok_lib
+from specjax.train.data import DataConfig, build_data, tokenize_corpus
+from specjax.train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
+from specjax.train.speculation import SpeculativeEval, heldout_prompts, speculative_run
+from specjax.train.trainer import (
+    DATA_AXIS,
+    METRICS_FILE,
+    MetricsLog,
+    TrainConfig,
+    TrainResult,
+    train,
+)
 
-log = logging.getLogger("train")
+log = logging.getLogger("specjax.train")
 TOKENIZER_FILE = "tokenizer.json"
 EXPORT_DIR = "export"
 
@@ -249,7 +254,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
 
     features: "online" runs the target inside every step; "offline" dumps its features
       once to `features_dir` (default `<workdir>/features`; resumed if partial, reused if
-      complete, refused if foreign; see `train.features`) in `features_dtype` and streams
+      complete, refused if foreign; see `specjax.train.features`) in `features_dtype` and streams
       them back, so training never runs the target. Same batches, same loss.
     speculative: at the end, a short greedy generation through the heads' speculator on
       held-out prompts; its α and τ go to metrics.jsonl (split "speculative") and to
@@ -341,7 +346,7 @@ def offline_features(workdir: str | Path, target_dir: str | Path,
                      batch_size: int = 8, expect_target: ModelConfig | None = None,
                      progress: bool = True) -> features_lib.FeatureStore:
     """Dumps the target's features for `data_config` into `workdir` (a features directory,
-    see `train.features`) without training anything: run it where the target fits, then
+    see `specjax.train.features`) without training anything: run it where the target fits, then
     train heads with `heads(..., features="offline", features_dir=workdir)`. Resumes a
     killed dump; refuses a directory holding another one.
 

@@ -9,7 +9,7 @@ workdir and skipped when finished with the same settings:
   eagle3/ (quickstart), medusa/ and eagle/ (from_scratch): heads on the frozen target
   results.json, results.md, plots: every method on held-out stdlib prompts, greedy and
   temperature 1 — α, τ, tokens/s, measured and analytical speedup — and a check that
-  every greedy output is identical (`train.comparison`).
+  every greedy output is identical (`specjax.train.comparison`).
 A finished evaluation with the same settings is printed again, not recomputed.
 """
 
@@ -27,13 +27,14 @@ import numpy as np
 
 import specjax
 from specjax.config import ModelConfig
-from train import jobs
-from train.comparison import DONE, evaluate
-from train.data import DataConfig
-from train.speculation import SpeculativeEval, head_speculator
-from train.trainer import TrainConfig
+from specjax.speculators import head_speculator
+from specjax.train import jobs
+from specjax.train.comparison import DONE, evaluate
+from specjax.train.data import DataConfig
+from specjax.train.speculation import SpeculativeEval
+from specjax.train.trainer import TrainConfig
 
-log = logging.getLogger("train.quickstart")
+log = logging.getLogger("specjax.train.quickstart")
 
 
 def _stage(workdir: Path, name: str, fn: Callable[[Path], Any], settings: dict) -> Path:

@@ -1,6 +1,6 @@
 """The gin front end of `train/`: run one configured job.
 
-    python -m train.run configs/experiments/pretrain_mini_stdlib.gin --workdir runs/mini \\
+    python -m specjax.train.run configs/experiments/pretrain_mini_stdlib.gin --workdir runs/mini \\
         --gin "trainer.TrainConfig.steps = 200"
 
 Library modules never import gin; the .gin files name them through
@@ -8,7 +8,9 @@ Library modules never import gin; the .gin files name them through
 `run.launch.job = @jobs.pretrain` (or `@jobs.distill`). Unknown or misspelled
 bindings are errors (`skip_unknown=False`), and `%gin.REQUIRED` values must be bound.
 The full config is written to `<workdir>/config.gin` (a previous, different one is
-kept as `config.gin.<n>`). jax's persistent compilation cache is on, as for `specjax
+kept as `config.gin.<n>`). Gin files written before `train/` installed as
+`specjax.train` (`from train import jobs`) still parse, so old run directories resume
+(`upgrade_gin`). jax's persistent compilation cache is on, as for `specjax
 run` (`--compilation-cache DIR|off`, `specjax.compile_cache`).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -25,6 +28,24 @@ import gin
 CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
 GIN_FILE = "config.gin"
 _search_paths: set[str] = set()
+# `from train import jobs`: the module names of run directories from before specjax.train
+_LEGACY_IMPORT = re.compile(r"^from\s+((?:train|pallas_kernels)(?:\.\w+)*)\s+import\s+(\w+)",
+                            re.M)
+_MOVED = {"train.corpus": "specjax.corpus"}  # modules that left train/ for the library
+
+
+def _upgraded_import(m: re.Match) -> str:
+    module = f"{m[1]}.{m[2]}"
+    if module in _MOVED:
+        parent, name = _MOVED[module].rsplit(".", 1)
+        return f"from {parent} import {name}"
+    return f"from specjax.{m[1]} import {m[2]}"
+
+
+def upgrade_gin(text: str) -> str:
+    """Gin text with the module names of old run directories (top-level `train`,
+    `pallas_kernels`) renamed to the installed ones (`specjax.train`, `specjax.corpus`)."""
+    return _LEGACY_IMPORT.sub(_upgraded_import, text)
 
 
 def launch(workdir: str, job: Callable[..., Any]) -> Any:
@@ -62,19 +83,27 @@ def parse(gin_files: Sequence[str | Path], bindings: Sequence[str] = (), *,
     for f in gin_files:
         if not Path(f).exists():
             raise FileNotFoundError(f"gin file {str(f)!r} does not exist")
+    texts = [Path(f).read_text() for f in gin_files]
     with _quiet_gin_lookups():
-        gin.parse_config_files_and_bindings([str(f) for f in gin_files], list(bindings),
-                                            finalize_config=finalize, skip_unknown=False)
+        if not any(_LEGACY_IMPORT.search(t) for t in texts):
+            gin.parse_config_files_and_bindings([str(f) for f in gin_files], list(bindings),
+                                                finalize_config=finalize, skip_unknown=False)
+            return
+        for text in texts:  # an old run's config.gin: parsed with the modules renamed
+            gin.parse_config(upgrade_gin(text), skip_unknown=False)
+        gin.parse_config(list(bindings), skip_unknown=False)
+        if finalize:
+            gin.finalize()
 
 
 def _save_gin(workdir: Path, text: str) -> None:
     path = workdir / GIN_FILE
-    if path.exists() and path.read_text() != text:
+    if path.exists() and upgrade_gin(path.read_text()) != text:
         n = 1
         while (workdir / f"{GIN_FILE}.{n}").exists():
             n += 1
         path.rename(workdir / f"{GIN_FILE}.{n}")
-        logging.getLogger("train").warning("%s changed; the previous one is %s.%d", path,
+        logging.getLogger("specjax.train").warning("%s changed; the previous one is %s.%d", path,
                                            GIN_FILE, n)
     path.write_text(text)
 
@@ -90,7 +119,7 @@ def run_config(gin_file: str | Path, bindings: Sequence[str] = (), *,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.run", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m specjax.train.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("gin_file")
     parser.add_argument("--workdir", required=True, help="run directory (resumed if it exists)")
@@ -107,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("train").setLevel(logging.INFO)
+    logging.getLogger("specjax.train").setLevel(logging.INFO)
     result = run_config(args.gin_file, args.gin, workdir=args.workdir)
     if not hasattr(result, "train"):  # a job that trains nothing (jobs.offline_features)
         print(result)
@@ -121,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     # Run the imported module's main, not this __main__ copy: gin registered the
-    # functions of `train.run`, and `launch` must be that one.
-    from train.run import main as _main
+    # functions of `specjax.train.run`, and `launch` must be that one.
+    from specjax.train.run import main as _main
 
     _main()

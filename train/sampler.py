@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig
-from train.forward import causal_forward, head_logits
+from specjax.train.forward import causal_forward, head_logits
 
 
 def sample_next(logits: jax.Array, rng: jax.Array, temperature: float) -> jax.Array:

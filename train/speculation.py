@@ -1,19 +1,18 @@
-"""Short real speculative generations for evaluation: held-out prompts, the speculator
-that trained heads go into, and its α and τ. The heads job records one
+"""Short real speculative generations for evaluation: held-out prompts and α and τ of
+the speculator that trained heads go into (`specjax.speculators.head_speculator`). The
+heads job records one
 at the end of every run; the quickstart's comparison runs every method through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import specjax
-from specjax.heads import load_heads
-from train.corpus import Corpus
+from specjax.corpus import Corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,22 +46,6 @@ def heldout_prompts(corpus: Corpus, tokenizer, num: int, length: int,
         start = int(rng.integers(0, len(d) - length))
         prompts.append(d[start:start + length])
     return prompts
-
-
-def head_speculator(heads_dir: str | Path, target: specjax.Model,
-                    eagle_tree: tuple[int, int, int] = (4, 4, 16)):
-    """The speculator that uses the heads saved in `heads_dir`: `Medusa` with the default
-    tree cut to its number of heads, or `Eagle` with a dynamic tree of `eagle_tree`."""
-    from specjax.speculators import Eagle, Medusa
-    from specjax.speculators.medusa import DEFAULT_TREE
-
-    ckpt = load_heads(heads_dir, target.config)
-    if ckpt.kind == "medusa":
-        tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]
-        return Medusa.create(ckpt.params, ckpt.config, target=target, tree=tree)
-    top_k, depth, total = eagle_tree
-    return Eagle.create(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map,
-                        top_k=top_k, depth=depth, total_tokens=total)
 
 
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,

@@ -43,11 +43,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from specjax import sharding as shard
-from train.checkpointing import (RunCheckpoints, check_run_config, state_signature,
-                                 write_run_config)
-from train.optim import OptimConfig, make_optimizer, schedule
+from specjax.train.checkpointing import (
+    RunCheckpoints,
+    check_run_config,
+    state_signature,
+    write_run_config,
+)
+from specjax.train.optim import OptimConfig, make_optimizer, schedule
 
-log = logging.getLogger("train")
+log = logging.getLogger("specjax.train")
 METRICS_FILE = "metrics.jsonl"
 DATA_AXIS = "data"
 Batch = dict[str, Any]  # {"tokens": int32 [B, T], "mask": float32 [B, T]}
@@ -309,7 +313,7 @@ class MetricsLog:
 def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
           frozen: Any = None, init_params: Any = None, mesh: Mesh | None = None,
           stop_at: int | None = None, settings: dict[str, Any] | None = None) -> TrainResult:
-    """Trains `method` on `data` (a `train.data.TokenData` or anything with its
+    """Trains `method` on `data` (a `specjax.train.data.TokenData` or anything with its
     `train_batch` / `eval_batches` / `describe`), resuming from `workdir` if it holds
     checkpoints of the same run.
 

@@ -2,19 +2,26 @@
 
 T new query tokens per row at the end of its KV, KV read through a page table, GQA/MQA,
 causal or tree mask among the new tokens, ragged lengths, optional soft-cap and sliding
-window; float32 online softmax. Contract and plain-jnp reference:
-`specjax.attention` (re-exported here as `reference_ragged_paged_attention`). Optional int8 pages with per-slot scales
-(`quantize_pages`; reference: `dequantize_pages` then the reference).
+window; float32 online softmax. The plain-jnp reference with the same signature:
+`reference_ragged_paged_attention` (`reference.py`); the contract and the entry point
+that picks kernel or reference: `specjax.attention`. Optional int8 pages with per-slot
+scales (`quantize_pages`; reference: `dequantize_pages` then the reference).
 Design notes: docs/kernels.md.
 """
 
-from specjax.attention import reference_paged_attention as reference_ragged_paged_attention
-from pallas_kernels.ragged_paged_attention._common import dequantize_pages, quantize_pages
-from pallas_kernels.ragged_paged_attention.api import (
-    native_lowering, ragged_paged_attention, resolve_block_sizes)
-from pallas_kernels.ragged_paged_attention.tuned_block_sizes import (
-    TUNED_BLOCK_SIZES, BlockSizes, get_block_sizes)
-from pallas_kernels.ragged_paged_attention.validation import check_inputs, static_check
+from specjax.pallas_kernels.ragged_paged_attention._common import dequantize_pages, quantize_pages
+from specjax.pallas_kernels.ragged_paged_attention.api import (
+    native_lowering,
+    ragged_paged_attention,
+    resolve_block_sizes,
+)
+from specjax.pallas_kernels.ragged_paged_attention.reference import reference_ragged_paged_attention
+from specjax.pallas_kernels.ragged_paged_attention.tuned_block_sizes import (
+    TUNED_BLOCK_SIZES,
+    BlockSizes,
+    get_block_sizes,
+)
+from specjax.pallas_kernels.ragged_paged_attention.validation import check_inputs, static_check
 
 __all__ = [
     "BlockSizes", "TUNED_BLOCK_SIZES", "check_inputs", "dequantize_pages",

@@ -1,7 +1,7 @@
 """The public entry point: picks the lowering and block sizes, then runs the jitted kernel.
 
-`ragged_paged_attention` has the signature and contract of
-`specjax.attention.reference_paged_attention` (see that module's docstring). Lowering:
+`ragged_paged_attention` has the signature and contract of its plain-jnp reference,
+`reference.reference_ragged_paged_attention` (contract: `specjax.attention`). Lowering:
 GPU -> Triton, TPU -> Mosaic, CPU -> the Triton kernel in interpret mode: it
 discharges to plain XLA loops and runs far faster per call than the TPU interpreter
 (which simulates DMAs and semaphores) on the test shapes (docs/kernels.md).
@@ -15,10 +15,12 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import _common as common
-from pallas_kernels.ragged_paged_attention import launch
-from pallas_kernels.ragged_paged_attention import tuned_block_sizes as tuned
-from pallas_kernels.ragged_paged_attention import validation
+from specjax.pallas_kernels.ragged_paged_attention import (
+    _common as common,
+    launch,
+    tuned_block_sizes as tuned,
+    validation,
+)
 
 Lowering = Literal["triton", "mosaic"]
 LOWERINGS = ("triton", "mosaic")
@@ -35,7 +37,7 @@ def resolve_block_sizes(q_shape, pages_shape, pages_per_row: int, dtype, *,
 
     The table entry is the one for `device_kind` (default: the first device's; CPU's
     when interpreting), so a GPU's options can be resolved on a CPU host
-    (`pallas_kernels.compile_check`).
+    (`specjax.pallas_kernels.compile_check`).
 
     Requested sizes are validated first; then block_rows shrinks to the next power of 2
     above T x G and pages_per_block to the table width (never below what the lowering's
@@ -104,11 +106,11 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [B, T, N, H]
     """Tree/causal attention of T new tokens per row over a paged KV cache (Pallas).
 
-    Same contract as `specjax.attention.reference_paged_attention`. Options left None:
+    Same contract as `reference_ragged_paged_attention`. Options left None:
     the device's own lowering (CPU: Triton in interpret mode), compiled unless it is
     not the device's, and block sizes from the tuned table for this device and T;
     `block_rows` is an upper bound (a small T x G uses the next power of 2 above it);
-    `num_warps` / `num_stages` are Triton's (tuning: `pallas_kernels.bench --tune`).
+    `num_warps` / `num_stages` are Triton's (tuning: `specjax.pallas_kernels.bench --tune`).
     `validate=True` also runs `check_inputs` on the values (concrete arrays only).
     Pages may be another float dtype than q (computed in the wider of the two, as the
     reference), or int8 (`quantize_pages`) with per-slot scales: a block is dequantized

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention import _common as common
+from specjax.pallas_kernels.ragged_paged_attention import _common as common
 
 
 def _kernel(

@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import _common as common
-from pallas_kernels.ragged_paged_attention import gpu, tpu
-from specjax.typing import PageTable, Pages, Queries, RowLengths, Scales, TreeMask
+from specjax.pallas_kernels.ragged_paged_attention import _common as common, gpu, tpu
+from specjax.typing import Pages, PageTable, Queries, RowLengths, Scales, TreeMask
 
 
 @functools.partial(jax.jit, static_argnames=(

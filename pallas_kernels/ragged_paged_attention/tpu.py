@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import _common as common
+from specjax.pallas_kernels.ragged_paged_attention import _common as common
 
 _LANES = 128  # m/l scratch is lane-wide; only lane 0 is read back
 

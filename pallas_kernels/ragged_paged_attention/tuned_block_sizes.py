@@ -3,7 +3,7 @@
 HONEST STATUS: no entry below has been measured yet — no GPU or TPU was available when
 the kernel was written. The values are first guesses from the usual constraints (Triton
 dots need every dim >= 16; a KV block of ~64-128 slots amortises the page gather; decode
-at small batch needs KV splits to fill the SMs). `python -m pallas_kernels.bench --tune`
+at small batch needs KV splits to fill the SMs). `python -m specjax.pallas_kernels.bench --tune`
 sweeps the candidates on a real device and prints entries to paste here; replace a
 guess only with a measured entry, and say so in docs/kernels.md.
 
@@ -33,7 +33,7 @@ VERIFY_MAX_T = 64
 TUNED_BLOCK_SIZES: dict[str, dict[str, BlockSizes]] = {
     # Unmeasured guesses (see module doc). 132 SMs: ask for ~2 programs per SM.
     # 64-row blocks take 8 warps: with 4 they compile to 250-255 registers a thread
-    # (`python -m pallas_kernels.compile_check`, docs/kernels.md), with 8 to 128-129.
+    # (`python -m specjax.pallas_kernels.compile_check`, docs/kernels.md), with 8 to 128-129.
     "NVIDIA H": {
         DECODE: BlockSizes(block_rows=16, block_kv=64, min_programs=264),
         VERIFY: BlockSizes(block_rows=64, block_kv=64, min_programs=264, num_warps=8),

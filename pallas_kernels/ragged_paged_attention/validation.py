@@ -4,9 +4,9 @@ and dynamic (values: `check_inputs`, opt-in, on concrete arrays). Errors name th
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

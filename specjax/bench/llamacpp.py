@@ -304,31 +304,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def ngram_prior(target, k: int, prompts, new: int) -> list | None:
-    """n-gram's acceptance per depth drafting at full depth over `prompts` (None: no
-    prompts), for generate's `acceptance_prior`."""
-    import specjax
-    from specjax.speculators import NGram
-    from specjax.stats import merge_stats
-
-    if not prompts:
-        return None
-    return merge_stats([specjax.generate(target, [p], max_new_tokens=new, ignore_eos=True,
-                                         speculator=NGram(k=k), adaptive=False).stats
-                        for p in prompts]).acceptance_by_position
-
-
 def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
     """specjax generate (batch 1, prompt by prompt) and every runner, interleaved; specjax's
     n-gram rule starts from its acceptance on the `calibration` prompts."""
     import specjax
-
+    from specjax.bench.speculative import hf_pass, hf_variants, load_hf
+    from specjax.calibrate import acceptance_prior
     from specjax.speculators import NGram
 
-    from specjax.bench.speculative import hf_pass, hf_variants, load_hf
-
     ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
-    prior = ngram_prior(target, args.k, calibration, args.new)
+    prior = acceptance_prior(target, NGram(k=args.k), calibration, new_tokens=args.new)
     hf = load_hf(target) if args.transformers else None
     peers = ({name.replace("hf_", "transformers_"): extra
               for name, extra in hf_variants(None, args.k).items()} if hf is not None else {})

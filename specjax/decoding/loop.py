@@ -15,13 +15,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax import rng
-from specjax import sampling as sampling_lib
+from specjax import rng, sampling as sampling_lib
 from specjax.config import ModelConfig
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.policy import Decision, decide, initial_probes, verify_buckets
-from specjax.decoding.speculate import (gather_hidden, is_eos, speculate, speculative_step,
-                                        write_tokens)
+from specjax.decoding.speculate import (
+    gather_hidden,
+    is_eos,
+    speculate,
+    speculative_step,
+    write_tokens,
+)
 from specjax.decoding.state import Counters, LoopState, Params, Prompt, Speculation
 from specjax.model import module_for, step
 from specjax.models.transformer import Hidden, Transformer

@@ -5,9 +5,9 @@
   export_medusa(medusa, dir)      Medusa, the Medusa repository's layout
   export_gguf(draft, file)        a draft model as llama.cpp's GGUF (`save_gguf`)
 
-`read_heads(dir, target_config)` reads any of the head layouts back (the format is told by
-its config.json); `specjax.heads.load_heads`, and so `Eagle.load(dir)` and
-`Medusa.load(dir)`, fall back to it for a directory without specjax's own `heads.json`.
+The layouts themselves, and `read_heads(dir, target_config)` that reads any of them back,
+are `specjax.heads.formats` (re-exported here): `specjax.heads.load_heads`, and so
+`Eagle.load(dir)` and `Medusa.load(dir)`, read them without this package.
 """
 
 from __future__ import annotations
@@ -15,15 +15,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specjax.config import ModelConfig
-from specjax.export import eagle3_original, medusa_format, speculators_format
-from specjax.export.files import read_config
-from specjax.heads.io import HeadCheckpoint
+from specjax.heads.formats import (
+    eagle3_original,
+    head_format,
+    medusa_format,
+    read_heads,
+    speculators_format,
+)
 
 FORMATS = ("speculators", "eagle3", "medusa", "gguf")
 
 __all__ = ["FORMATS", "export_eagle3", "export_gguf", "export_medusa", "export_speculators",
-           "read_heads"]
+           "head_format", "read_heads"]
 
 
 def _eagle3_parts(eagle, target):
@@ -89,31 +92,3 @@ def export_gguf(draft, path: str | os.PathLike, *, dtype: str = "F32") -> Path:
     from specjax.checkpoint.gguf_write import save_gguf
 
     return save_gguf(draft, path, dtype=dtype)
-
-
-def head_format(raw: dict) -> str | None:
-    """Which exported head layout a config.json dict describes, or None."""
-    if speculators_format.is_speculators(raw):
-        return "speculators"
-    if eagle3_original.is_eagle3(raw):
-        return "eagle3"
-    if medusa_format.is_medusa(raw):
-        return "medusa"
-    return None
-
-
-def read_heads(path: str | os.PathLike, target_config: ModelConfig) -> HeadCheckpoint:
-    """Reads an exported head directory (speculators, original EAGLE-3 or Medusa layout)
-    as a head for `target_config`."""
-    path = Path(path)
-    raw = read_config(path)
-    fmt = head_format(raw)
-    if fmt == "speculators":
-        return speculators_format.read_speculators(path, target_config)
-    if fmt == "eagle3":
-        return eagle3_original.read_eagle3(path, target_config)
-    if fmt == "medusa":
-        return medusa_format.read_medusa(path, target_config)
-    raise ValueError(f"{path / 'config.json'} describes no head format specjax reads "
-                     f"(architectures={raw.get('architectures')!r}); expected speculators' "
-                     "eagle3, the original EAGLE-3 layout or Medusa's")

@@ -1,7 +1,7 @@
 """`specjax export`: a training run's heads or draft (or a heads/model directory) to a file
 format servers load.
 
-A run directory (written by `train.jobs`) holds `heads/` (head jobs) or `export/` (a
+A run directory (written by `specjax.train.jobs`) holds `heads/` (head jobs) or `export/` (a
 distilled draft) and records its target in `config.json` (`settings.target_dir`); a heads
 directory (specjax's `heads.json`, or an exported layout) needs the target named.
 """
@@ -12,8 +12,14 @@ import json
 import os
 from pathlib import Path
 
-from specjax.export import (FORMATS, export_eagle3, export_gguf, export_medusa,
-                            export_speculators, head_format)
+from specjax.export import (
+    FORMATS,
+    export_eagle3,
+    export_gguf,
+    export_medusa,
+    export_speculators,
+    head_format,
+)
 
 HEAD_FORMATS = {"speculators": "eagle", "eagle3": "eagle", "medusa": "medusa"}
 HEAD_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -61,7 +67,7 @@ def export(fmt: str, src: str | os.PathLike, out: str | os.PathLike, *,
     name written as speculators' verifier (default: the target directory); dtype: the
     weights, F32, F16 or Q8_0 for gguf, F32, BF16 or F16 for heads."""
     import specjax
-    from specjax.heads.io import load_heads
+    from specjax.heads.loading import load_heads
     from specjax.speculators import Eagle, Medusa
 
     if fmt not in FORMATS:

@@ -46,6 +46,7 @@ from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import module_for
 from specjax.models.transformer import MLP, Attention, Hidden, RMSNorm, Transformer, step_context
+from specjax.sharding.per_shard import MESH_OPS
 
 VERSIONS = (1, 3)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -262,7 +263,7 @@ def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_p
     q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
     emb = embed_tokens(target_config, params, target_params, tokens)
     lc = layer_config(target_config)
-    ctx = step_context(lc, positions, q_lens, mask, cache, backend)
+    ctx = step_context(lc, positions, q_lens, mask, cache, backend, ops=MESH_OPS)
     kv = None if cache is None else cache.kv
     out, kv = EagleHead(config, lc).apply({"params": layer_params(params)}, emb, features,
                                           ctx, kv)

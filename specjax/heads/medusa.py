@@ -50,7 +50,8 @@ class MedusaHeads(nn.Module):
         lm = self.param("lm_head", nn.initializers.normal(0.02), (m, d, v), jnp.float32)
         x = jnp.broadcast_to(hidden[:, :, None, :], hidden.shape[:2] + (m, d)).astype(self.dtype)
         for i in range(r):
-            y = jnp.einsum("BTMD,MDE->BTME", x, w[:, i].astype(self.dtype)) + b[:, i].astype(self.dtype)
+            y = (jnp.einsum("BTMD,MDE->BTME", x, w[:, i].astype(self.dtype))
+                 + b[:, i].astype(self.dtype))
             x = x + nn.silu(y)
         return jnp.einsum("BTMD,MDV->BTMV", x, lm.astype(self.dtype),
                           preferred_element_type=jnp.float32)

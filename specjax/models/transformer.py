@@ -16,11 +16,15 @@ A call takes the new tokens of every row, their RoPE positions and, optionally, 
 paged KV cache; it returns float32 logits, the hidden states asked for, and the cache
 with the new keys/values written. Without a cache it is a plain causal forward
 (training, parity tests). Variants are config flags, never mode switches in the code.
+The paged attention and KV write come in as `CacheOps`: single-device ones by default,
+`specjax.sharding.per_shard.MESH_OPS` (what `specjax.model.step` passes) on a mesh.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -31,6 +35,18 @@ from specjax import attention as attn_lib
 from specjax.cache import PagedKVCache, layer_kv, slot_pages, write_layer_kv
 from specjax.config import ModelConfig
 from specjax.models.rope import apply_rope, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOps:
+    """The paged attention and KV write of a cached step, as functions of the signatures
+    of `specjax.attention.paged_attention` and `specjax.cache.write_layer_kv`."""
+
+    attention: Callable = attn_lib.paged_attention
+    write_layer_kv: Callable = write_layer_kv
+
+
+SINGLE_DEVICE = CacheOps()
 
 # Decode-layout param: the tied embedding transposed, [D, V] (`Transformer.logits`).
 TIED_HEAD_T = "tied_lm_head_t"
@@ -52,23 +68,25 @@ class StepContext:
     # True: the new keys/values are not written; attention takes them beside the pages
     # and each layer returns them (`Transformer.__call__(write_cache=False)`).
     defer: bool = struct.field(pytree_node=False, default=False)
+    ops: CacheOps = struct.field(pytree_node=False, default=SINGLE_DEVICE)
 
 
 def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
                  mask: jax.Array | None, cache: PagedKVCache | None,
-                 backend: str | None = None, defer: bool = False) -> StepContext:
+                 backend: str | None = None, defer: bool = False,
+                 ops: CacheOps = SINGLE_DEVICE) -> StepContext:
     """The `StepContext` of a call writing T = positions.shape[1] new tokens per row at
     slots `cache.lengths + t` (t < q_lens); without a cache, a plain masked forward."""
     cos, sin = rope_tables(config, positions)
     backend = attn_lib.resolve_backend(backend)
     if cache is None:
-        return StepContext(cos, sin, q_lens, mask, None, None, None, None, backend)
+        return StepContext(cos, sin, q_lens, mask, None, None, None, None, backend, ops=ops)
     t = positions.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < q_lens[:, None]
     page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size, cache.num_pages)
     return StepContext(cos, sin, q_lens, mask, cache.page_table, cache.lengths + q_lens, page,
-                       offset, backend, defer)
+                       offset, backend, defer, ops)
 
 
 class RMSNorm(nn.Module):
@@ -117,12 +135,12 @@ class Attention(nn.Module):
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
         elif ctx.defer:  # pages untouched; the caller writes what it keeps
             new_kv = (k, v)  # as computed: the caller's write quantizes them as ours would
-            out = attn_lib.paged_attention(
+            out = ctx.ops.attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
                 mask=ctx.mask, new_kv=new_kv, **layer_kv(kv, layer), **opts)
         else:
-            kv = write_layer_kv(kv, layer, k, v, ctx.write_page, ctx.write_offset)
-            out = attn_lib.paged_attention(
+            kv = ctx.ops.write_layer_kv(kv, layer, k, v, ctx.write_page, ctx.write_offset)
+            out = ctx.ops.attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
                 mask=ctx.mask, **layer_kv(kv, layer), **opts)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
@@ -220,6 +238,7 @@ class Transformer(nn.Module):
         inputs_embeds: jax.Array | None = None,  # [B, T, D] instead of embedding `tokens`
         attention_backend: str | None = None,
         write_cache: bool = True,
+        cache_ops: CacheOps = SINGLE_DEVICE,  # the mesh's (`specjax.model.step` passes them)
     ):
         """Returns (logits [B,T,V] f32 | None, Hidden, cache with the T tokens written).
 
@@ -232,13 +251,14 @@ class Transformer(nn.Module):
         c = self.config
         b, t = tokens.shape
         q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
-        x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(jnp.dtype(c.dtype))
+        x = (self.embed(tokens) if inputs_embeds is None
+             else inputs_embeds.astype(jnp.dtype(c.dtype)))
         if not write_cache and (cache is None or attn_lib.resolve_backend(
                 attention_backend) != "reference"):
             raise ValueError("write_cache=False needs a cache and the reference attention "
                              f"backend (got backend={attention_backend!r})")
         ctx = step_context(c, positions, q_lens, mask, cache, attention_backend,
-                           defer=not write_cache)
+                           defer=not write_cache, ops=cache_ops)
         kv = None if cache is None else cache.kv
         hidden_layers = tuple(hidden_layers)
         for i in hidden_layers:
@@ -286,3 +306,19 @@ class Hidden:
 
     final: jax.Array  # [B, T, D] after the final norm (Medusa, EAGLE-1/2 read this)
     layers: tuple  # outputs of the requested decoder layers, each [B, T, D] (EAGLE-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(config: ModelConfig, scan_layers: bool) -> Transformer:
+    return Transformer(config, scan_layers=scan_layers)
+
+
+def module_for(config: ModelConfig, params: Any = None) -> Transformer:
+    """The module for `config`, in the layer layout of `params` (stacked by default)."""
+    return _module(config, params is None or "layers_0" not in params)
+
+
+def param_shapes(config: ModelConfig) -> Any:
+    """Param shapes/dtypes via `jax.eval_shape`: no memory is allocated."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(module_for(config).init, jax.random.key(0), tokens, tokens)["params"]

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from specjax import kv_quant
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.models.transformer import param_shapes
 from specjax.sharding.rules import RULES, axis_size, cache_specs, mesh_axis, param_specs
 
 _GIB = 1 << 30
@@ -66,7 +67,6 @@ def _bytes_per_device(shapes: Any, specs: Any, mesh_shape, itemsize=None) -> int
 def params_bytes(config: ModelConfig, mesh_shape: Mapping[str, int], dtype, *,
                  rules=RULES) -> int:
     """Param bytes on one device, each param stored in `dtype`, laid out by `rules`."""
-    from specjax.model import param_shapes
     return _bytes_per_device(param_shapes(config), param_specs(config, mesh_shape, rules=rules),
                              mesh_shape, jnp.dtype(dtype).itemsize)
 

@@ -1,4 +1,7 @@
-"""Paged-cache ops per shard under `shard_map`: the hooks attention and the cache use.
+"""Paged attention and cache writes and moves on a mesh: `specjax.attention` and
+`specjax.cache` (which know nothing of meshes) run once per shard under `shard_map`.
+`paged_attention`, `write_kv`, `write_layer_kv` and `move_slots` take the single-device
+functions' arguments and run them as they are off-mesh.
 
 Attention needs no communication when each device holds whole KV heads with their query
 groups: queries [B, T, N, H] are split over N, pages [K, P, Z, H] over K (contiguous
@@ -18,7 +21,9 @@ from typing import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from specjax.sharding.rules import CACHE_AXES, RULES, Logical, mesh_axis, page_axis
+from specjax import attention, cache as cache_lib
+from specjax.models.transformer import CacheOps
+from specjax.sharding.rules import CACHE_AXES, RULES, Logical, active_mesh, mesh_axis, page_axis
 
 PAGES = CACHE_AXES["k_pages"]  # [L, K, P, Z, H]
 
@@ -92,3 +97,61 @@ def per_shard_attention(
     # over a replicated axis are identical on every shard by construction.
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec,
                          check_vma=False)(*args)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask=None, *,
+                    scale: float, soft_cap: float | None = None,
+                    sliding_window: int | None = None, backend: str | None = None,
+                    mesh=None, new_kv=None, k_scales=None, v_scales=None):
+    """`specjax.attention.paged_attention` on `mesh` (or the one `jax.set_mesh` made
+    active): the backend once per shard, KV heads over the model axis, rows over the data
+    axis; without a mesh, that function itself."""
+    mesh = active_mesh() if mesh is None else mesh
+    opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if mesh is None:
+        return attention.paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens,
+                                         mask, backend=backend, new_kv=new_kv,
+                                         k_scales=k_scales, v_scales=v_scales, **opts)
+    backend = attention.resolve_backend(backend)
+    if new_kv is not None:
+        raise ValueError("new_kv (keys/values beside the pages) needs the reference "
+                         f"backend off-mesh (got backend={backend!r}, mesh={mesh})")
+    return per_shard_attention(attention.kernel(backend), mesh, q, k_pages, v_pages,
+                               page_table, kv_lens, q_lens, mask, k_scales, v_scales, **opts)
+
+
+def write_kv(pages, layer, new, page, offset):
+    """`specjax.cache.write_kv` per shard under the active mesh: each data shard writes
+    its rows into its own pages, each model shard its KV heads."""
+    mesh = active_mesh()
+    if mesh is None:
+        return cache_lib.write_kv(pages, layer, new, page, offset)
+    logical = PAGES[:pages.ndim]
+    return per_shard_pages(
+        cache_lib.write_kv, mesh, (pages, layer, new, page, offset),
+        (logical, (), ("batch", None, "kv_heads", None)[:new.ndim], ("batch", None),
+         ("batch", None)), logical, kv_heads=pages.shape[1], batch=new.shape[0])
+
+
+def write_layer_kv(kv, layer, k, v, page, offset) -> tuple:
+    """`specjax.cache.write_layer_kv` with its writes per shard under the active mesh."""
+    return cache_lib.write_layer_kv(kv, layer, k, v, page, offset, write=write_kv)
+
+
+def move_slots(cache, src, dst, valid):
+    """`specjax.cache.move_slots` per shard under the active mesh."""
+    mesh = active_mesh()
+    if mesh is None:
+        return cache_lib.move_slots(cache, src, dst, valid)
+    arrays = tuple(a for a in cache.kv if a is not None)  # pages, then scales if int8
+    rows = ("batch", None)
+    logical = tuple(PAGES[:a.ndim] for a in arrays)
+    moved = per_shard_pages(
+        cache_lib.move_slot_arrays, mesh, (cache.page_table, src, dst, valid) + arrays,
+        (rows,) * 4 + logical, logical, kv_heads=cache.k_pages.shape[1], batch=src.shape[0])
+    return cache_lib.with_moved(cache, tuple(moved))
+
+
+# What a model step under a mesh calls (`specjax.model.step`); off-mesh they are the
+# single-device functions.
+MESH_OPS = CacheOps(attention=paged_attention, write_layer_kv=write_layer_kv)

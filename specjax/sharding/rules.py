@@ -29,7 +29,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.models.transformer import param_shapes
 
 MeshShape = Mapping[str, int]
 Logical = tuple[str | None, ...]
@@ -250,7 +252,6 @@ def tree_specs(tree: Any, mesh: Mesh | MeshShape, *, config: ModelConfig | None 
 
 def param_specs(config: ModelConfig, mesh: Mesh | MeshShape, *, rules=RULES) -> Any:
     """PartitionSpecs of `config`'s params (from `jax.eval_shape`; nothing is allocated)."""
-    from specjax.model import param_shapes
     return tree_specs(param_shapes(config), mesh, config=config, rules=rules)
 
 
@@ -353,8 +354,6 @@ def constrain_caches(tree: Any, *, rules=RULES) -> Any:
     Pins the layout of loop carries (prefill and decode) so that the per-shard page pools
     never depend on what XLA's sharding propagation picks for a while-loop carry.
     """
-    from specjax.cache import PagedKVCache
-
     if active_mesh() is None:
         return tree
     return jax.tree.map(lambda x: constrain_cache(x, rules=rules) if isinstance(
@@ -395,17 +394,24 @@ def use_mesh(mesh: Mesh | None):
 def create_cache(config: ModelConfig, page_table, *, num_pages: int, page_size: int,
                  mesh: Mesh | None = None, dtype=None):
     """A zeroed `PagedKVCache` (pages of `dtype`, default the config's; int8 with scales)
-    created on `mesh` shard by shard (under jit), by the rules."""
-    from specjax.cache import PagedKVCache
-
-    if mesh is None:
-        return PagedKVCache.create(config, page_table, num_pages=num_pages, page_size=page_size,
-                                   dtype=dtype)
-    table = put(page_table, mesh, CACHE_AXES["page_table"], name="cache.page_table")
+    laid out by the rules: created on `mesh` shard by shard (under jit), or under the
+    active mesh when `mesh` is None."""
     make = functools.partial(PagedKVCache.create, config, num_pages=num_pages,
                              page_size=page_size, dtype=dtype)
+    if mesh is None:
+        return constrain_cache(make(page_table))
+    table = put(page_table, mesh, CACHE_AXES["page_table"], name="cache.page_table")
     with use_mesh(mesh):
-        return jax.jit(make)(table)
+        return jax.jit(lambda t: constrain_cache(make(t)))(table)
+
+
+def cache_for_rows(config: ModelConfig, batch: int, pages_per_row: int, page_size: int,
+                   dtype=None) -> PagedKVCache:
+    """`PagedKVCache.for_rows` with one pool per data shard of the active mesh, laid out by
+    the rules (what a speculator's own cache uses)."""
+    return constrain_cache(PagedKVCache.for_rows(
+        config, batch, pages_per_row, page_size, dtype=dtype,
+        num_shards=page_shards(batch, active_mesh())))
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -1,12 +1,20 @@
 """Speculators: each a pytree with pure init / prefill / propose / commit."""
 
-from specjax.speculators.base import (CommitContext, DraftCost, PrefillChunk,
-                                      ProposeContext, Speculator, TreeShape)
+from specjax.speculators.base import (
+    CommitContext,
+    DraftCost,
+    PrefillChunk,
+    ProposeContext,
+    Speculator,
+    TreeShape,
+)
 from specjax.speculators.draft_model import DraftModel
 from specjax.speculators.eagle import Eagle
 from specjax.speculators.medusa import Medusa
 from specjax.speculators.ngram import NGram
 from specjax.speculators.queue import PairQueue
+from specjax.speculators.saved import head_speculator
 
 __all__ = ["CommitContext", "DraftCost", "DraftModel", "Eagle", "Medusa", "NGram",
-           "PairQueue", "PrefillChunk", "ProposeContext", "Speculator", "TreeShape"]
+           "PairQueue", "PrefillChunk", "ProposeContext", "Speculator", "TreeShape",
+           "head_speculator"]

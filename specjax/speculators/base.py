@@ -80,7 +80,7 @@ class DraftCost:
 
     params_per_call: parameters one draft call runs through (0 for free drafts like
     n-gram); `ratio` turns it into a cost relative to one one-token target forward
-    (`specjax.bench.speculative.measured_cost_ratio` measures it instead).
+    (`specjax.calibrate.measured_cost_ratio` measures it instead).
     calls_per_step: draft calls of a full-depth step; drafting k positions makes
     min(k, this) (a chain draft: one per position; Medusa: one).
     """

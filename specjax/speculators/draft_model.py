@@ -23,17 +23,23 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import rng
-from specjax import sampling as sampling_lib
+from specjax import rng, sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
 from specjax.models.transformer import Transformer
+from specjax.sharding.rules import cache_for_rows
 from specjax.speculators import queue as queue_lib
-from specjax.speculators.base import (CommitContext, DraftCost, PrefillChunk, ProposeContext,
-                                      Speculator, TreeShape)
-from specjax.speculators.queue import PairQueue, propose_lazily
+from specjax.speculators.base import (
+    CommitContext,
+    DraftCost,
+    PrefillChunk,
+    ProposeContext,
+    Speculator,
+    TreeShape,
+)
 from specjax.speculators.dynamic_tree import Nodes, dynamic_depth_widths, dynamic_tree
+from specjax.speculators.queue import PairQueue, propose_lazily
 from specjax.tree import DraftTree, chain, empty_tree
 
 
@@ -110,7 +116,7 @@ class DraftModel(Speculator):
              kv_dtype=None) -> DraftState:
         extra = (self.k - 1) * self.tree_top_k  # tree nodes written past the root
         m = -(-(capacity + extra) // self.page_size)
-        cache = PagedKVCache.for_rows(self.config, batch, m, self.page_size, dtype=kv_dtype)
+        cache = cache_for_rows(self.config, batch, m, self.page_size, dtype=kv_dtype)
         return DraftState(cache, PairQueue.zeros(batch, self.k, ((), jnp.int32)))
 
     def prefill(self, state: DraftState, chunk: PrefillChunk, target_params) -> DraftState:

@@ -35,16 +35,35 @@ from flax import struct
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
-from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
-                                 init_eagle_params, layer_config, layer_params,
-                                 target_features)
+from specjax.heads.eagle import (
+    EagleConfig,
+    eagle_logits,
+    eagle_step,
+    fuse_features,
+    init_eagle_params,
+    layer_config,
+    layer_params,
+    target_features,
+)
+from specjax.heads.loading import resolve_heads
 from specjax.model import Model
+from specjax.sharding.rules import cache_for_rows
 from specjax.speculators import queue as queue_lib
-from specjax.speculators.base import (CommitContext, DraftCost, PrefillChunk, ProposeContext,
-                                      Speculator, TreeShape)
+from specjax.speculators.base import (
+    CommitContext,
+    DraftCost,
+    PrefillChunk,
+    ProposeContext,
+    Speculator,
+    TreeShape,
+)
+from specjax.speculators.dynamic_tree import (
+    Nodes,
+    dynamic_depth_widths,
+    dynamic_tree,
+    static_tree_expand,
+)
 from specjax.speculators.queue import PairQueue, propose_lazily
-from specjax.speculators.dynamic_tree import (Nodes, dynamic_depth_widths, dynamic_tree,
-                                              static_tree_expand)
 from specjax.tree import DraftTree, empty_tree, static_tree
 
 
@@ -79,7 +98,7 @@ class Eagle(Speculator):
         vocab_map: EAGLE-3's d2t [Vd] (default: the first Vd target ids, or the map
           saved with the heads).
         """
-        params, config, tcfg, saved_map = heads_io.resolve_heads("eagle", params, config,
+        params, config, tcfg, saved_map = resolve_heads("eagle", params, config,
                                                                  target)
         vocab_map = saved_map if vocab_map is None else vocab_map
         config.check(tcfg)
@@ -181,7 +200,7 @@ class Eagle(Speculator):
     def init(self, target_config: ModelConfig, batch: int, capacity: int, *,
              kv_dtype=None) -> EagleState:
         m = -(-(capacity + self._extra_slots) // self.page_size)
-        cache = PagedKVCache.for_rows(layer_config(target_config), batch, m, self.page_size,
+        cache = cache_for_rows(layer_config(target_config), batch, m, self.page_size,
                                       dtype=kv_dtype)
         d, dt = target_config.hidden_size, jnp.dtype(target_config.dtype)
         return EagleState(cache, PairQueue.zeros(batch, self.shape.max_depth, ((), jnp.int32),

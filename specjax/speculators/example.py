@@ -12,8 +12,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.config import ModelConfig
-from specjax.speculators.base import (CommitContext, PrefillChunk, ProposeContext,
-                                      Speculator, TreeShape)
+from specjax.speculators.base import (
+    CommitContext,
+    PrefillChunk,
+    ProposeContext,
+    Speculator,
+    TreeShape,
+)
 from specjax.tree import DraftTree, chain
 
 

@@ -29,10 +29,10 @@ from flax import struct
 
 from specjax.config import ModelConfig
 from specjax.heads import io as heads_io
+from specjax.heads.loading import resolve_heads
 from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits
 from specjax.model import Model
-from specjax.speculators.base import (CommitContext, DraftCost, ProposeContext, Speculator,
-                                      TreeShape)
+from specjax.speculators.base import CommitContext, DraftCost, ProposeContext, Speculator, TreeShape
 from specjax.tree import DraftTree, static_tree
 from specjax.verify import METHODS
 
@@ -67,7 +67,7 @@ class Medusa(Speculator):
         tree: Medusa-style paths, each the top-k choice index per depth.
         verification: "rejection" (lossless) or "typical" (lossy) for sampled decoding.
         """
-        params, config, tcfg, _ = heads_io.resolve_heads("medusa", params, config, target)
+        params, config, tcfg, _ = resolve_heads("medusa", params, config, target)
         if verification not in METHODS:
             raise ValueError(f"verification={verification!r} must be one of {METHODS}")
         spec = cls(params, config, tcfg, _paths(tree), verification)

@@ -1,7 +1,7 @@
 """Draft distillation: a small Llama trained online on a frozen target's distributions.
 
 The draft sees the same tokens as the target and matches its next-token distribution
-at every position under one of `train.losses.DIVERGENCES` (DistillSpec finds TVD,
+at every position under one of `specjax.train.losses.DIVERGENCES` (DistillSpec finds TVD,
 whose complement is the speculative-sampling acceptance rate, tracks acceptance best).
 Tokens are corpus text (teacher forcing, the default) or, with source="target", a
 corpus prompt of `prompt_len` tokens continued by the target's own samples, drawn
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.model import init_params
-from train import losses
-from train.forward import causal_logits
-from train.methods.pretrain import next_token_metrics
-from train.sampler import sample_continuation
+from specjax.train import losses
+from specjax.train.forward import causal_logits
+from specjax.train.methods.pretrain import next_token_metrics
+from specjax.train.sampler import sample_continuation
 
 SOURCES = ("corpus", "target")
 

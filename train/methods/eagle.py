@@ -17,7 +17,7 @@ match the target's distribution at position i + 1.
   i + 1 + j restricted to the draft vocabulary (d2t) and renormalised.
 
 Trainable: the head's params. Frozen: {"target": target params, "d2t": [Vd] int32 or
-None}. With offline features (`train.features`) the batch carries the target's hidden
+None}. With offline features (`specjax.train.features`) the batch carries the target's hidden
 states and "target" needs only its embedding and LM head (`features.embedding_and_head`);
 the target's distributions are its LM head over the final hidden state either way.
 """
@@ -32,10 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.heads.eagle import (EagleConfig, eagle_logits, eagle_step, fuse_features,
-                                 init_eagle_params, target_features)
-from train import losses
-from train.forward import frozen_hidden, head_logits, positions_for
+from specjax.heads.eagle import (
+    EagleConfig,
+    eagle_logits,
+    eagle_step,
+    fuse_features,
+    init_eagle_params,
+    target_features,
+)
+from specjax.train import losses
+from specjax.train.forward import frozen_hidden, head_logits, positions_for
 
 
 def _smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ weight `lm_weight`, so the backbone keeps its quality while becoming easier to d
 for (Medusa-2's differential learning rates and self-distillation are not done here).
 
 Trainable: the heads' params (`joint`: {"heads", "target"}). Frozen: the target's
-params (`joint`: unused; offline features, `train.features`: unused, the batch carries
+params (`joint`: unused; offline features, `specjax.train.features`: unused, the batch carries
 the final hidden state). Start from `initial_params(target_params)`: zero ResBlocks and
 the target's LM head in every head (the Medusa init); `init` alone draws random LM heads.
 """
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig
 from specjax.heads.medusa import MedusaConfig, init_medusa_params, medusa_logits, medusa_module
-from train import losses
-from train.forward import FINAL_KEY, causal_forward, frozen_hidden
+from specjax.train import losses
+from specjax.train.forward import FINAL_KEY, causal_forward, frozen_hidden
 
 
 @dataclasses.dataclass(frozen=True)

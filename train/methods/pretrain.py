@@ -9,8 +9,8 @@ import jax
 
 from specjax.config import ModelConfig
 from specjax.model import init_params
-from train import losses
-from train.forward import causal_logits
+from specjax.train import losses
+from specjax.train.forward import causal_logits
 
 
 def next_token_metrics(logits: jax.Array, tokens: jax.Array, mask: jax.Array

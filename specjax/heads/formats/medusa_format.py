@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.export import files
+from specjax.heads.formats import files
 from specjax.heads.io import HeadCheckpoint
 from specjax.heads.medusa import MedusaConfig
 

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from specjax.config import ARCHITECTURES, ModelConfig
-from specjax.export import eagle3_tensors as T
-from specjax.export import files
 from specjax.heads.eagle import NORM_FLAGS, EagleConfig
+from specjax.heads.formats import eagle3_tensors as T, files
 from specjax.heads.io import HeadCheckpoint
 
 ARCHITECTURE = "Eagle3Speculator"

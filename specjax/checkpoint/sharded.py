@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specjax import checkpoint
+from specjax.checkpoint.hf import check_hf_tensors, hf_names, restore_orbax, safetensors_files
 from specjax.config import ModelConfig
 from specjax.model import param_shapes
 from specjax.sharding.memory import check_fits
@@ -35,7 +35,7 @@ def load_params(path: Path, config: ModelConfig, mesh: Mesh, *, rules=RULES) -> 
         dt = jnp.dtype(config.dtype)
         target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dt, sharding=sh),
                               param_shapes(config), shardings)
-        return checkpoint.restore_orbax(path / "params", config, target)
+        return restore_orbax(path / "params", config, target)
     return _read_hf_sharded(path, config, shardings)
 
 
@@ -54,7 +54,7 @@ def _read_hf_sharded(path: Path, config: ModelConfig, shardings: Any) -> Any:
     dtype = jnp.dtype(config.dtype)
     with contextlib.ExitStack() as stack:
         files, shapes, origin = {}, {}, {}
-        for fpath in checkpoint.safetensors_files(path):
+        for fpath in safetensors_files(path):
             try:
                 f = stack.enter_context(safe_open(str(fpath), framework="numpy"))
             except (SafetensorError, OSError, ValueError) as e:
@@ -62,10 +62,10 @@ def _read_hf_sharded(path: Path, config: ModelConfig, shardings: Any) -> Any:
             for name in f.keys():
                 files[name], origin[name] = f, str(fpath)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
-        checkpoint.check_hf_tensors(config, shapes, origin)
+        check_hf_tensors(config, shapes, origin)
 
         by_path: dict[tuple, dict] = defaultdict(dict)  # param path -> {layer: (name, T?)}
-        for name, (ppath, layer, transpose) in checkpoint.hf_names(config).items():
+        for name, (ppath, layer, transpose) in hf_names(config).items():
             by_path[ppath][layer] = (name, transpose)
 
         def read(name: str, transpose: bool, index: tuple) -> np.ndarray:

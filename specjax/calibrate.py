@@ -1,0 +1,217 @@
+"""Calibration: the measured numbers `generate`'s adaptive draft length and analytical
+speedup take, as library functions (the benchmarks and the quickstart call them).
+
+- `measured_cost_ratio(s)`: c, a draft call's wall time over a target step's, as
+  `generate(cost_ratio=)` takes it.
+- `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
+  costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
+- `acceptance_prior(s)`: a speculator's acceptance per depth at full depth on calibration
+  prompts, as `generate(acceptance_prior=)` takes it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import rng
+from specjax.cache import PagedKVCache
+from specjax.config import ModelConfig
+from specjax.model import Model, decode_params, init_model, step
+from specjax.speculators.base import ProposeContext
+from specjax.tree import ancestor_mask, chain
+from specjax.xla_options import compile_decode
+
+# XLA:CPU without its YNNPACK fusions: timed beside generate's options (the option
+# generate compiled with until measured on a real checkpoint; `specjax.xla_options`)
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def measured_cost_ratio(target: Model, speculator, *, context: int = 128,
+                        repeats: int = 20, seed: int = 0, temperature: float = 0.0,
+                        batch: int = 1) -> float:
+    """c as Leviathan et al. define it, measured: the wall time of one draft call
+    relative to one target decode step (T = 1), both over `batch` rows and as `generate`
+    runs them (its layer layout and compiler options, timed interleaved). The ratio
+    moves with the batch (a small draft's fixed work per call is spread over more rows,
+    and the target step turns from a GEMV into a GEMM), so time it at the batch it will
+    price.
+
+    The draft side is the speculator's whole `propose` at full depth after a
+    `context`-token prompt (the draft model's queue forward and chain, Medusa's heads,
+    EAGLE's tree levels with their top-k and reranking), divided by the draft calls it
+    makes there (`DraftCost.calls_per_step`). Parameter counts miss exactly that work
+    around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
+    a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
+    (`measured_cost_ratios`)."""
+    from specjax.decoding.state import LoopState
+    from specjax.inspect import prefilled_state
+
+    calls = speculator.cost.calls_per_step
+    if calls == 0:
+        return 0.0
+    cfg = target.config
+    spec = speculator.for_decoding()
+    params = decode_params(cfg, target.params)  # the layout generate uses
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).tolist()
+    state, sampling = prefilled_state(target, prompt, spec, params=params,
+                                      temperature=temperature, batch=batch)
+
+    def propose(p, sp, st: LoopState):
+        ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling,
+                             rng.step_keys(st.keys, st.lengths, rng.PROPOSE),
+                             jnp.full_like(st.lengths, sp.shape.max_depth))
+        return sp.propose(st.spec_state, ctx, p)[0].tokens
+
+    def target_step(p, st: LoopState):
+        root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
+        return step(cfg, p, st.cache, root, (st.lengths - 1)[:, None])[0]
+
+    fns = [(compile_decode(jax.jit(fn).lower(*args)), args)
+           for fn, args in ((propose, (params, spec, state)), (target_step, (params, state)))]
+    times = [[], []]
+    for f, args in fns:
+        jax.block_until_ready(f(*args))  # first run
+    for _ in range(repeats):  # interleaved: both see the same machine load
+        for i, (f, args) in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[i].append(time.perf_counter() - t0)
+    draft_s, target_s = (statistics.median(t) for t in times)
+    return draft_s / calls / target_s
+
+
+def measured_cost_ratios(target: Model, speculators: dict,
+                         temperatures=(0.0,), batch: int = 1) -> dict:
+    """{temperature: {method: `measured_cost_ratio`}} at `batch` rows for every
+    speculator (None: autoregressive, skipped). Sampling costs the draft more than argmax
+    does, and any T > 0 runs the same sampling code, so c is measured once greedy and
+    once sampled."""
+    greedy = [t for t in temperatures if t == 0]
+    sampled = [t for t in temperatures if t > 0]
+    out = {}
+    for group in (greedy, sampled):
+        if group:
+            c = {name: measured_cost_ratio(target, spec, temperature=group[0], batch=batch)
+                 for name, spec in speculators.items() if spec is not None}
+            out.update({t: c for t in group})
+    return out
+
+
+def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, default=None):
+    """The measured c of method `name` at `temperature` from `measured_cost_ratios`'
+    {T: {method: c}} (None or a missing entry: `default`)."""
+    return (cost_ratios or {}).get(temperature, {}).get(name, default)
+
+
+def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: int = 128, *,
+                        config: ModelConfig) -> dict:
+    """What a verify forward of T tokens costs relative to a one-token step, on `config`'s
+    shapes (random weights): median seconds per step at each T, their ratios, and the
+    fitted jump, slope (`fit_verify_cost`) and per_token (`fit_per_token`).
+
+    Each T is compiled twice: with the options `generate` compiles with
+    (`specjax.xla_options`, the figures the fit uses) and without YNNPACK fusions
+    (`NO_YNN`), so one run shows what that option would change."""
+    model = init_model(config, seed=0)
+    params = decode_params(config, model.params)  # the layout `generate` decodes with
+    page = 16
+    pages = -(-(context + max(tokens)) // page)
+    table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+    cache = PagedKVCache.create(config, table, num_pages=batch * pages, page_size=page,
+                                lengths=jnp.full((batch,), context, jnp.int32))
+    fns = {}
+    for t in tokens:
+        ids = jnp.asarray(np.random.default_rng(t).integers(0, config.vocab_size, (batch, t)))
+        pos = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+        mask = None if t == 1 else ancestor_mask(chain(ids[:, 1:]).parents, t - 1)
+        args = (params, cache, ids, pos, mask)
+        lowered = jax.jit(lambda p, c, i, q, m: step(config, p, c, i, q, mask=m)[0]
+                          ).lower(*args)
+        for variant, fn in (("generate", compile_decode(lowered)),
+                            ("no_ynn", lowered.compile(compiler_options=NO_YNN))):
+            fn(*args).block_until_ready()  # first run
+            fns[variant, t] = (fn, args)
+    times = {key: [] for key in fns}
+    for _ in range(repeats):  # interleaved: every T sees the same machine load
+        for key, (fn, args) in fns.items():
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times[key].append(time.perf_counter() - t0)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    out = dict(params=model.num_params(),
+               name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
+    for variant, suffix in (("generate", ""), ("no_ynn", "_no_ynn")):
+        sec = {t: med[variant, t] for t in tokens}
+        out["seconds" + suffix] = sec
+        out["ratio" + suffix] = {t: sec[t] / sec[tokens[0]] for t in tokens}
+    small = {t: r for t, r in out["ratio"].items() if t < LINEAR_FROM}
+    out["jump"], out["slope"] = fit_verify_cost(small)
+    out["per_token"] = fit_per_token(out["ratio"])
+    return out
+
+
+# From this many tokens on, the forward is compute-bound: cost grows linearly in T.
+LINEAR_FROM = 33
+
+
+def fit_per_token(ratio: dict[int, float]) -> float:
+    """per_token of cost(T)/cost(1) ≈ per_token·T over the measured T >= LINEAR_FROM
+    (least squares through the origin); 0 when none was measured."""
+    ts = np.asarray([t for t in ratio if t >= LINEAR_FROM], np.float64)
+    if not len(ts):
+        return 0.0
+    y = np.asarray([ratio[int(t)] for t in ts], np.float64)
+    return float(ts @ y / (ts @ ts))
+
+
+def fit_verify_cost(ratio: dict[int, float]) -> tuple[float, float]:
+    """(jump, slope) of cost(T)/cost(1) = 1 + jump + slope·log2(T) for T > 1, by least
+    squares over the measured T > 1, both kept >= 0 (`specjax.decoding.cost.VerifyCost`)."""
+    ts = [t for t in ratio if t > 1]
+    if not ts:
+        return 0.0, 0.0
+    x = np.log2(np.asarray(ts, np.float64))
+    y = np.asarray([ratio[t] - 1 for t in ts], np.float64)
+    if len(ts) > 1:
+        jump, slope = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)[0]
+        if jump >= 0 and slope >= 0:
+            return float(jump), float(slope)
+        if slope < 0:  # flat or falling: a pure jump
+            return max(float(y.mean()), 0.0), 0.0
+    return 0.0, max(float(x @ y / (x @ x)), 0.0)  # one point, or no jump: slope alone
+
+
+def acceptance_prior(target: Model, speculator, prompts, *, new_tokens: int,
+                     temperature: float = 0.0, seed: int = 0, cost_ratio: float | None = None,
+                     verification: str | None = None) -> list | None:
+    """`speculator`'s acceptance per depth at full depth (adaptive=False: every depth is
+    tried whenever the one before was accepted) over `prompts`, one `generate` call per
+    prompt (prompt i seeded `seed + i`), as `generate(acceptance_prior=)` takes it: the
+    adaptive rule then starts from what the draft does rather than from the default
+    prior. None for no prompts."""
+    from specjax.decoding.generate import generate
+    from specjax.stats import merge_stats
+
+    if not prompts:
+        return None
+    stats = [generate(target, [p], max_new_tokens=new_tokens, temperature=temperature,
+                      seed=seed + i, ignore_eos=True, speculator=speculator, adaptive=False,
+                      cost_ratio=cost_ratio, verification=verification).stats
+             for i, p in enumerate(prompts)]
+    return merge_stats(stats).acceptance_by_position
+
+
+def acceptance_priors(target: Model, speculators: dict, prompts, *, new_tokens: int,
+                      temperatures=(0.0,), seed: int = 0, cost_ratios: dict | None = None,
+                      verification: str | None = None) -> dict:
+    """{temperature: {method: `acceptance_prior`}} for every speculator (None:
+    autoregressive, skipped); cost_ratios: {temperature: {method: c}}."""
+    return {temp: {name: acceptance_prior(
+        target, spec, prompts, new_tokens=new_tokens, temperature=temp, seed=seed,
+        cost_ratio=cost_ratio_of(cost_ratios, temp, name), verification=verification)
+        for name, spec in speculators.items() if spec is not None} for temp in temperatures}

@@ -1,0 +1,23 @@
+"""The speculator that trained heads go into, from their directory (`specjax.heads.load_heads`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specjax.heads.loading import load_heads
+from specjax.model import Model
+from specjax.speculators.eagle import Eagle
+from specjax.speculators.medusa import DEFAULT_TREE, Medusa
+
+
+def head_speculator(heads_dir: str | Path, target: Model,
+                    eagle_tree: tuple[int, int, int] = (4, 4, 16)):
+    """The speculator that uses the heads saved in `heads_dir`: `Medusa` with the default
+    tree cut to its number of heads, or `Eagle` with a dynamic tree of `eagle_tree`."""
+    ckpt = load_heads(heads_dir, target.config)
+    if ckpt.kind == "medusa":
+        tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]
+        return Medusa.create(ckpt.params, ckpt.config, target=target, tree=tree)
+    top_k, depth, total = eagle_tree
+    return Eagle.create(ckpt.params, ckpt.config, target=target, vocab_map=ckpt.vocab_map,
+                        top_k=top_k, depth=depth, total_tokens=total)
