@@ -166,10 +166,9 @@ def write_kv_layers(
     page: jax.Array,  # [B, T] int32 (>= P = drop)
     offset: jax.Array,  # [B, T] int32
 ) -> jax.Array:
-    """`write_kv` for every layer at once (the keys or values a deferred-write step
-    returned, `Transformer.__call__(write_cache=False)`). Single-device only, as that
-    step is (`specjax.decoding.commit.WriteKept`); meshes write through
-    `specjax.sharding.per_shard.write_kv`."""
+    """`write_kv` for every layer at once (keys or values a forward returned, see
+    `write_slots`). Single-device only, as the forwards that leave their write to the
+    caller are; meshes write inside the layers (`specjax.sharding.per_shard.write_kv`)."""
     vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H] (or [L, K, B, T])
     return pages.at[:, :, page, offset].set(vals, mode="drop")
 
@@ -177,8 +176,8 @@ def write_kv_layers(
 def write_slots(cache: "PagedKVCache", k_new: jax.Array, v_new: jax.Array,
                 start: jax.Array, count: jax.Array) -> "PagedKVCache":
     """Writes k_new/v_new [L, B, T, K, H] entries t < count[b] at slots start[b] + t of
-    every layer (lengths unchanged): how the speculative loop commits the kept tokens
-    of a verify forward that did not write its tree into the cache."""
+    every layer (lengths unchanged): the one write of keys/values a forward returned
+    instead of writing them (`commit_step`; the speculative loop's kept tokens)."""
     t = k_new.shape[2]
     slots = start[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < count[:, None]
@@ -192,6 +191,31 @@ def write_slots(cache: "PagedKVCache", k_new: jax.Array, v_new: jax.Array,
                          v_pages=write_kv_layers(cache.v_pages, vq, page, offset),
                          k_scales=write_kv_layers(cache.k_scales, ks, page, offset),
                          v_scales=write_kv_layers(cache.v_scales, vs, page, offset))
+
+
+@struct.dataclass
+class StepKV:
+    """What a model forward hands back about its T new tokens: their keys/values as
+    computed (float, also over int8 pages: the write quantizes) and the cache as the
+    forward left it, lengths as given. `written`: the forward wrote the tokens into the
+    pages inside its layers (before attending); else the pages are untouched."""
+
+    k: jax.Array  # [L, B, T, K, H]
+    v: jax.Array  # [L, B, T, K, H]
+    cache: PagedKVCache | None  # None: a plain forward without a cache
+    q_lens: jax.Array  # [B] int32 valid new tokens per row
+    written: bool = struct.field(pytree_node=False, default=True)
+
+
+def commit_step(out: StepKV) -> PagedKVCache | None:
+    """The cache with all of a forward's valid new tokens written and its lengths grown
+    by them: the tokens written here unless the forward's layers did."""
+    if out.cache is None:
+        return None
+    cache = out.cache
+    if not out.written:
+        cache = write_slots(cache, out.k, out.v, cache.lengths, out.q_lens)
+    return cache.replace(lengths=cache.lengths + out.q_lens)
 
 
 def move_slot_arrays(page_table, src, dst, valid, *arrays) -> tuple:

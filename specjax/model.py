@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.cache import PagedKVCache
+from specjax.cache import PagedKVCache, StepKV, commit_step
 from specjax.config import ModelConfig
 from specjax.models.transformer import TIED_HEAD_T, Hidden, Transformer, module_for, param_shapes
 from specjax.sharding.per_shard import MESH_OPS
 from specjax.sharding.rules import mesh_of
 
 __all__ = ["LAYER_LAYOUTS", "Model", "decode_params", "forward", "init_model", "init_params",
-           "module_for", "param_shapes", "step", "unstack_layers", "validate_tokens"]
+           "module_for", "param_shapes", "step", "step_kv", "unstack_layers", "validate_tokens"]
 
 
 @dataclasses.dataclass
@@ -122,9 +122,22 @@ def step(
     **kwargs,
 ) -> tuple[jax.Array | None, Hidden, PagedKVCache | None]:
     """The pure model step `(params, cache, tokens, positions, mask) -> (logits, hidden,
-    cache)`; under an active mesh attention and cache writes run per shard (`MESH_OPS`)."""
+    cache)`: `step_kv`, with the new tokens committed into the cache (`commit_step`)."""
+    logits, hidden, out = step_kv(config, params, cache, tokens, positions, mask, **kwargs)
+    return logits, hidden, commit_step(out)
+
+
+def step_kv(config: ModelConfig, params: Any, cache: PagedKVCache | None, tokens: jax.Array,
+            positions: jax.Array, mask: jax.Array | None = None, *,
+            write_in_layers: bool = True, **kwargs) -> tuple[jax.Array | None, Hidden, StepKV]:
+    """The model forward `(logits, hidden, StepKV)` (arguments as `step`'s), for callers
+    that write the new keys/values themselves. write_in_layers: each layer writes them
+    before attending over the pages (any backend, meshes; under an active mesh per shard,
+    `MESH_OPS`); False: the pages stay untouched and attention takes the new tokens beside
+    them (reference backend off-mesh), so a caller can write only what it keeps."""
+    ops = MESH_OPS if write_in_layers else MESH_OPS.deferred()
     return module_for(config, params).apply({"params": params}, tokens, positions, cache,
-                                            mask=mask, cache_ops=MESH_OPS, **kwargs)
+                                            mask=mask, cache_ops=ops, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden_layers"))

@@ -10,6 +10,7 @@ from specjax import kv_quant
 from specjax.attention import reference_paged_attention
 from specjax.cache import PagedKVCache, PagePool, move_slots, write_slots
 from specjax.config import tiny_llama
+from specjax.model import step_kv
 
 
 def test_quantize_rounds_each_vector_to_half_a_step():
@@ -155,7 +156,7 @@ def test_int8_generate_equals_stepping_an_int8_cache_by_hand(tiny_target):
 
 def test_a_deferred_step_sees_what_a_written_one_reads_back():
     """Over an int8 cache, a tree verify that keeps its new keys/values out of the cache
-    (write_cache=False, the speculative loop's path on CPU) gives the logits of one that
+    (write_in_layers=False, the speculative loop's path on CPU) gives the logits of one that
     writes them and reads them back quantized (to float32 rounding); then committing the
     returned keys/values (`write_slots`) leaves the cache the written step left."""
     model = specjax.init_model(tiny_llama(vocab_size=128), seed=0)
@@ -165,8 +166,9 @@ def test_a_deferred_step_sees_what_a_written_one_reads_back():
     tree = jnp.asarray(np.broadcast_to([[1, 0, 0], [1, 1, 0], [1, 0, 1]], (2, 3, 3)), bool)
     pos = cache.lengths[:, None] + jnp.asarray([[0, 1, 1]], jnp.int32)
     written, _, after = specjax.step(cfg, params, cache, tokens, pos, tree)
-    deferred, _, (k_new, v_new) = specjax.step(cfg, params, cache, tokens, pos, tree,
-                                               write_cache=False)
+    deferred, _, out = step_kv(cfg, params, cache, tokens, pos, tree,
+                               write_in_layers=False)
+    k_new, v_new = out.k, out.v
     # equal up to float32 summation order (the deferred softmax runs over two parts)
     np.testing.assert_allclose(np.asarray(deferred), np.asarray(written), rtol=1e-5, atol=1e-6)
     committed = write_slots(cache, k_new, v_new, cache.lengths, jnp.asarray([3, 3]))

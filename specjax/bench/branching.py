@@ -32,12 +32,13 @@ import jax.numpy as jnp
 def programs(config, params, steps: int, with_cache: bool = False):
     """name -> fn(cache, token [B, 1], position [B, 1]) -> last token, per variant
     (with_cache: (last token, final cache), for tests; timed runs return the token)."""
-    from specjax.cache import write_slots
-    from specjax.model import step
+    from specjax.cache import commit_step, write_slots
+    from specjax.model import step_kv
 
     def forward(cache, tok, pos, write=True):
-        logits, _, out = step(config, params, cache, tok, pos, write_cache=write)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], out
+        logits, _, out = step_kv(config, params, cache, tok, pos, write_in_layers=write)
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        return nxt, (commit_step(out) if write else (out.k, out.v))
 
     def bare(carry):
         cache, tok, pos = carry

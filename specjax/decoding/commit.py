@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.attention import resolve_backend
-from specjax.cache import PagedKVCache, write_slots
+from specjax.cache import PagedKVCache, StepKV, write_slots
 from specjax.sharding import rules as shard
 from specjax.sharding.per_shard import move_slots
 
@@ -26,9 +26,9 @@ class WriteThenCompact:
     name = "compact"
     write_in_verify = True  # the verify forward writes every tree node's KV
 
-    def kept(self, written: PagedKVCache, path_inputs: jax.Array):
+    def kept(self, out: StepKV, path_inputs: jax.Array):
         """What a verify branch hands on: the cache with the tree written."""
-        return written
+        return out.cache
 
     def split(self, cache: PagedKVCache, out):
         """(cache, kept_kv) after the verify switch."""
@@ -47,12 +47,12 @@ class WriteThenCompact:
 @dataclasses.dataclass(frozen=True)
 class WriteKept:
     name = "write-kept"
-    write_in_verify = False  # the forward returns the new (keys, values) instead
+    write_in_verify = False  # the verify forward attends to the tree beside the pages
 
-    def kept(self, new_kv, path_inputs: jax.Array):
+    def kept(self, out: StepKV, path_inputs: jax.Array):
         """The kept inputs' (keys, values) [L, B, Dm+1, K, H] of the forward's new ones."""
         idx = path_inputs[None, :, :, None, None]
-        return tuple(jnp.take_along_axis(x, idx, axis=2, mode="clip") for x in new_kv)
+        return tuple(jnp.take_along_axis(x, idx, axis=2, mode="clip") for x in (out.k, out.v))
 
     def split(self, cache: PagedKVCache, out):
         return cache, out

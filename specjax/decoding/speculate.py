@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from specjax import rng
 from specjax.decoding.policy import Decision, decide, probe_schedule
 from specjax.decoding.state import LoopState, Params, Speculation
-from specjax.model import step
+from specjax.model import step_kv
 from specjax.models.transformer import Hidden
 from specjax.speculators.base import CommitContext, ProposeContext
 from specjax.tree import ancestor_mask, check_tree
@@ -109,10 +109,11 @@ def _verify_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState
     positions = (st.lengths - 1)[:, None] + jnp.concatenate(
         [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
     mask = ancestor_mask(sub.parents[:, :width], spec.shape.max_depth) if width else None
-    logits, hidden, out = step(loop.config, params.target, st.cache, inputs, positions,
-                               mask=mask, q_lens=jnp.where(active, width + 1, 0),
-                               hidden_layers=spec.hidden_layers, attention_backend=loop.backend,
-                               write_cache=loop.commit.write_in_verify)
+    logits, hidden, out = step_kv(loop.config, params.target, st.cache, inputs, positions,
+                                  mask=mask, q_lens=jnp.where(active, width + 1, 0),
+                                  hidden_layers=spec.hidden_layers,
+                                  attention_backend=loop.backend,
+                                  write_in_layers=loop.commit.write_in_verify)
     # the token after the accepted path is drawn with the key a plain step at this length
     # samples with: a row that drafts nothing draws what the plain-step loop would draw
     bonus_keys = rng.step_keys(st.keys, st.lengths, rng.SAMPLE)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.cache import PagedKVCache
+from specjax.cache import PagedKVCache, StepKV, commit_step
 from specjax.config import ModelConfig
 from specjax.model import module_for
 from specjax.models.transformer import MLP, Attention, Hidden, RMSNorm, Transformer, step_context
@@ -171,8 +171,8 @@ class EagleHead(nn.Module):
         return self.fc(feats)
 
     def __call__(self, emb, feature, ctx, kv=None):
-        """Returns (predicted feature [B,T,D], kv) with the T inputs written into kv
-        (`PagedKVCache.kv`, None for a plain masked forward)."""
+        """Returns (predicted feature [B,T,D], kv, new (keys, values) [B,T,K,H]) with the
+        T inputs written into kv (`PagedKVCache.kv`, None for a plain masked forward)."""
         if self.config.version == 1:
             x = self.fc(jnp.concatenate([emb, feature.astype(emb.dtype)], axis=-1))
             attn_in = x  # EAGLE-1 drops the layer's input_layernorm
@@ -182,12 +182,12 @@ class EagleHead(nn.Module):
             attn_in = jnp.concatenate([self.input_layernorm(emb), normed], axis=-1)
             if self.config.norm_before_residual:
                 x = normed
-        h, kv, _ = self.self_attn(attn_in, ctx, kv, jnp.int32(0))
+        h, kv, new_kv = self.self_attn(attn_in, ctx, kv, jnp.int32(0))
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         if self.config.norm_output:
             x = self.norm(x)
-        return x, kv
+        return x, kv, new_kv
 
     def draft_logits(self, out):
         """v3 only: own final norm (already applied with norm_output) + lm_head over the
@@ -196,7 +196,7 @@ class EagleHead(nn.Module):
                             ).astype(jnp.float32)
 
     def _init_all(self, emb, feats, ctx):
-        out, _ = self(emb, self.fuse(feats), ctx)
+        out, _, _ = self(emb, self.fuse(feats), ctx)
         return self.draft_logits(out) if self.config.version == 3 else out
 
 
@@ -265,11 +265,10 @@ def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_p
     lc = layer_config(target_config)
     ctx = step_context(lc, positions, q_lens, mask, cache, backend, ops=MESH_OPS)
     kv = None if cache is None else cache.kv
-    out, kv = EagleHead(config, lc).apply({"params": layer_params(params)}, emb, features,
-                                          ctx, kv)
-    if cache is not None:
-        cache = cache.with_kv(kv).replace(lengths=cache.lengths + q_lens)
-    return out, cache
+    out, kv, (k, v) = EagleHead(config, lc).apply({"params": layer_params(params)}, emb,
+                                                  features, ctx, kv)
+    written = None if cache is None else cache.with_kv(kv)  # one layer: keys/values [1, B, T, K, H]
+    return out, commit_step(StepKV(k[None], v[None], written, q_lens))
 
 
 def eagle_logits(config: EagleConfig, target_config: ModelConfig, params, target_params,

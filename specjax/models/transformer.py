@@ -13,11 +13,15 @@ with layers stacked on a leading L axis, because layers run under `nn.scan` (com
 time does not grow with depth). Dense kernels are [in, out] (HF's weight transposed).
 
 A call takes the new tokens of every row, their RoPE positions and, optionally, the
-paged KV cache; it returns float32 logits, the hidden states asked for, and the cache
-with the new keys/values written. Without a cache it is a plain causal forward
-(training, parity tests). Variants are config flags, never mode switches in the code.
-The paged attention and KV write come in as `CacheOps`: single-device ones by default,
-`specjax.sharding.per_shard.MESH_OPS` (what `specjax.model.step` passes) on a mesh.
+paged KV cache; it returns float32 logits, the hidden states asked for, and a
+`specjax.cache.StepKV`: the new tokens' keys/values and the cache as the call left it,
+which `specjax.cache.commit_step` turns into the cache with the tokens written. Without
+a cache it is a plain causal forward (training, parity tests). Variants are config
+flags, never mode switches in the code. The paged attention and KV write come in as
+`CacheOps`, which also hold the one static choice of where the write happens: inside
+each layer before attending over the pages (`SINGLE_DEVICE`; the mesh's
+`specjax.sharding.per_shard.MESH_OPS`; what the Pallas kernels need), or after the call
+with attention over the pages plus the new keys/values beside them (`.deferred()`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import attention as attn_lib
-from specjax.cache import PagedKVCache, layer_kv, slot_pages, write_layer_kv
+from specjax.cache import PagedKVCache, StepKV, layer_kv, slot_pages, write_layer_kv
 from specjax.config import ModelConfig
 from specjax.models.rope import apply_rope, rope_tables
 
@@ -40,10 +44,17 @@ from specjax.models.rope import apply_rope, rope_tables
 @dataclasses.dataclass(frozen=True)
 class CacheOps:
     """The paged attention and KV write of a cached step, as functions of the signatures
-    of `specjax.attention.paged_attention` and `specjax.cache.write_layer_kv`."""
+    of `specjax.attention.paged_attention` and `specjax.cache.write_layer_kv`.
+    write_layer_kv None: layers leave the pages alone and attend over them plus the new
+    keys/values (`paged_attention(new_kv=)`, reference backend off-mesh); the caller
+    writes them (`specjax.cache.commit_step`, or only the kept ones)."""
 
     attention: Callable = attn_lib.paged_attention
-    write_layer_kv: Callable = write_layer_kv
+    write_layer_kv: Callable | None = write_layer_kv
+
+    def deferred(self) -> "CacheOps":
+        """These ops with the write moved out of the layers."""
+        return dataclasses.replace(self, write_layer_kv=None)
 
 
 SINGLE_DEVICE = CacheOps()
@@ -65,16 +76,12 @@ class StepContext:
     write_page: jax.Array | None  # [B, T] page of each new token (P = drop)
     write_offset: jax.Array | None  # [B, T]
     backend: str = struct.field(pytree_node=False, default="reference")
-    # True: the new keys/values are not written; attention takes them beside the pages
-    # and each layer returns them (`Transformer.__call__(write_cache=False)`).
-    defer: bool = struct.field(pytree_node=False, default=False)
     ops: CacheOps = struct.field(pytree_node=False, default=SINGLE_DEVICE)
 
 
 def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
                  mask: jax.Array | None, cache: PagedKVCache | None,
-                 backend: str | None = None, defer: bool = False,
-                 ops: CacheOps = SINGLE_DEVICE) -> StepContext:
+                 backend: str | None = None, ops: CacheOps = SINGLE_DEVICE) -> StepContext:
     """The `StepContext` of a call writing T = positions.shape[1] new tokens per row at
     slots `cache.lengths + t` (t < q_lens); without a cache, a plain masked forward."""
     cos, sin = rope_tables(config, positions)
@@ -86,7 +93,7 @@ def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
     valid = jnp.arange(t)[None, :] < q_lens[:, None]
     page, offset = slot_pages(cache.page_table, slots, valid, cache.page_size, cache.num_pages)
     return StepContext(cos, sin, q_lens, mask, cache.page_table, cache.lengths + q_lens, page,
-                       offset, backend, defer, ops)
+                       offset, backend, ops)
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +118,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, ctx: StepContext, kv, layer):
-        """kv: `PagedKVCache.kv` (pages, and scales if int8), or None without a cache."""
+        """kv: `PagedKVCache.kv` (pages, and scales if int8), or None without a cache.
+        Returns (output, kv as the layer left it, this layer's new (keys, values))."""
         c = self.config
         dt = jnp.dtype(c.dtype)
         b, t, _ = x.shape
@@ -127,24 +135,23 @@ class Attention(nn.Module):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         scale = c.head_dim ** -0.5
-        new_kv = None
         opts = dict(scale=scale, soft_cap=c.attn_logit_softcap,
                     sliding_window=c.sliding_window, backend=ctx.backend)
         if kv is None:  # uncached causal forward over the T tokens
             ok = attn_lib.allowed_mask(t, t, ctx.q_lens, ctx.q_lens, ctx.mask, c.sliding_window)
             out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
-        elif ctx.defer:  # pages untouched; the caller writes what it keeps
-            new_kv = (k, v)  # as computed: the caller's write quantizes them as ours would
+        elif ctx.ops.write_layer_kv is None:  # pages untouched; the caller writes
             out = ctx.ops.attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
-                mask=ctx.mask, new_kv=new_kv, **layer_kv(kv, layer), **opts)
+                mask=ctx.mask, new_kv=(k, v), **layer_kv(kv, layer), **opts)
         else:
             kv = ctx.ops.write_layer_kv(kv, layer, k, v, ctx.write_page, ctx.write_offset)
             out = ctx.ops.attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,
                 mask=ctx.mask, **layer_kv(kv, layer), **opts)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
-        return _dense(c.hidden_size, "o_proj", dt)(out), kv, new_kv
+        # k, v as computed: a later write quantizes them as the in-layer one would
+        return _dense(c.hidden_size, "o_proj", dt)(out), kv, (k, v)
 
 
 class MLP(nn.Module):
@@ -162,7 +169,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """One pre-norm block; scanned over L. Carry: (x, kv, layer, taps) with kv the
     cache's `PagedKVCache.kv` (or None); output: this layer's new (keys, values)
-    [B, T, K, H] when the context defers writes."""
+    [B, T, K, H]."""
 
     config: ModelConfig
 
@@ -237,28 +244,23 @@ class Transformer(nn.Module):
         return_logits: bool = True,
         inputs_embeds: jax.Array | None = None,  # [B, T, D] instead of embedding `tokens`
         attention_backend: str | None = None,
-        write_cache: bool = True,
-        cache_ops: CacheOps = SINGLE_DEVICE,  # the mesh's (`specjax.model.step` passes them)
-    ):
-        """Returns (logits [B,T,V] f32 | None, Hidden, cache with the T tokens written).
+        cache_ops: CacheOps = SINGLE_DEVICE,  # the mesh's (`specjax.model.step_kv` picks them)
+    ) -> tuple[jax.Array | None, "Hidden", StepKV]:
+        """Returns (logits [B,T,V] f32 | None, Hidden, StepKV).
 
-        With a cache, row b's new tokens are written at slots `cache.lengths[b] + t`
-        (t < q_lens[b]) and the returned cache's lengths grow by q_lens; tree commit
-        may shrink them again. write_cache=False (reference attention, no mesh): the
-        cache is left as it is and the third output is the new tokens' (keys, values),
-        each [L, B, T, K, H], for the caller to write what it keeps (`write_kv_layers`).
+        Row b's new tokens belong at slots `cache.lengths[b] + t` (t < q_lens[b]). The
+        StepKV holds their keys/values [L, B, T, K, H] and the cache with its lengths as
+        given: its pages hold the tokens already when `cache_ops` write in the layers,
+        else they are untouched and attention saw the tokens beside them.
+        `specjax.cache.commit_step` finishes either into the written cache.
         """
         c = self.config
         b, t = tokens.shape
         q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
         x = (self.embed(tokens) if inputs_embeds is None
              else inputs_embeds.astype(jnp.dtype(c.dtype)))
-        if not write_cache and (cache is None or attn_lib.resolve_backend(
-                attention_backend) != "reference"):
-            raise ValueError("write_cache=False needs a cache and the reference attention "
-                             f"backend (got backend={attention_backend!r})")
         ctx = step_context(c, positions, q_lens, mask, cache, attention_backend,
-                           defer=not write_cache, ops=cache_ops)
+                           ops=cache_ops)
         kv = None if cache is None else cache.kv
         hidden_layers = tuple(hidden_layers)
         for i in hidden_layers:
@@ -286,18 +288,14 @@ class Transformer(nn.Module):
                          carry[3])
                 carry, kv = layer(carry, ctx, tap_slots)
                 per_layer.append(kv)
-            new_kv = None if not ctx.defer else tuple(
-                jnp.stack(xs) for xs in zip(*per_layer))
+            new_kv = tuple(jnp.stack(xs) for xs in zip(*per_layer))
         x, kv, _, taps = carry
         h = self.norm(x)
         logits = self.logits(h) if return_logits else None
-        new_cache = None
-        if ctx.defer:
-            new_cache = new_kv
-        elif cache is not None:
-            new_cache = cache.with_kv(kv).replace(lengths=cache.lengths + q_lens)
+        out = StepKV(*new_kv, cache=None if cache is None else cache.with_kv(kv), q_lens=q_lens,
+                     written=cache_ops.write_layer_kv is not None)
         hidden = Hidden(final=h, layers=tuple(taps[tapped.index(i)] for i in hidden_layers))
-        return logits, hidden, new_cache
+        return logits, hidden, out
 
 
 @struct.dataclass

@@ -152,6 +152,6 @@ def move_slots(cache, src, dst, valid):
     return cache_lib.with_moved(cache, tuple(moved))
 
 
-# What a model step under a mesh calls (`specjax.model.step`); off-mesh they are the
-# single-device functions.
+# What a model step under a mesh calls (`specjax.model.step_kv`; `.deferred()` when it
+# leaves the write to its caller); off-mesh they are the single-device functions.
 MESH_OPS = CacheOps(attention=paged_attention, write_layer_kv=write_layer_kv)
