@@ -114,7 +114,9 @@ def _cache_option(parser, default=None) -> None:
                              "off disables it")
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the subcommands with their flags and defaults (`bench` passes the
+    rest of its arguments on to the benchmark)."""
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _cache_option(parser)
@@ -160,6 +162,13 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="benchmarks (scripts, not tests)", add_help=False,
                        parents=[common])
     b.add_argument("what", choices=["decode", "speculative", "suite"])
+    return parser
+
+
+def main(argv=None) -> int:
+    """Parses the command line and runs the subcommand; a user error prints one line and
+    returns 2."""
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command in ("generate", "run", "export") and rest:

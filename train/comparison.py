@@ -139,6 +139,37 @@ def plots(rows: list, sweep: list, out: Path) -> list[str]:
     return names
 
 
+def _calibrated_priors(target, specs: dict, prompt_corpus: CorpusConfig, prompts,
+                       calibrate: int, num_prompts: int, prompt_len: int, new_tokens: int,
+                       temperatures, seed: int, costs) -> dict:
+    """Acceptance priors for the adaptive rule, measured on `calibrate` other held-out
+    prompts (never the evaluation's own)."""
+    pool = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
+                           calibrate + num_prompts, prompt_len, seed + 1)
+    calib = [p for p in pool if p not in prompts][:calibrate]
+    return acceptance_priors(target, specs, calib, new_tokens=new_tokens,
+                             temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
+
+
+def _k_sweep(target, draft, prompts, sweep_k, *, new_tokens: int, seed: int, costs,
+             batch: int | None, adaptive: bool, repeats: int) -> list[dict]:
+    """Greedy n-gram (and draft-model) speedup, α and τ at every draft length in `sweep_k`."""
+    from specjax.speculators import DraftModel, NGram
+
+    sweep = []
+    for kk in sweep_k:
+        sub = {"autoregressive": None, "ngram": NGram(k=kk)}
+        if draft is not None:
+            sub["draft"] = DraftModel.create(draft, k=kk)
+        for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
+                         seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
+                         repeats=repeats):
+            if r["method"] != "autoregressive":
+                sweep.append(dict(method=r["method"], k=kk, speedup=r["speedup"],
+                                  alpha=r["alpha"], tau=r["tau"]))
+    return sweep
+
+
 def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, specs: dict,
              settings: dict, prompt_corpus: CorpusConfig, *, num_prompts: int,
              prompt_len: int, new_tokens: int, k: int, sweep_k: tuple[int, ...],
@@ -150,8 +181,6 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     outputs differ (lossy speculation). repeats: interleaved timed rounds (`compare`);
     calibrate: with `adaptive`, other held-out prompts whose full-depth acceptance
     starts the rule (`specjax.calibrate.acceptance_priors`; 0: the default prior)."""
-    from specjax.speculators import DraftModel, NGram
-
     settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
                     k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
                     **({} if batch is None else {"batch": batch}),
@@ -174,25 +203,14 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     costs = measured_cost_ratios(target, specs, temperatures, batch=batch or 1)
     priors = None
     if calibrate and adaptive:
-        pool = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
-                               calibrate + num_prompts, prompt_len, seed + 1)
-        calib = [p for p in pool if p not in prompts][:calibrate]
-        priors = acceptance_priors(target, specs, calib, new_tokens=new_tokens,
-                                   temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
+        priors = _calibrated_priors(target, specs, prompt_corpus, prompts, calibrate,
+                                    num_prompts, prompt_len, new_tokens, temperatures, seed,
+                                    costs)
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
                    repeats=repeats, priors=priors)
-    sweep = []
-    for kk in sweep_k:
-        sub = {"autoregressive": None, "ngram": NGram(k=kk)}
-        if draft is not None:
-            sub["draft"] = DraftModel.create(draft, k=kk)
-        for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
-                         seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
-                         repeats=repeats):
-            if r["method"] != "autoregressive":
-                sweep.append(dict(method=r["method"], k=kk, speedup=r["speedup"],
-                                  alpha=r["alpha"], tau=r["tau"]))
+    sweep = _k_sweep(target, draft, prompts, sweep_k, new_tokens=new_tokens, seed=seed,
+                     costs=costs, batch=batch, adaptive=adaptive, repeats=repeats)
     greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
     text = table(rows)
     results = dict(settings=settings, rows=rows, sweep=sweep, table=text, priors=priors,

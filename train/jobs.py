@@ -237,6 +237,90 @@ def serving_export(workdir: Path, kind: str, head_config, params, target: Model,
         return f"not written: {e}"
 
 
+def _check_heads_args(features: str, head_config, method_kwargs: Mapping[str, Any]) -> None:
+    """Refuses a bad `features` mode or a setting the training method does not take, before
+    anything is loaded (a misspelled gin binding lands here)."""
+    if features not in features_lib.MODES:
+        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
+    method_cls = TrainMedusa if isinstance(head_config, MedusaConfig) else TrainEagle
+    settings = {f.name for f in dataclasses.fields(method_cls)} - {"target", "heads", "head"}
+    unknown = sorted(set(method_kwargs) - settings)
+    if unknown:
+        raise ValueError(f"jobs.heads got {unknown}, which {method_cls.__name__} does not "
+                         f"take (its settings: {sorted(settings)})")
+
+
+def _heads_method(head_config, target: Model, data, train_config: TrainConfig, features: str,
+                  method_kwargs: Mapping[str, Any]):
+    """Builds the Medusa or EAGLE training method with its initial params, frozen inputs,
+    EAGLE-3 draft vocabulary map and tapped layers: the per-kind half of `heads`."""
+    d2t, init, layers = None, None, ()
+    if isinstance(head_config, MedusaConfig):
+        kind, method = "medusa", TrainMedusa(target.config, head_config, **method_kwargs)
+        init = method.initial_params(target.params)
+        frozen = None if method.joint else target.params
+        if method.joint and features == "offline":
+            raise ValueError("joint Medusa-2 trains the target, so it cannot read offline "
+                             "features; use features='online'")
+    elif isinstance(head_config, EagleConfig):
+        kind, method = "eagle", TrainEagle(target.config, head_config, **method_kwargs)
+        layers = method.hidden_layers
+        vd = method.head.draft_vocab_size
+        if vd is not None and vd < target.config.vocab_size:
+            counts = np.bincount(data.train.reshape(-1), minlength=target.config.vocab_size)
+            d2t = build_vocab_map(counts, vd)
+        if method.init_from_target:
+            init = method.initial_params(target.params, d2t, train_config.seed)
+        frozen = {"target": target.params, "d2t": d2t}
+    else:
+        raise ValueError(f"head_config={head_config!r} must be a MedusaConfig or EagleConfig")
+    return kind, method, init, frozen, d2t, layers
+
+
+def _offline_heads_data(workdir: Path, features_dir, features_dtype: str, target: Model, data,
+                        layers, kind: str, d2t, train_config: TrainConfig):
+    """Dumps (or resumes) the target's features and returns the data that streams them plus
+    the frozen inputs the step still needs, so training never runs the target."""
+    store = features_lib.dump_features(
+        features_dir or workdir / FEATURES_DIR, target.config, target.params, data,
+        layers=layers, dtype=features_dtype, batch_size=train_config.micro_batch,
+        progress=train_config.progress)
+    train_data = features_lib.OfflineData(data, store, layers)
+    # The step reads features, not the target: only the embedding and LM head stay.
+    if kind == "medusa":
+        frozen = None
+    else:
+        frozen = {"target": features_lib.embedding_and_head(target.params), "d2t": d2t}
+    return train_data, frozen
+
+
+def _finish_heads(result: TrainResult, kind: str, method, d2t, target: Model, target_dir,
+                  data_config: DataConfig, features: str, serving: bool,
+                  speculative: SpeculativeEval | None) -> tuple[Path, dict[str, Any]]:
+    """Writes a finished run's heads (and a Medusa-2 run's target), the serving export, the
+    speculative evaluation and summary.json; returns the heads' directory and the summary."""
+    params = method.head_params(result.params) if kind == "medusa" else result.params
+    head = method.heads if kind == "medusa" else method.head
+    out = save_heads(result.workdir / HEADS_DIR, kind, head, params, target.config,
+                     vocab_map=d2t)
+    log.info("wrote heads %s", out)
+    if kind == "medusa" and method.joint:  # Medusa-2 changed the target too
+        target = Model(target.config, result.params["target"], target.tokenizer)
+        save_hf(target, result.workdir / EXPORT_DIR)
+    summary = {"step": result.step, "eval": result.eval, "heads": str(out),
+               "features": features}
+    if serving:  # a Medusa-2 run's heads serve its own trained target
+        joint = kind == "medusa" and method.joint
+        served = result.workdir / EXPORT_DIR if joint else target_dir
+        summary["serving"] = str(serving_export(result.workdir, kind, head, params,
+                                                target, served, d2t))
+    if speculative is not None:
+        summary["speculative"] = _speculative_record(result, out, target, data_config,
+                                                     speculative)
+    (result.workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return out, summary
+
+
 def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig | EagleConfig,
           train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
           features: str = "online", features_dir: str | Path | None = None,
@@ -266,50 +350,17 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
     `job_mesh`): the target is loaded straight onto the mesh, split over `model` with the
     heads.
     """
-    if features not in features_lib.MODES:
-        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
-    method_cls = TrainMedusa if isinstance(head_config, MedusaConfig) else TrainEagle
-    settings = {f.name for f in dataclasses.fields(method_cls)} - {"target", "heads", "head"}
-    unknown = sorted(set(method_kwargs) - settings)
-    if unknown:  # before loading anything: a misspelled gin binding lands here
-        raise ValueError(f"jobs.heads got {unknown}, which {method_cls.__name__} does not "
-                         f"take (its settings: {sorted(settings)})")
+    _check_heads_args(features, head_config, method_kwargs)
     workdir = Path(workdir).absolute()
     mesh = job_mesh(data_parallel, mesh_shape)
     target = load_target(target_dir, "training heads", expect_target, mesh=mesh)
     data = build_data(data_config, target.tokenizer, train_config.seed)
-    d2t, init, layers = None, None, ()
-    if isinstance(head_config, MedusaConfig):
-        kind, method = "medusa", TrainMedusa(target.config, head_config, **method_kwargs)
-        init = method.initial_params(target.params)
-        frozen = None if method.joint else target.params
-        if method.joint and features == "offline":
-            raise ValueError("joint Medusa-2 trains the target, so it cannot read offline "
-                             "features; use features='online'")
-    elif isinstance(head_config, EagleConfig):
-        kind, method = "eagle", TrainEagle(target.config, head_config, **method_kwargs)
-        layers = method.hidden_layers
-        vd = method.head.draft_vocab_size
-        if vd is not None and vd < target.config.vocab_size:
-            counts = np.bincount(data.train.reshape(-1), minlength=target.config.vocab_size)
-            d2t = build_vocab_map(counts, vd)
-        if method.init_from_target:
-            init = method.initial_params(target.params, d2t, train_config.seed)
-        frozen = {"target": target.params, "d2t": d2t}
-    else:
-        raise ValueError(f"head_config={head_config!r} must be a MedusaConfig or EagleConfig")
+    kind, method, init, frozen, d2t, layers = _heads_method(
+        head_config, target, data, train_config, features, method_kwargs)
     train_data = data
     if features == "offline":
-        store = features_lib.dump_features(
-            features_dir or workdir / FEATURES_DIR, target.config, target.params, data,
-            layers=layers, dtype=features_dtype, batch_size=train_config.micro_batch,
-            progress=train_config.progress)
-        train_data = features_lib.OfflineData(data, store, layers)
-        # The step reads features, not the target: only the embedding and LM head stay.
-        if kind == "medusa":
-            frozen = None
-        else:
-            frozen = {"target": features_lib.embedding_and_head(target.params), "d2t": d2t}
+        train_data, frozen = _offline_heads_data(workdir, features_dir, features_dtype, target,
+                                                 data, layers, kind, d2t, train_config)
     result = train(method, train_data, train_config, workdir, frozen=frozen, init_params=init,
                    mesh=mesh, stop_at=stop_at,
                    settings=_settings(f"heads/{kind}", data_config, target_dir=str(target_dir),
@@ -317,25 +368,8 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
                                       features_dir=features_dir and str(features_dir)))
     out, summary = None, {}
     if result.finished:
-        params = method.head_params(result.params) if kind == "medusa" else result.params
-        head = method.heads if kind == "medusa" else method.head
-        out = save_heads(result.workdir / HEADS_DIR, kind, head, params, target.config,
-                         vocab_map=d2t)
-        log.info("wrote heads %s", out)
-        if kind == "medusa" and method.joint:  # Medusa-2 changed the target too
-            target = Model(target.config, result.params["target"], target.tokenizer)
-            save_hf(target, result.workdir / EXPORT_DIR)
-        summary = {"step": result.step, "eval": result.eval, "heads": str(out),
-                   "features": features}
-        if serving:  # a Medusa-2 run's heads serve its own trained target
-            joint = kind == "medusa" and method.joint
-            served = result.workdir / EXPORT_DIR if joint else target_dir
-            summary["serving"] = str(serving_export(result.workdir, kind, head, params,
-                                                    target, served, d2t))
-        if speculative is not None:
-            summary["speculative"] = _speculative_record(result, out, target, data_config,
-                                                         speculative)
-        (result.workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        out, summary = _finish_heads(result, kind, method, d2t, target, target_dir, data_config,
+                                     features, serving, speculative)
     return JobResult(workdir, out, result, summary)
 
 

@@ -310,6 +310,85 @@ class MetricsLog:
 # -- the loop -----------------------------------------------------------------------
 
 
+def _run_identity(method: Method, data, config: TrainConfig, abstract: Any,
+                  init_params: Any) -> dict[str, Any]:
+    """What makes a run this run: a workdir's config.json and checkpoints must match it to
+    be resumed."""
+    return {"method": method.describe(), "train": config.identity(),
+            "data": data.describe(), "state": state_signature(abstract),
+            "init": "method" if init_params is None else "given"}
+
+
+def _start_state(ckpts: RunCheckpoints, abstract: Any, workdir: Path, fresh) -> tuple[int, Any]:
+    """The step to start from and its state: the latest checkpoint restored onto `abstract`'s
+    layout, else `fresh()`; a failed restore closes the checkpoints before it raises."""
+    start = ckpts.latest_step() or 0
+    if start:
+        try:
+            state = ckpts.restore(start, abstract)
+        except Exception:
+            ckpts.close()
+            raise
+        log.info("resuming %s from step %d", workdir, start)
+    else:
+        state = fresh()
+    return start, state
+
+
+def _log_train(metrics: Any, done: int, lr: float, tokens: float, tick: float,
+               t_start: float, metrics_log: MetricsLog, bar) -> float:
+    """Writes one train record (the step's metrics, learning rate and throughput since the
+    last record) to the log and the progress bar; returns the time it was taken."""
+    now = time.perf_counter()
+    record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    record.update(step=done, split="train", lr=lr,
+                  tokens_per_s=tokens / max(now - tick, 1e-9),
+                  elapsed_s=now - t_start)
+    metrics_log.write(record)
+    bar.set_postfix(loss=f"{record['loss']:.4f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}")
+    return now
+
+
+def _run_steps(method: Method, rule, data, config: TrainConfig, state: Any, frozen: Any,
+               eval_batches: list[Batch], mesh: Mesh | None, step_key, start: int, end: int,
+               ckpts: RunCheckpoints, metrics_log: MetricsLog) -> tuple[Any, dict[str, float]]:
+    """Steps `start`..`end` with their logging, evals and checkpoints (closed at the end,
+    even on error); returns the last state and the last eval's metrics."""
+    lr = schedule(config.optim, config.steps)
+    last_eval: dict[str, float] = {}
+    if config.eval_at_start and start == 0:
+        metrics_log.write({"step": 0, "split": "eval",
+                           **evaluate(method, state["params"], frozen, eval_batches, mesh)})
+    bar = tqdm(total=config.steps, initial=start, disable=not config.progress,
+               desc=method.name, dynamic_ncols=True)
+    tick, tokens, t_start = time.perf_counter(), 0.0, time.perf_counter()
+    try:
+        for step in range(start, end):
+            batch = data.train_batch(step, config.batch_size)
+            tokens += float(np.sum(batch["mask"]))
+            batch = _place_batch(_micro_batches(batch, config.grad_accum), mesh, 1)
+            with shard.use_mesh(mesh):
+                state, metrics = _train_step(method, rule, state, frozen, batch, step_key,
+                                             jnp.int32(step), jnp.float32(lr(step)))
+            done = step + 1
+            bar.update(1)
+            if done % config.log_every == 0 or done == end:
+                tick = _log_train(metrics, done, float(lr(step)), tokens, tick, t_start,
+                                  metrics_log, bar)
+                tokens = 0.0
+            if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                last_eval = evaluate(method, state["params"], frozen, eval_batches, mesh)
+                metrics_log.write({"step": done, "split": "eval", **last_eval})
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or (
+                    done == config.steps):
+                ckpts.save(done, state)
+    finally:
+        bar.close()
+        ckpts.close()
+    return state, last_eval
+
+
 def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
           frozen: Any = None, init_params: Any = None, mesh: Mesh | None = None,
           stop_at: int | None = None, settings: dict[str, Any] | None = None) -> TrainResult:
@@ -336,67 +415,21 @@ def train(method: Method, data, config: TrainConfig, workdir: str | Path, *,
     where = layout(method, rule, shapes, frozen, mesh)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             shapes, where.state)
-    identity = {"method": method.describe(), "train": config.identity(),
-                "data": data.describe(), "state": state_signature(abstract),
-                "init": "method" if init_params is None else "given"}
+    identity = _run_identity(method, data, config, abstract, init_params)
     # Validate everything already in the workdir before writing anything to it.
     has_config = check_run_config(workdir, identity)
     ckpts = RunCheckpoints(workdir / "checkpoints", identity, keep=config.keep_checkpoints)
-    start = ckpts.latest_step() or 0
-    if start:
-        try:
-            state = ckpts.restore(start, abstract)
-        except Exception:
-            ckpts.close()
-            raise
-        log.info("resuming %s from step %d", workdir, start)
-    else:
-        state = _fresh_state(method, rule, init_key, init_params, where)
+    start, state = _start_state(ckpts, abstract, workdir,
+                                lambda: _fresh_state(method, rule, init_key, init_params, where))
     if not has_config and jax.process_index() == 0:  # many hosts: one writer
         write_run_config(workdir, identity, {"train": dataclasses.asdict(config),
                                              **(settings or {})})
     metrics_log = MetricsLog(workdir / METRICS_FILE, start)
     frozen = jax.device_put(frozen, where.frozen) if frozen is not None else None
     eval_batches = data.eval_batches(config.micro_batch, config.eval_batches)
-    lr = schedule(config.optim, config.steps)
     end = config.steps if stop_at is None else min(stop_at, config.steps)
-
-    last_eval: dict[str, float] = {}
-    if config.eval_at_start and start == 0:
-        metrics_log.write({"step": 0, "split": "eval",
-                           **evaluate(method, state["params"], frozen, eval_batches, mesh)})
-    bar = tqdm(total=config.steps, initial=start, disable=not config.progress,
-               desc=method.name, dynamic_ncols=True)
-    tick, tokens, t_start = time.perf_counter(), 0.0, time.perf_counter()
-    try:
-        for step in range(start, end):
-            batch = data.train_batch(step, config.batch_size)
-            tokens += float(np.sum(batch["mask"]))
-            batch = _place_batch(_micro_batches(batch, config.grad_accum), mesh, 1)
-            with shard.use_mesh(mesh):
-                state, metrics = _train_step(method, rule, state, frozen, batch, step_key,
-                                             jnp.int32(step), jnp.float32(lr(step)))
-            done = step + 1
-            bar.update(1)
-            if done % config.log_every == 0 or done == end:
-                now = time.perf_counter()
-                record = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                record.update(step=done, split="train", lr=float(lr(step)),
-                              tokens_per_s=tokens / max(now - tick, 1e-9),
-                              elapsed_s=now - t_start)
-                metrics_log.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}")
-                tick, tokens = now, 0.0
-            if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
-                last_eval = evaluate(method, state["params"], frozen, eval_batches, mesh)
-                metrics_log.write({"step": done, "split": "eval", **last_eval})
-            if (config.checkpoint_every and done % config.checkpoint_every == 0) or (
-                    done == config.steps):
-                ckpts.save(done, state)
-    finally:
-        bar.close()
-        ckpts.close()
+    state, last_eval = _run_steps(method, rule, data, config, state, frozen, eval_batches,
+                                  mesh, step_key, start, end, ckpts, metrics_log)
     final = max(start, end)
     if final == config.steps and not last_eval:  # a finished run re-run: nothing trained
         last_eval = evaluate(method, state["params"], frozen, eval_batches, mesh)

@@ -43,10 +43,7 @@ def _kernel(
     soft_cap: float | None,
     sliding_window: int | None,
 ):
-    refs = list(refs)
-    k_scales_ref, v_scales_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
-    words_ref = refs.pop(0) if has_mask else None
-    out_refs = refs
+    k_scales_ref, v_scales_ref, words_ref, out_refs = _split_refs(refs, quantized, has_mask)
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     block_kv = pages_per_block * page_size
@@ -80,6 +77,21 @@ def _kernel(
                                    soft_cap=soft_cap)
 
     m, l, acc = lax.fori_loop(first, last, body, common.init_state(rows, head_dim))
+    _write_result(out_refs, splits, m, l, acc)
+
+
+def _split_refs(refs, quantized: bool, has_mask: bool):
+    """The kernel's optional refs by role: (k scales, v scales, tree-mask words, outputs),
+    None for what this launch does not pass."""
+    refs = list(refs)
+    k_scales_ref, v_scales_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    words_ref = refs.pop(0) if has_mask else None
+    return k_scales_ref, v_scales_ref, words_ref, refs
+
+
+def _write_result(out_refs, splits: int, m, l, acc) -> None:
+    """Stores the program's result: the normalised output, or with `splits > 1` the
+    unnormalised state that `combine_splits` merges."""
     if splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = common.finalize(l, acc).astype(o_ref.dtype)
@@ -88,6 +100,46 @@ def _kernel(
         acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
+
+
+def _inputs(q_rows, k_pages, v_pages, page_table, kv_lens, q_lens, words, kv_scales,
+            row_spec, block_rows: int) -> tuple[list, list]:
+    """The kernel's inputs and their BlockSpecs: lengths, the row's page table, its query
+    rows, KV head k's whole page pool, then the int8 scales and tree-mask words if any."""
+    h = q_rows.shape[-1]
+    _, p, z, _ = k_pages.shape
+    m_pad = page_table.shape[1]
+    pages_spec = pl.BlockSpec((None, p, z, h), lambda b, k, i, s: (k, 0, 0, 0))
+    len_spec = pl.BlockSpec((1,), lambda b, k, i, s: (b,))
+    in_specs = [len_spec, len_spec,
+                pl.BlockSpec((None, m_pad), lambda b, k, i, s: (b, 0)),
+                row_spec, pages_spec, pages_spec]
+    operands = [kv_lens, q_lens, page_table, q_rows, k_pages, v_pages]
+    if kv_scales is not None:
+        scale_spec = pl.BlockSpec((None, p, z, 1), lambda b, k, i, s: (k, 0, 0, 0))
+        in_specs += [scale_spec, scale_spec]
+        operands += list(kv_scales)
+    if words is not None:
+        in_specs.append(pl.BlockSpec((None, block_rows, words.shape[-1]),
+                                     lambda b, k, i, s: (b, i, 0)))
+        operands.append(words)
+    return in_specs, operands
+
+
+def _outputs(q_rows, row_spec, block_rows: int, splits: int):
+    """The kernel's outputs and their BlockSpecs: the attention rows, or with `splits > 1`
+    each split's float32 state (acc, m, l) for `combine_splits`."""
+    b, kh, rows_pad, h = q_rows.shape
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)
+        out_specs = row_spec
+    else:
+        state_spec = lambda n: pl.BlockSpec(  # noqa: E731
+            (None, None, None, block_rows, n), lambda b, k, i, s: (s, b, k, i, 0))
+        out_shape = [jax.ShapeDtypeStruct((splits, b, kh, rows_pad, n), jnp.float32)
+                     for n in (h, 1, 1)]
+        out_specs = [state_spec(h), state_spec(1), state_spec(1)]
+    return out_shape, out_specs
 
 
 def ragged_paged_attention_gpu(
@@ -114,37 +166,15 @@ def ragged_paged_attention_gpu(
 ) -> jax.Array:  # [B, K, R_pad, H]
     """Row-layout attention (see `_common`) with the Triton kernel above."""
     b, kh, rows_pad, h = q_rows.shape
-    _, p, z, _ = k_pages.shape
-    m_pad = page_table.shape[1]
     grid = (b, kh, rows_pad // block_rows, splits)
     kernel = functools.partial(
         _kernel, pages_per_block=pages_per_block, group=group, splits=splits,
         has_mask=words is not None, quantized=kv_scales is not None, scale=scale,
         soft_cap=soft_cap, sliding_window=sliding_window)
     row_spec = pl.BlockSpec((None, None, block_rows, h), lambda b, k, i, s: (b, k, i, 0))
-    pages_spec = pl.BlockSpec((None, p, z, h), lambda b, k, i, s: (k, 0, 0, 0))
-    len_spec = pl.BlockSpec((1,), lambda b, k, i, s: (b,))
-    in_specs = [len_spec, len_spec,
-                pl.BlockSpec((None, m_pad), lambda b, k, i, s: (b, 0)),
-                row_spec, pages_spec, pages_spec]
-    operands = [kv_lens, q_lens, page_table, q_rows, k_pages, v_pages]
-    if kv_scales is not None:
-        scale_spec = pl.BlockSpec((None, p, z, 1), lambda b, k, i, s: (k, 0, 0, 0))
-        in_specs += [scale_spec, scale_spec]
-        operands += list(kv_scales)
-    if words is not None:
-        in_specs.append(pl.BlockSpec((None, block_rows, words.shape[-1]),
-                                     lambda b, k, i, s: (b, i, 0)))
-        operands.append(words)
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)
-        out_specs = row_spec
-    else:
-        state_spec = lambda n: pl.BlockSpec(  # noqa: E731
-            (None, None, None, block_rows, n), lambda b, k, i, s: (s, b, k, i, 0))
-        out_shape = [jax.ShapeDtypeStruct((splits, b, kh, rows_pad, n), jnp.float32)
-                     for n in (h, 1, 1)]
-        out_specs = [state_spec(h), state_spec(1), state_spec(1)]
+    in_specs, operands = _inputs(q_rows, k_pages, v_pages, page_table, kv_lens, q_lens, words,
+                                 kv_scales, row_spec, block_rows)
+    out_shape, out_specs = _outputs(q_rows, row_spec, block_rows, splits)
     out = pl.pallas_call(
         kernel,
         grid=grid,

@@ -40,6 +40,50 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[int(x) for x in rng.integers(1, vocab, length)] for _ in range(batch)]
 
 
+def _timed_rounds(ours, theirs, default_threads: int, repeats: int) -> tuple:
+    """Interleaved rounds, so both libraries see the same load on a shared machine: the wall
+    times per variant, specjax's TTFT and TPOT, and each library's last output."""
+    times = {"specjax": [], "scan": [], default_threads: [], 1: []}
+    ttft, tpot = [], []
+    for _ in range(repeats):
+        for name in times:
+            t0 = time.perf_counter()
+            if name in ("specjax", "scan"):
+                got = ours("auto" if name == "specjax" else "scan")
+            else:
+                got = theirs(name)
+            times[name].append(time.perf_counter() - t0)
+            if name == "specjax":
+                out = got
+                ttft.append(got.stats.ttft_s)
+                tpot.append(got.stats.tpot_s)
+            else:
+                hf_out = got
+    return times, ttft, tpot, out, hf_out
+
+
+def _batch_row(b: int, times: dict, ttft: list, tpot: list, same: bool, new_tokens: int,
+               default_threads: int) -> dict:
+    """One batch size's row (medians per token, the speedup over the better transformers
+    setting), printed as it is made."""
+    t_ours = statistics.median(times["specjax"])
+    t_scan = statistics.median(times.pop("scan"))
+    t_hf = {k: statistics.median(v) for k, v in times.items() if k != "specjax"}
+    row = dict(batch=b, specjax_ms=1e3 * t_ours / new_tokens,
+               scan_ms=1e3 * t_scan / new_tokens,
+               hf_ms=1e3 * t_hf[default_threads] / new_tokens,
+               hf1_ms=1e3 * t_hf[1] / new_tokens, ttft_ms=1e3 * statistics.median(ttft),
+               tpot_ms=1e3 * statistics.median(tpot), same=same)
+    row["speedup"] = min(row["hf_ms"], row["hf1_ms"]) / row["specjax_ms"]
+    print(f"batch {b}: specjax {row['specjax_ms']:.2f} ms/token ({row['scan_ms']:.2f} with "
+          f"the scanned layer layout; TTFT "
+          f"{row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms) | transformers "
+          f"{row['hf_ms']:.2f} ms/token ({default_threads} threads), {row['hf1_ms']:.2f} "
+          f"(1 thread) | best transformers / specjax = {row['speedup']:.2f}x | "
+          f"same tokens: {same}")
+    return row
+
+
 def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) -> dict:
     import torch
     import transformers
@@ -74,41 +118,10 @@ def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) 
         ours("scan")
         for threads in (default_threads, 1):
             theirs(threads, n=2)
-        # Interleaved rounds, so both libraries see the same load on a shared machine.
-        times = {"specjax": [], "scan": [], default_threads: [], 1: []}
-        ttft, tpot = [], []
-        for _ in range(repeats):
-            for name in times:
-                t0 = time.perf_counter()
-                if name in ("specjax", "scan"):
-                    got = ours("auto" if name == "specjax" else "scan")
-                else:
-                    got = theirs(name)
-                times[name].append(time.perf_counter() - t0)
-                if name == "specjax":
-                    out = got
-                    ttft.append(got.stats.ttft_s)
-                    tpot.append(got.stats.tpot_s)
-                else:
-                    hf_out = got
+        times, ttft, tpot, out, hf_out = _timed_rounds(ours, theirs, default_threads, repeats)
         torch.set_num_threads(default_threads)
-        t_ours = statistics.median(times["specjax"])
-        t_scan = statistics.median(times.pop("scan"))
-        t_hf = {k: statistics.median(v) for k, v in times.items() if k != "specjax"}
         same = out.tokens == hf_out[:, prompt_len:].tolist()
-        row = dict(batch=b, specjax_ms=1e3 * t_ours / new_tokens,
-                   scan_ms=1e3 * t_scan / new_tokens,
-                   hf_ms=1e3 * t_hf[default_threads] / new_tokens,
-                   hf1_ms=1e3 * t_hf[1] / new_tokens, ttft_ms=1e3 * statistics.median(ttft),
-                   tpot_ms=1e3 * statistics.median(tpot), same=same)
-        row["speedup"] = min(row["hf_ms"], row["hf1_ms"]) / row["specjax_ms"]
-        rows.append(row)
-        print(f"batch {b}: specjax {row['specjax_ms']:.2f} ms/token ({row['scan_ms']:.2f} with "
-              f"the scanned layer layout; TTFT "
-              f"{row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms) | transformers "
-              f"{row['hf_ms']:.2f} ms/token ({default_threads} threads), {row['hf1_ms']:.2f} "
-              f"(1 thread) | best transformers / specjax = {row['speedup']:.2f}x | "
-              f"same tokens: {same}")
+        rows.append(_batch_row(b, times, ttft, tpot, same, new_tokens, default_threads))
     return dict(params=n_params, rows=rows, threads=default_threads)
 
 

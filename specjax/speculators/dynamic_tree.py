@@ -82,6 +82,35 @@ def dynamic_depth_widths(top_k: int, depth: int, total_tokens: int) -> tuple[int
                         for d in range(1, depth + 1))
 
 
+def _candidate_count(top_k: int, depth: int, total_tokens: int) -> int:
+    """The number of candidates a dynamic tree scores, after refusing a shape it cannot
+    fill (checked at trace time, before any op)."""
+    n_cand = top_k + (depth - 1) * top_k * top_k
+    if not 1 <= total_tokens <= n_cand or depth < 1 or top_k < 1 or depth > total_tokens:
+        raise ValueError(f"dynamic tree needs top_k >= 1 and 1 <= depth <= total_tokens <= "
+                         f"top_k + (depth - 1) * top_k**2 = {n_cand}; got {top_k=}, {depth=}, "
+                         f"{total_tokens=}")
+    return n_cand
+
+
+def _select_tree(cand: dict, cand_depth: np.ndarray, total_tokens: int,
+                 depth: int) -> DraftTree:
+    """The `total_tokens` best-scoring candidates as a tree: parents re-indexed into the
+    selection, and nodes whose parent was not selected (or never expanded) marked invalid."""
+    _, best = jax.lax.top_k(cand["score"], total_tokens)  # ties: lower (shallower) index first
+    sel = jnp.sort(best, axis=1).astype(jnp.int32)  # candidate order is topological
+    take = lambda x: jnp.take_along_axis(x, sel, axis=1)
+    par_cand = take(cand["parent"])
+    match = sel[:, None, :] == par_cand[:, :, None]  # [B, N, N] node j is i's parent
+    parents = jnp.where(par_cand >= 0, jnp.argmax(match, axis=2), -1).astype(jnp.int32)
+    # a child never outscores its parent, so the selection is ancestor-closed; the check
+    # also drops unexpanded candidates (levels < depth)
+    valid = take(cand["filled"]) & ((par_cand < 0) | jnp.any(match, axis=2))
+    node_depth = jnp.take(jnp.asarray(cand_depth), sel)
+    return DraftTree(take(cand["tok"]), parents, node_depth, valid, None,
+                     max_depth=depth)
+
+
 def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: int, depth: int,
                  total_tokens: int, vocab_map: jax.Array | None = None,
                  levels: jax.Array | None = None) -> tuple[DraftTree, Any]:
@@ -94,11 +123,7 @@ def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: in
     """
     b = first_logp.shape[0]
     k = top_k
-    n_cand = k + (depth - 1) * k * k
-    if not 1 <= total_tokens <= n_cand or depth < 1 or k < 1 or depth > total_tokens:
-        raise ValueError(f"dynamic tree needs top_k >= 1 and 1 <= depth <= total_tokens <= "
-                         f"top_k + (depth - 1) * top_k**2 = {n_cand}; got {top_k=}, {depth=}, "
-                         f"{total_tokens=}")
+    n_cand = _candidate_count(top_k, depth, total_tokens)
     h = (depth - 1) * k  # nodes the draft runs over: the frontiers of depths 1..depth-1
     levels = jnp.int32(depth) if levels is None else levels
     score, idx = jax.lax.top_k(first_logp, k)  # [B, k]
@@ -141,18 +166,7 @@ def dynamic_tree(first_logp: jax.Array, expand: Expand, carry: Any, *, top_k: in
     if depth > 1:
         (carry, cand, _, _), _ = jax.lax.scan(maybe_level, (carry, cand, hist, beam),
                                               jnp.arange(depth - 1, dtype=jnp.int32))
-    _, best = jax.lax.top_k(cand["score"], total_tokens)  # ties: lower (shallower) index first
-    sel = jnp.sort(best, axis=1).astype(jnp.int32)  # candidate order is topological
-    take = lambda x: jnp.take_along_axis(x, sel, axis=1)
-    par_cand = take(cand["parent"])
-    match = sel[:, None, :] == par_cand[:, :, None]  # [B, N, N] node j is i's parent
-    parents = jnp.where(par_cand >= 0, jnp.argmax(match, axis=2), -1).astype(jnp.int32)
-    # a child never outscores its parent, so the selection is ancestor-closed; the check
-    # also drops unexpanded candidates (levels < depth)
-    valid = take(cand["filled"]) & ((par_cand < 0) | jnp.any(match, axis=2))
-    node_depth = jnp.take(jnp.asarray(cand_depth), sel)
-    return DraftTree(take(cand["tok"]), parents, node_depth, valid, None,
-                     max_depth=depth), carry
+    return _select_tree(cand, cand_depth, total_tokens, depth), carry
 
 
 def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
