@@ -21,7 +21,7 @@ import numpy as np
 from specjax import rng
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import Model, decode_params, init_model, step
+from specjax.model import Model, init_model, step
 from specjax.speculators.base import ProposeContext
 from specjax.tree import ancestor_mask, chain
 from specjax.xla_options import compile_decode
@@ -56,7 +56,7 @@ def measured_cost_ratio(target: Model, speculator, *, context: int = 128,
         return 0.0
     cfg = target.config
     spec = speculator.for_decoding()
-    params = decode_params(cfg, target.params)  # the layout generate uses
+    params = target.decode_params()  # the layout generate uses
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).tolist()
     state, sampling = prefilled_state(target, prompt, spec, params=params,
                                       temperature=temperature, batch=batch)
@@ -118,7 +118,7 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
     (`specjax.xla_options`, the figures the fit uses) and without YNNPACK fusions
     (`NO_YNN`), so one run shows what that option would change."""
     model = init_model(config, seed=0)
-    params = decode_params(config, model.params)  # the layout `generate` decodes with
+    params = model.decode_params()  # the layout `generate` decodes with
     page = 16
     pages = -(-(context + max(tokens)) // page)
     table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)

@@ -37,8 +37,22 @@ class Model:
     def module(self) -> Transformer:
         return module_for(self.config)
 
+    # layout -> (the params it was converted from, the converted params); lives and dies
+    # with this Model, so a new or replaced Model never sees another's conversion
+    _decoded: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
+
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+    def decode_params(self, layout: str = "auto") -> Any:
+        """`decode_params(self.config, self.params, layout)`, converted once per params
+        object: repeated `generate` calls on one model reuse the copy."""
+        hit = self._decoded.get(layout)
+        if hit is None or hit[0] is not self.params:
+            hit = (self.params, decode_params(self.config, self.params, layout))
+            self._decoded[layout] = hit
+        return hit[1]
 
 
 def unstack_layers(params: Any) -> Any:
@@ -60,9 +74,6 @@ def unstack_layers(params: Any) -> Any:
     return out
 
 
-_DECODE_PARAMS: dict = {}
-
-
 def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
     """Unrolled layers, plus the tied embedding transposed to [D, V] for the LM head
     (`TIED_HEAD_T`): XLA:CPU runs the [V, D]-contracting matmul of 2-5 verify rows
@@ -77,9 +88,9 @@ LAYER_LAYOUTS = ("auto", "scan", "unrolled")
 
 
 def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
-    """`params` in the layer layout to decode with, converted once per params object and
-    kept while it lives. "auto": unrolled on CPU off-mesh (see `unstack_layers`), else
-    the stored, scanned layout; "scan" / "unrolled" force one (not on a mesh)."""
+    """`params` in the layer layout to decode with. "auto": unrolled on CPU off-mesh (see
+    `unstack_layers`), else the stored, scanned layout; "scan" / "unrolled" force one (not
+    on a mesh). A new copy per call; `Model.decode_params` keeps it per model."""
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layout!r} must be one of {LAYER_LAYOUTS}")
     on_mesh = mesh_of(params) is not None
@@ -90,14 +101,7 @@ def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any
         layout = "unrolled" if jax.default_backend() == "cpu" and not on_mesh else "scan"
     if layout == "scan" or "layers" not in params:
         return params
-    key = id(params["layers"])
-    hit = _DECODE_PARAMS.get(key)
-    if hit is None or hit[0] is not params["layers"]:
-        if len(_DECODE_PARAMS) > 8:  # params of models no longer in use
-            _DECODE_PARAMS.clear()
-        hit = (params["layers"], jax.jit(functools.partial(_cpu_decode_layout, config))(params))
-        _DECODE_PARAMS[key] = hit
-    return hit[1]
+    return jax.jit(functools.partial(_cpu_decode_layout, config))(params)
 
 
 def init_params(config: ModelConfig, key: jax.Array | int = 0) -> Any:

@@ -40,6 +40,11 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def row_depths(self) -> jax.Array:
+        """[B] int32: each row's deepest valid node (0: it drafts nothing)."""
+        return jnp.max(jnp.where(self.valid, self.depth, 0), axis=1)
+
 
 def check_tree(tree: DraftTree) -> None:
     """Static checks, run at trace time: shapes and a non-empty tree."""

@@ -148,10 +148,10 @@ def test_forward_rejects_out_of_vocab_tokens(bad):
 
 def test_unrolled_decode_layout_matches_scanned():
     """`unstack_layers` (the CPU decode layout) computes what the stacked scan computes,
-    cached step with tree mask and hidden taps included, and `decode_params` converts a
-    params object once."""
+    cached step with tree mask and hidden taps included, and `Model.decode_params` converts
+    a params object once."""
     from specjax.cache import PagedKVCache
-    from specjax.model import decode_params, unstack_layers
+    from specjax.model import unstack_layers
 
     cfg = specjax.config.tiny_llama(num_layers=3)
     params = specjax.init_params(cfg, 1)
@@ -170,8 +170,9 @@ def test_unrolled_decode_layout_matches_scanned():
     np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ha.layers[1], hb.layers[1], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=1e-6)
-    assert decode_params(cfg, params) is decode_params(cfg, params)
-    assert "layers_0" in decode_params(cfg, params)  # this suite runs on CPU
+    model = specjax.Model(cfg, params)
+    assert model.decode_params() is model.decode_params()
+    assert "layers_0" in model.decode_params()  # this suite runs on CPU
 
 
 def test_tied_decode_layout_carries_the_transposed_head():

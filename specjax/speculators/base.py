@@ -116,7 +116,12 @@ class ProposeContext:
     def levels(self) -> jax.Array:
         """[] int32: the deepest depth the loop keeps this step over all active rows (0: no
         row drafts); the one name for it, so a speculator stops drafting there."""
-        return jnp.max(jnp.where(self.active, self.depth_limit, 0))
+        return deepest_kept(self.active, self.depth_limit)
+
+
+def deepest_kept(active: jax.Array, depth_limit: jax.Array) -> jax.Array:
+    """[] int32: the largest depth_limit [B] over the active [B] rows (0: none drafts)."""
+    return jnp.max(jnp.where(active, depth_limit, 0))
 
 
 @struct.dataclass
