@@ -668,3 +668,47 @@ def test_verification_option_is_checked(tiny_target, tiny_draft):
 
     with pytest.raises(ValueError, match="must declare sampled=True"):
         specjax.generate(tiny_target, PROMPTS, speculator=TopKWithQ(k=2), **kw)
+
+
+@pytest.mark.parametrize("tree_top_k", [0, 2])
+def test_a_full_queue_flush_skips_the_draft_lm_head(tiny_target, tiny_draft, tree_top_k):
+    """While no row drafts and the queue is full, the draft runs its layers over the queue
+    (its cache catches up) but not its LM head (most of a small draft's cost) and draws
+    nothing: the root's logits are computed only when a row drafts."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.sampling import Sampling
+    from specjax.speculators.base import ProposeContext
+
+    spec = DraftModel.create(tiny_draft, k=3, tree_top_k=tree_top_k,
+                             total_tokens=4 if tree_top_k else None).for_decoding()
+    heads = []
+    lm_head = DraftModel._logits
+
+    def counted(self, h):
+        jax.debug.callback(lambda: heads.append(1))
+        return lm_head(self, h)
+
+    state = spec.init(tiny_target.config, batch=2, capacity=64)
+    q = state.queue.items[0].shape[1]
+    full = state.queue.replace(count=jnp.full((2,), q - 1, jnp.int32))  # no room for one more
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 128, (2, 64)), jnp.int32)
+    lengths = jnp.array([q + 2, q + 5], jnp.int32)
+    # the draft's cache ends where the queue starts: q - 1 pairs, then the root
+    state = state.replace(queue=full, cache=state.cache.replace(lengths=lengths - q))
+
+    def propose(limit):
+        ctx = ProposeContext(tokens, lengths, jnp.ones((2,), bool), Sampling.create(),
+                             jax.random.split(jax.random.key(0), 2), jnp.full((2,), limit))
+        return jax.jit(lambda s, c: spec.propose(s, c, None))(state, ctx)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DraftModel, "_logits", counted)
+        tree, new = propose(0)
+        jax.effects_barrier()
+        assert heads == [] and not bool(tree.valid.any())
+        np.testing.assert_array_equal(new.cache.lengths, lengths)  # queue + root consumed
+        tree, _ = propose(3)
+        jax.effects_barrier()
+        assert heads and bool(tree.valid.all(axis=1).any())

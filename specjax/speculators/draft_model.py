@@ -127,10 +127,12 @@ class DraftModel(Speculator):
     def propose(self, state: DraftState, ctx: ProposeContext,
                 target_params) -> tuple[DraftTree, DraftState]:
         """Drafts; while no row drafts, no draft call at all (`propose_lazily`)."""
+        return propose_lazily(state, ctx, self._empty(ctx.lengths.shape[0]),
+                              lambda: self._propose(state, ctx))
+
+    def _empty(self, batch: int) -> DraftTree:
         vocab = None if self.tree_top_k else self.config.vocab_size  # chains carry probs
-        shape = self.shape
-        empty = empty_tree(ctx.lengths.shape[0], shape.num_nodes, shape.max_depth, vocab)
-        return propose_lazily(state, ctx, empty, lambda: self._propose(state, ctx))
+        return empty_tree(batch, self.shape.num_nodes, self.shape.max_depth, vocab)
 
     def _propose(self, state: DraftState, ctx: ProposeContext) -> tuple[DraftTree, DraftState]:
         (pending,), c = state.queue.items, state.queue.count
@@ -146,9 +148,22 @@ class DraftModel(Speculator):
         # over all Q + 1 positions was the costliest matmul of a non-drafting step.
         _, hidden, cache = step(self.config, self.params, state.cache, inp, pos,
                                 q_lens=(c + 1) * act, return_logits=False)
-        first = self._logits(hidden.final[rows, c])  # [B, V] draft logits after the root
-        if self.tree_top_k:
-            return self._tree(state, ctx, cache, first, act)
+
+        def draft():
+            first = self._logits(hidden.final[rows, c])  # [B, V] draft logits after the root
+            if self.tree_top_k:
+                return self._tree(state, ctx, cache, first, act)
+            return self._chain(state, ctx, cache, first, act)
+
+        # No row drafts, but the queue was full: the call above consumed it, and the root's
+        # logits (the draft's LM head, most of its cost) and sampling are not needed.
+        skip = lambda: (self._empty(b), state.replace(cache=cache))  # noqa: E731
+        return jax.lax.cond(ctx.levels > 0, draft, skip)
+
+    def _chain(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
+               first: jax.Array, act: jax.Array) -> tuple[DraftTree, DraftState]:
+        """Chain mode: k sampled draft tokens, one draft call each after the first."""
+        b = first.shape[0]
         tok = sampling_lib.sample_rows(rng.fold(ctx.key, 0), first, ctx.sampling)
         prob = sampling_lib.probs(first, ctx.sampling)
 
