@@ -318,12 +318,13 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 
 def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_kw: dict,
                   per: dict, new: int, repeats: int, reference: dict, log) -> list[dict]:
-    """One batch size's specjax methods: a compiling warm-up each, then `repeats` interleaved
-    timed rounds; the first method (autoregressive) becomes the batch's `reference`."""
+    """One batch size's specjax methods: a warm-up pass each over every prompt (each
+    length compiles its programs), then `repeats` interleaved timed rounds; the first
+    method (autoregressive) becomes the batch's `reference`."""
     from specjax.bench.speculative import specjax_pass
 
-    for name, spec in speculators.items():  # warm-up: compiles, one call
-        specjax_pass(target, spec, ids[:b], batch=b, **spec_kw, **per[name])
+    for name, spec in speculators.items():
+        specjax_pass(target, spec, ids, batch=b, **spec_kw, **per[name])
     walls = {name: [] for name in speculators}
     tpots = {name: [] for name in speculators}
     last = {}
@@ -511,8 +512,10 @@ def _markdown_method_notes(s: dict) -> list[str]:
         + (f", its acceptance prior calibrated per method, category and temperature on "
            f"{s['calibrate']} other prompts at full depth (`--calibrate`)"
            if s.get("calibrate") else "") + "; "
-        f"median of {s['repeats']} interleaved rounds after a warm-up call that compiles",
-        "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included); "
+        f"median of {s['repeats']} interleaved rounds after a warm-up pass over every "
+        "prompt (each prompt length compiles its programs there)",
+        "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included, "
+        "compilation not); "
         "speedup (measured) = tokens/s / specjax autoregressive's at the same category, "
         "temperature and batch, in this run; decode speedup (measured) = autoregressive's "
         "TPOT / the method's (time per output token after the first, median of the "
