@@ -71,7 +71,8 @@ def _fresh_compile_caches():
     yield
     import jax
 
-    from specjax.decoding.generate import PROGRAMS
+    from specjax.decoding.generate import LAYOUTS, PROGRAMS
 
     PROGRAMS.clear()
+    LAYOUTS.clear()
     jax.clear_caches()

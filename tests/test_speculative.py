@@ -712,3 +712,26 @@ def test_a_full_queue_flush_skips_the_draft_lm_head(tiny_target, tiny_draft, tre
         tree, _ = propose(3)
         jax.effects_barrier()
         assert heads and bool(tree.valid.all(axis=1).any())
+
+
+def test_a_speculator_is_laid_out_once_across_generate_calls(tiny_target, tiny_draft,
+                                                             monkeypatch):
+    """`generate` converts a speculator's weights to the decode layout once per speculator
+    object and layout (`decoding.programs.LayoutCache`), not on every call; another
+    speculator object is converted anew."""
+    from specjax.decoding.generate import LAYOUTS
+
+    LAYOUTS.clear()
+    calls = []
+    lay_out = DraftModel.for_decoding
+    monkeypatch.setattr(DraftModel, "for_decoding",
+                        lambda self, layout="auto": calls.append(layout) or lay_out(self, layout))
+    spec = DraftModel.create(tiny_draft, k=2)
+    outs = [specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec).tokens
+            for _ in range(2)]
+    assert calls == ["auto"] and outs[0] == outs[1]
+    specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
+                     layer_layout="scan")
+    specjax.generate(tiny_target, PROMPTS, max_new_tokens=4,
+                     speculator=DraftModel.create(tiny_draft, k=2))
+    assert calls == ["auto", "scan", "auto"]

@@ -53,7 +53,7 @@ from specjax.decoding import commit as commit_lib
 from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.loop import DecodeLoop
 from specjax.decoding.policy import Rule
-from specjax.decoding.programs import ProgramCache
+from specjax.decoding.programs import LayoutCache, ProgramCache
 from specjax.decoding.state import Params, Prompt
 from specjax.model import Model, validate_tokens
 from specjax.sharding import rules as shard
@@ -70,6 +70,7 @@ class GenerationResult:
 
 
 PROGRAMS = ProgramCache()  # generate's; tests clear it between modules
+LAYOUTS = LayoutCache()  # likewise
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -145,7 +146,7 @@ def _for_decoding(speculator: Speculator | None, cfg, mesh, layer_layout: str):
     speculator.check_target(cfg)
     if mesh is not None:
         return shard.shard_speculator(speculator, mesh)
-    return speculator.for_decoding(layer_layout)
+    return LAYOUTS.get(speculator, layer_layout)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -1,6 +1,6 @@
 """`ProgramCache`: the compiled prefill and decode programs `generate` runs, held by an
 explicit object rather than jit's own cache, which would compile on first call and so
-put compile time into TTFT."""
+put compile time into TTFT. `LayoutCache`: the speculators laid out for those programs."""
 
 from __future__ import annotations
 
@@ -39,3 +39,28 @@ class ProgramCache:
 
     def clear(self) -> None:
         self._programs.clear()
+
+
+class LayoutCache:
+    """Speculators laid out for decoding (`Speculator.for_decoding`), by speculator object
+    and layout: repeated `generate` calls with one speculator convert its weights once
+    (a draft's unrolled copy costs a good part of a second on CPU). An entry holds the
+    speculator itself, so its id is not reused while cached; the oldest go past `size`."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._laid_out: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, speculator, layout: str):
+        key = (id(speculator), layout)
+        hit = self._laid_out.get(key)
+        if hit is None or hit[0] is not speculator:
+            hit = (speculator, speculator.for_decoding(layout))
+            self._laid_out[key] = hit
+            while len(self._laid_out) > self.size:
+                self._laid_out.popitem(last=False)
+        self._laid_out.move_to_end(key)
+        return hit[1]
+
+    def clear(self) -> None:
+        self._laid_out.clear()
