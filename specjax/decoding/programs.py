@@ -18,21 +18,19 @@ class ProgramCache:
     used programs are dropped past `size`, so a long session does not keep them all."""
 
     def __init__(self, size: int = 32):
-        self.size = size
-        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._programs = _Lru(size)
 
     def get(self, name: str, fn, static, args: tuple, kwargs: dict, mesh=None):
         leaves, treedef = jax.tree.flatten(args)
         sig = (name, static, treedef, tuple(kwargs.items()),
                tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
                       getattr(x, "sharding", None)) for x in leaves))
-        if sig not in self._programs:
+
+        def compile_():
             with shard.use_mesh(mesh):  # traced under the mesh: attention runs per shard
-                self._programs[sig] = compile_decode(fn.lower(static, *args, **kwargs))
-            while len(self._programs) > self.size:
-                self._programs.popitem(last=False)
-        self._programs.move_to_end(sig)
-        return self._programs[sig]
+                return compile_decode(fn.lower(static, *args, **kwargs))
+
+        return self._programs.get(sig, lambda hit: hit is not None, compile_)
 
     def items(self):
         return self._programs.items()
@@ -48,19 +46,35 @@ class LayoutCache:
     speculator itself, so its id is not reused while cached; the oldest go past `size`."""
 
     def __init__(self, size: int = 4):
-        self.size = size
-        self._laid_out: collections.OrderedDict = collections.OrderedDict()
+        self._laid_out = _Lru(size)
 
     def get(self, speculator, layout: str):
-        key = (id(speculator), layout)
-        hit = self._laid_out.get(key)
-        if hit is None or hit[0] is not speculator:
-            hit = (speculator, speculator.for_decoding(layout))
-            self._laid_out[key] = hit
-            while len(self._laid_out) > self.size:
-                self._laid_out.popitem(last=False)
-        self._laid_out.move_to_end(key)
-        return hit[1]
+        return self._laid_out.get(
+            (id(speculator), layout), lambda hit: hit is not None and hit[0] is speculator,
+            lambda: (speculator, speculator.for_decoding(layout)))[1]
 
     def clear(self) -> None:
         self._laid_out.clear()
+
+
+class _Lru:
+    """The least-recently-used store both caches keep: at most `size` entries."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key, valid, make):
+        """The entry for `key`, made by `make()` when missing or when `valid(entry)` fails."""
+        if not valid(self._items.get(key)):
+            self._items[key] = make()
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        self._items.move_to_end(key)
+        return self._items[key]
+
+    def items(self):
+        return self._items.items()
+
+    def clear(self) -> None:
+        self._items.clear()
