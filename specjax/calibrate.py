@@ -5,12 +5,14 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
   `generate(cost_ratio=)` takes it.
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
-- `acceptance_prior(s)`: a speculator's acceptance per depth at full depth on calibration
-  prompts, as `generate(acceptance_prior=)` takes it.
+- `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
+  depth and its step's overhead, as `generate(acceptance_prior=, step_overhead=)` take
+  them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -23,6 +25,7 @@ from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, init_model, step
 from specjax.speculators.base import ProposeContext
+from specjax.stats import GenerationStats
 from specjax.tree import ancestor_mask, chain
 from specjax.xla_options import compile_decode
 
@@ -186,32 +189,81 @@ def fit_verify_cost(ratio: dict[int, float]) -> tuple[float, float]:
     return 0.0, max(float(x @ y / (x @ x)), 0.0)  # one point, or no jump: slope alone
 
 
-def acceptance_prior(target: Model, speculator, prompts, *, new_tokens: int,
-                     temperature: float = 0.0, seed: int = 0, cost_ratio: float | None = None,
-                     verification: str | None = None) -> list | None:
-    """`speculator`'s acceptance per depth at full depth (adaptive=False: every depth is
-    tried whenever the one before was accepted) over `prompts`, one `generate` call per
-    prompt (prompt i seeded `seed + i`), as `generate(acceptance_prior=)` takes it: the
-    adaptive rule then starts from what the draft does rather than from the default
-    prior. None for no prompts."""
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a calibration pass measured for one speculator at one temperature: the
+    acceptance per depth the adaptive rule starts from, and the speculative step's
+    overhead (`step_overhead`); `generate(**c.generate_kwargs())` takes both."""
+
+    prior: list | None = None
+    overhead: float = 0.0
+
+    def generate_kwargs(self) -> dict:
+        return dict(acceptance_prior=self.prior, step_overhead=self.overhead)
+
+
+def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: float) -> float:
+    """A speculative step's cost beyond what the rule models for it, in one-token target
+    steps (>= 0): a full-depth pass's seconds per target call over a plain step's, less its
+    modelled draft calls (n·c) and verify forward (v, `VerifyCost`). It is the work the
+    model has no term for: building and reranking the tree, the verifier (sampled at
+    T > 0), the commit and the speculator's own state, in the compiled loop itself."""
+    calls = full.target_calls
+    if calls == 0 or plain_step_s <= 0:
+        return 0.0
+    measured = full_decode_s / calls / plain_step_s
+    modelled = full.verify_cost + full.cost_ratio * full.draft_calls / calls
+    return max(measured - modelled, 0.0)
+
+
+def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
+                 temperatures=(0.0,), seed: int = 0, cost_ratios: dict | None = None,
+                 verification: str | None = None) -> dict:
+    """{temperature: {method: `Calibration`}} for every speculator (None: autoregressive,
+    skipped), at batch 1, one `generate` call per prompt (prompt i seeded `seed + i`).
+
+    Per prompt, plain decoding and then every speculator at full depth (adaptive=False:
+    every depth is tried whenever the one before was accepted), so that each sees the
+    same machine load. The full-depth pass gives the acceptance per depth, so a good
+    draft drafts deep from its first step, and, timed against the plain pass, the step's
+    overhead (`step_overhead`). cost_ratios: {temperature: {method: c}} as the timed
+    runs price draft calls (`measured_cost_ratios`). Compilation is not timed."""
     from specjax.decoding.generate import generate
     from specjax.stats import merge_stats
 
-    if not prompts:
-        return None
-    stats = [generate(target, [p], max_new_tokens=new_tokens, temperature=temperature,
-                      seed=seed + i, ignore_eos=True, speculator=speculator, adaptive=False,
-                      cost_ratio=cost_ratio, verification=verification).stats
-             for i, p in enumerate(prompts)]
-    return merge_stats(stats).acceptance_by_position
+    specs = {name: spec for name, spec in speculators.items() if spec is not None}
+    out = {}
+    for temp in temperatures:
+        plain_s, plain_steps = 0.0, 0
+        decode_s = {name: 0.0 for name in specs}
+        stats = {name: [] for name in specs}
+        for i, p in enumerate(prompts):
+            kw = dict(max_new_tokens=new_tokens, temperature=temp, seed=seed + i,
+                      ignore_eos=True)
+            s = generate(target, [p], **kw).stats
+            plain_s, plain_steps = plain_s + s.wall_s - s.ttft_s, plain_steps + s.target_calls
+            for name, spec in specs.items():
+                s = generate(target, [p], **kw, speculator=spec, adaptive=False,
+                             verification=verification,
+                             cost_ratio=cost_ratio_of(cost_ratios, temp, name)).stats
+                decode_s[name] += s.wall_s - s.ttft_s
+                stats[name].append(s)
+        out[temp] = {}
+        for name in specs:
+            if not stats[name]:
+                out[temp][name] = Calibration()
+                continue
+            full = merge_stats(stats[name])
+            out[temp][name] = Calibration(full.acceptance_by_position, step_overhead(
+                full, decode_s[name], plain_s / max(plain_steps, 1)))
+    return out
 
 
-def acceptance_priors(target: Model, speculators: dict, prompts, *, new_tokens: int,
-                      temperatures=(0.0,), seed: int = 0, cost_ratios: dict | None = None,
-                      verification: str | None = None) -> dict:
-    """{temperature: {method: `acceptance_prior`}} for every speculator (None:
-    autoregressive, skipped); cost_ratios: {temperature: {method: c}}."""
-    return {temp: {name: acceptance_prior(
-        target, spec, prompts, new_tokens=new_tokens, temperature=temp, seed=seed,
-        cost_ratio=cost_ratio_of(cost_ratios, temp, name), verification=verification)
-        for name, spec in speculators.items() if spec is not None} for temp in temperatures}
+def calibration(target: Model, speculator, prompts, *, new_tokens: int,
+                temperature: float = 0.0, seed: int = 0, cost_ratio: float | None = None,
+                verification: str | None = None) -> Calibration:
+    """`calibrations` for one speculator at one temperature (no prompts: the defaults)."""
+    return calibrations(target, {"spec": speculator}, prompts, new_tokens=new_tokens,
+                        temperatures=(temperature,), seed=seed,
+                        cost_ratios={temperature: {"spec": cost_ratio}},
+                        verification=verification)[temperature]["spec"]

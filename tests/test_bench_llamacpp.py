@@ -19,7 +19,7 @@ import pytest
 import specjax
 from specjax.bench import llamacpp as lc, prompts as P, suite
 from specjax.bench.speculative import workdir_paths
-from specjax.calibrate import acceptance_prior
+from specjax.calibrate import calibration
 from specjax.speculators import NGram
 from tests.test_gguf_write import tiny_model, train_tokenizer
 
@@ -106,11 +106,12 @@ def test_ngram_prior_measures_full_depth_acceptance():
     model = tiny_model("llama")
     out = specjax.generate(model, [[5, 6, 7]], max_new_tokens=12, ignore_eos=True)
     loop = [5, 6, 7] + out.tokens[0]  # the model's own greedy continuation, then again
-    prior = acceptance_prior(model, NGram(k=3), [loop + loop[:4]], new_tokens=8)
-    assert len(prior) == 3
-    assert all(a is None or 0 <= a <= 1 for a in prior)
-    assert prior[0] is not None
-    assert acceptance_prior(model, NGram(k=3), [], new_tokens=8) is None
+    cal = calibration(model, NGram(k=3), [loop + loop[:4]], new_tokens=8)
+    assert len(cal.prior) == 3
+    assert all(a is None or 0 <= a <= 1 for a in cal.prior)
+    assert cal.prior[0] is not None
+    assert cal.overhead >= 0
+    assert calibration(model, NGram(k=3), [], new_tokens=8).prior is None
 
 
 # ---- slow: llama.cpp itself ----------------------------------------------------------------

@@ -361,6 +361,7 @@ def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished,
     assert set(priors) == {"ngram", "draft"} and res["settings"]["calibrate"] == 1
     assert all(len(a) == 2 and all(x is None or 0 <= x <= 1 for x in a)
                for a in priors.values())
+    assert all(p["step_overhead"] >= 0 for p in res["priors"])
     assert all(r["identical"] for r in res["rows"])  # greedy stays lossless
     docs, tokenizer = heldout
     timed = suite.build_prompt_sets(["docstring"], docs, tokenizer, 2, dict(docstring=64), 0)

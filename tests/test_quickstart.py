@@ -4,6 +4,7 @@ finished stages), and the real-target quickstart over that tiny target; the miss
 SmolLM2 package is a clear error naming the command that installs it."""
 
 import json
+import math
 import time
 
 import pytest
@@ -108,13 +109,15 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]
     assert len(eagle) == 2 and all(r["tau"] >= 1.0 for r in eagle)
     assert res["settings"]["batch"] == 1 and res["settings"]["adaptive"] is True
-    # the rule started from each draft's acceptance on a calibration prompt, per temperature
+    # the rule started from each draft's acceptance and step overhead on a calibration
+    # prompt, per temperature
     assert (res["settings"]["repeats"], res["settings"]["calibrate"]) == (2, 1)
     assert set(res["priors"]) == {0.0, 1.0}
     for by_method in res["priors"].values():
         assert set(by_method) == {"ngram", "draft", "eagle3"}
-        for acc in by_method.values():
-            assert acc and all(a is None or 0 <= a <= 1 for a in acc)
+        for cal in by_method.values():
+            assert cal["prior"] and all(a is None or 0 <= a <= 1 for a in cal["prior"])
+            assert math.isfinite(cal["overhead"]) and cal["overhead"] >= 0
 
 
 def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys):

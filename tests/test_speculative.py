@@ -599,6 +599,48 @@ def test_acceptance_prior_starts_the_rule_where_calibration_left_it(tiny_target,
                              acceptance_prior=bad)
 
 
+def test_step_overhead_prices_the_speculative_step(tiny_target, greedy_ref):
+    """generate(step_overhead=) adds its cost to every speculative step: the target as
+    its own draft (α = 1, prior 1.0) drafts full depth when a step is free beyond its
+    forward, and not at all when each step costs 10 plain steps more (5 tokens for 11
+    steps); the analytical figure counts it (v rises by exactly the overhead), greedy
+    output never changes, and a bad value is refused by name."""
+    spec = DraftModel.create(tiny_target, k=4)
+    kw = dict(max_new_tokens=16, ignore_eos=True, cost_ratio=0.0, verify_cost=VerifyCost(),
+              acceptance_prior=[1.0] * 4, speculator=spec)
+    free = specjax.generate(tiny_target, PROMPTS[:1], **kw)
+    dear = specjax.generate(tiny_target, PROMPTS[:1], **kw, step_overhead=10.0)
+    assert free.tokens == greedy_ref[:1] and dear.tokens == greedy_ref[:1]
+    assert free.stats.mean_accepted_length > 3.5 and dear.stats.drafted == 0
+    full = dict(kw, adaptive=False)
+    base = specjax.generate(tiny_target, PROMPTS[:1], **full).stats
+    more = specjax.generate(tiny_target, PROMPTS[:1], **full, step_overhead=0.5).stats
+    assert more.verify_cost == pytest.approx(base.verify_cost + 0.5)
+    assert more.expected_speedup < base.expected_speedup
+    for bad in (-1.0, float("nan"), "x"):
+        with pytest.raises(ValueError, match="step_overhead="):
+            specjax.generate(tiny_target, PROMPTS[:1], **kw, step_overhead=bad)
+
+
+def test_step_overhead_is_the_measured_step_less_the_modelled_one():
+    """calibrate.step_overhead: 10 full-depth calls of 2 draft calls at c = 0.1 and a
+    modelled verify of 1.2 steps (1.4 in all) that took 16 plain steps' time leave 0.2
+    steps unmodelled; a faster-than-modelled step leaves 0, never less."""
+    import numpy as np
+
+    from specjax.calibrate import step_overhead
+    from specjax.stats import build_stats
+
+    ones = np.ones(1, np.int64)
+    full = build_stats(new_tokens=31 * ones, target_calls=10 * ones, draft_calls=20 * ones,
+                       drafted=30 * ones, accepted=20 * ones, hist=np.zeros((1, 4), np.int64),
+                       cost_ratio=0.1, ttft_s=0.0, decode_s=1.6, compile_s=0.0,
+                       verify_cost=np.asarray([12.0]))
+    assert step_overhead(full, 1.6, 0.1) == pytest.approx(0.2)
+    assert step_overhead(full, 1.0, 0.1) == 0.0
+    assert step_overhead(full, 1.6, 0.0) == 0.0
+
+
 def test_position_acceptance_takes_a_prior_mean_per_depth():
     """A prior mean replaces the defaults where given (NaN: the default, chained)."""
     import jax.numpy as jnp

@@ -4,6 +4,7 @@ plots, and the check that every greedy output is identical (lossless speculation
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import subprocess
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax.calibrate import acceptance_priors, cost_ratio_of, measured_cost_ratios
+from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
 from specjax.stats import leviathan_speedup
 from specjax.train.speculation import heldout_prompts, speculative_run
@@ -50,8 +51,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     rounds, the stats are the last round's (greedy ones are the same in every round).
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
-    estimate. priors: {temperature: {method: acceptance per depth}} for the adaptive
-    rule's start (`specjax.calibrate.acceptance_priors`). batch: rows per generate call
+    estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
+    (`specjax.calibrate.calibrations`). batch: rows per generate call
     (None: all prompts at once). adaptive: the draft-length rule on (what `generate` does
     by default), else full depth every step."""
     if repeats < 1:
@@ -63,7 +64,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                                    temperature=temp, seed=seed, batch=batch,
                                    adaptive=adaptive, cost_ratio=cost_ratio_of(
                                        cost_ratios, temp, name),
-                                   acceptance_prior=(priors or {}).get(temp, {}).get(name))
+                                   calibration=(priors or {}).get(temp, {}).get(name))
 
         for name, spec in speculators.items():
             run(name, spec)  # compiles
@@ -142,13 +143,13 @@ def plots(rows: list, sweep: list, out: Path) -> list[str]:
 def _calibrated_priors(target, specs: dict, prompt_corpus: CorpusConfig, prompts,
                        calibrate: int, num_prompts: int, prompt_len: int, new_tokens: int,
                        temperatures, seed: int, costs) -> dict:
-    """Acceptance priors for the adaptive rule, measured on `calibrate` other held-out
-    prompts (never the evaluation's own)."""
+    """The adaptive rule's calibration (acceptance per depth, step overhead), measured on
+    `calibrate` other held-out prompts (never the evaluation's own)."""
     pool = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                            calibrate + num_prompts, prompt_len, seed + 1)
     calib = [p for p in pool if p not in prompts][:calibrate]
-    return acceptance_priors(target, specs, calib, new_tokens=new_tokens,
-                             temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
+    return calibrations(target, specs, calib, new_tokens=new_tokens,
+                        temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
 
 
 def _k_sweep(target, draft, prompts, sweep_k, *, new_tokens: int, seed: int, costs,
@@ -179,8 +180,8 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     sampled), the k sweep, the table, results.json / results.md / plots; a finished
     evaluation with the same settings is printed again, not recomputed. Raises if greedy
     outputs differ (lossy speculation). repeats: interleaved timed rounds (`compare`);
-    calibrate: with `adaptive`, other held-out prompts whose full-depth acceptance
-    starts the rule (`specjax.calibrate.acceptance_priors`; 0: the default prior)."""
+    calibrate: with `adaptive`, other held-out prompts whose full-depth acceptance and
+    step overhead start the rule (`specjax.calibrate.calibrations`; 0: the defaults)."""
     settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
                     k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
                     **({} if batch is None else {"batch": batch}),
@@ -213,7 +214,9 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
                      costs=costs, batch=batch, adaptive=adaptive, repeats=repeats)
     greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
     text = table(rows)
-    results = dict(settings=settings, rows=rows, sweep=sweep, table=text, priors=priors,
+    results = dict(settings=settings, rows=rows, sweep=sweep, table=text,
+                   priors=priors and {t: {m: dataclasses.asdict(c) for m, c in per.items()}
+                                      for t, per in priors.items()},
                    greedy_identical=greedy_same, versions=versions(),
                    date=time.strftime("%Y-%m-%d"),
                    target_params=target.num_params(),

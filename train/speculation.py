@@ -51,7 +51,7 @@ def heldout_prompts(corpus: Corpus, tokenizer, num: int, length: int,
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,
                     temperature: float = 0.0, seed: int = 0, adaptive: bool = False,
                     batch: int | None = None, cost_ratio: float | None = None,
-                    acceptance_prior=None) -> tuple[list[list[int]], dict[str, Any]]:
+                    calibration=None) -> tuple[list[list[int]], dict[str, Any]]:
     """(generated tokens, record) of `specjax.generate` over `prompts`: α, τ, mean k,
     tokens/s, TTFT/TPOT, the accepted-length histogram and compile time.
 
@@ -61,7 +61,8 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
     batch: rows per generate call (None: all prompts in one call); the record then sums
     the calls (α, τ and k over all steps, tokens/s over all decode time).
     cost_ratio: the draft's measured cost, for the adaptive rule and the analytical figure;
-    acceptance_prior: the rule's starting acceptance per depth (`generate`)."""
+    calibration: the rule's starting acceptance per depth and the step's overhead
+    (`specjax.calibrate.Calibration`; None: generate's defaults)."""
     from specjax.stats import merge_stats
 
     rows = len(prompts) if batch is None else batch
@@ -70,7 +71,8 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
         out = specjax.generate(target, prompts[i:i + rows], max_new_tokens=new_tokens,
                                temperature=temperature, seed=seed + i, ignore_eos=True,
                                speculator=speculator, adaptive=adaptive,
-                               cost_ratio=cost_ratio, acceptance_prior=acceptance_prior)
+                               cost_ratio=cost_ratio,
+                               **(calibration.generate_kwargs() if calibration else {}))
         tokens += out.tokens
         parts.append(out.stats)
     s = parts[0] if len(parts) == 1 else merge_stats(parts)

@@ -307,14 +307,15 @@ def main(argv=None) -> int:
 
 def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
     """specjax generate (batch 1, prompt by prompt) and every runner, interleaved; specjax's
-    n-gram rule starts from its acceptance on the `calibration` prompts."""
+    n-gram rule starts from its acceptance and step overhead on the `calibration`
+    prompts."""
     import specjax
     from specjax.bench.speculative import hf_pass, hf_variants, load_hf
-    from specjax.calibrate import acceptance_prior
+    from specjax.calibrate import calibration as calibrate
     from specjax.speculators import NGram
 
     ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
-    prior = acceptance_prior(target, NGram(k=args.k), calibration, new_tokens=args.new)
+    cal = calibrate(target, NGram(k=args.k), calibration, new_tokens=args.new)
     hf = load_hf(target) if args.transformers else None
     peers = ({name.replace("hf_", "transformers_"): extra
               for name, extra in hf_variants(None, args.k).items()} if hf is not None else {})
@@ -323,7 +324,7 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
         t0 = time.perf_counter()
         out = specjax.generate(target, [p], max_new_tokens=args.new, ignore_eos=True,
                                speculator=speculator,
-                               acceptance_prior=None if speculator is None else prior)
+                               **({} if speculator is None else cal.generate_kwargs()))
         return out.tokens[0], time.perf_counter() - t0
 
     for p in prompts:  # compiles every prompt shape once
@@ -359,7 +360,7 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
             out[n].update(agreement(tokens["specjax_generate"], tokens[n]))
     return dict(settings={k: v for k, v in vars(args).items()}, prompt_tokens=[len(p) for p in
                                                                              prompts],
-                ngram_prior=prior, methods=out)
+                ngram_prior=cal.prior, ngram_step_overhead=cal.overhead, methods=out)
 
 
 if __name__ == "__main__":

@@ -61,14 +61,15 @@ def _time(fn, repeats: int) -> tuple[float, object]:
 
 def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *, new: int,
                  batch: int, temperature: float = 0.0, seed: int = 0, adaptive: bool = True,
-                 cost_ratio: float | None = None, acceptance_prior=None, kv_cache_dtype=None,
+                 cost_ratio: float | None = None, calibration=None, kv_cache_dtype=None,
                  verification: str | None = None):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
     the calls without compilation). Call `i` samples with seed `seed + i`; `cost_ratio` and
-    `acceptance_prior` go to generate (None: the speculator's parameter-count estimate,
-    the default prior), as do `kv_cache_dtype` (the target's cache) and `verification`
-    (None: the speculator's default)."""
+    `calibration` (a `specjax.calibrate.Calibration`: acceptance prior and step overhead)
+    go to generate (None: the speculator's parameter-count estimate, the defaults), as do
+    `kv_cache_dtype` (the target's cache) and `verification` (None: the speculator's
+    default)."""
     from specjax.stats import merge_stats
 
     tokens, parts = [], []
@@ -78,8 +79,8 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
                                temperature=temperature, seed=seed + i // batch,
                                ignore_eos=True, speculator=speculator, adaptive=adaptive,
                                cost_ratio=None if speculator is None else cost_ratio,
-                               acceptance_prior=None if speculator is None
-                               else acceptance_prior, kv_cache_dtype=kv_cache_dtype,
+                               **_calibrated(speculator, calibration),
+                               kv_cache_dtype=kv_cache_dtype,
                                verification=None if speculator is None else verification)
         tokens += out.tokens
         parts.append(out.stats)
@@ -87,6 +88,13 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
     # A prompt length not seen yet compiles inside its call (and a long session's
     # program cache may have dropped one): the steady state is what is timed.
     return tokens, stats, time.perf_counter() - t0 - stats.compile_s
+
+
+def _calibrated(speculator, calibration) -> dict:
+    """generate's calibrated arguments (none for plain decoding or no calibration)."""
+    if speculator is None or calibration is None:
+        return {}
+    return calibration.generate_kwargs()
 
 
 def run_specjax(target, prompts, new, speculators: dict, repeats: int,

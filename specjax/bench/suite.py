@@ -173,8 +173,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
     ap.add_argument("--calibrate", type=int, default=0,
                     help="N: before timing, each method runs N other prompts of the category "
-                         "at full depth, and its acceptance per depth there is the adaptive "
-                         "rule's prior (generate's acceptance_prior); 0: the default prior")
+                         "at full depth beside plain decoding: its acceptance per depth is the "
+                         "adaptive rule's prior and its step's measured overhead the rule's "
+                         "step_overhead (generate's acceptance_prior, step_overhead); 0: the "
+                         "defaults")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="draft the full k / tree every step (generate's adaptive=False)")
     ap.add_argument("--torch-threads", type=int, default=0,
@@ -285,19 +287,20 @@ def calibration_sets(prompt_sets: dict[str, list[Prompt]], docs, tokenizer, num:
 def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *,
               temperatures, new: int, seed: int = 0,
               cost_ratios: dict | None = None, verification: str | None = None) -> dict:
-    """{(category, temperature, method): acceptance per depth} from one full-depth pass
-    (adaptive=False: every depth is tried whenever the one before was accepted) over
-    the calibration prompts, batch 1, verified as the timed runs are (`verification`).
-    cost_ratios: {temperature: {method: c}}."""
-    from specjax.calibrate import acceptance_priors
+    """{(category, temperature, method): `specjax.calibrate.Calibration`} from plain
+    decoding and one full-depth pass per method (adaptive=False: every depth is tried
+    whenever the one before was accepted) over the calibration prompts, batch 1,
+    verified as the timed runs are (`verification`): the acceptance per depth and the
+    step's overhead. cost_ratios: {temperature: {method: c}}."""
+    from specjax.calibrate import calibrations
 
     priors = {}
     for category, prompts in calibration.items():
-        by_temp = acceptance_priors(target, speculators, [p.ids for p in prompts],
-                                    new_tokens=new, temperatures=temperatures, seed=seed + 1,
-                                    cost_ratios=cost_ratios, verification=verification)
-        priors.update({(category, temp, name): prior for temp, per in by_temp.items()
-                       for name, prior in per.items()})
+        by_temp = calibrations(target, speculators, [p.ids for p in prompts],
+                               new_tokens=new, temperatures=temperatures, seed=seed + 1,
+                               cost_ratios=cost_ratios, verification=verification)
+        priors.update({(category, temp, name): cal for temp, per in by_temp.items()
+                       for name, cal in per.items()})
     return priors
 
 
@@ -393,8 +396,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     prompt by prompt and are reported at batch 1. cost_ratios: {batch: {temperature:
     {method: measured cost of a draft call}}} (`generate(cost_ratio=)`, measured at each
     batch), else the parameter-count estimate.
-    priors: {(category, temperature, method): acceptance per depth} (`calibrate`) for
-    generate's `acceptance_prior`, else the default prior. kv_cache_dtype: specjax's
+    priors: {(category, temperature, method): `Calibration`} (`calibrate`) for generate's
+    `acceptance_prior` and `step_overhead`, else the defaults. kv_cache_dtype: specjax's
     target cache (`generate(kv_cache_dtype=)`; transformers keeps its own); verification:
     `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
@@ -412,7 +415,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             for b in batches:
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
                                                            name),
-                                  acceptance_prior=(priors or {}).get((category, temp, name)))
+                                  calibration=(priors or {}).get((category, temp, name)))
                        for name in speculators}
                 rows += _specjax_rows(target, speculators, ids, category, temp, b, spec_kw, per,
                                       new, repeats, reference, log)
@@ -711,14 +714,14 @@ def _hf_setup(args, target, draft) -> tuple:
 
 def _calibrated_priors(args, target, speculators: dict, prompt_sets, docs, lengths,
                        cost_ratios, log) -> dict:
-    """`--calibrate`: each method's acceptance per depth on other prompts of each category,
-    the adaptive rule's prior for the timed runs."""
+    """`--calibrate`: each method's acceptance per depth and step overhead on other
+    prompts of each category, the adaptive rule's start for the timed runs."""
     calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
                              args.seed)
     priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
                        new=args.new, seed=args.seed, cost_ratios=cost_ratios,
                        verification=args.verification)
-    log(f"calibrated acceptance priors: {priors}")
+    log(f"calibrated: {priors}")
     return priors
 
 
@@ -741,8 +744,8 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
         prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
                  for ps in prompt_sets.values() for p in ps],
         **llama_info,
-        priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=a)
-                for (c, t, m), a in priors.items()],
+        priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=cal.prior,
+                     step_overhead=cal.overhead) for (c, t, m), cal in priors.items()],
         rows=rows)
 
 

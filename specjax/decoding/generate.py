@@ -24,6 +24,9 @@ generate's arguments:
     measures one), for the adaptive rule and the analytical speedup.
   verify_cost: a `specjax.VerifyCost` (None: this backend's `VERIFY_COST`; `VerifyCost()`
     is Leviathan et al.'s free verify), for the adaptive rule and the analytical speedup.
+  step_overhead: what a speculative step costs beyond its draft calls and verify
+    forward, in one-token target steps (None: 0), for the adaptive rule and the
+    analytical speedup; `specjax.calibrate.calibration` measures it.
   acceptance_prior: the acceptance α_d per draft depth the adaptive rule starts from
     (None, or None / NaN entries: the default); a calibration run's
     `stats.acceptance_by_position` makes a good draft draft deep from its first step.
@@ -78,7 +81,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              eos_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              speculator: Speculator | None = None, verification: str | None = None,
              adaptive: bool = True, cost_ratio: float | None = None,
-             verify_cost: VerifyCost | None = None,
+             verify_cost: VerifyCost | None = None, step_overhead: float | None = None,
              acceptance_prior: Sequence[float | None] | None = None,
              layer_layout: str = "auto", page_size: int = 16, num_pages: int | None = None,
              prefill_chunk: int = 256, attention_backend: str | None = None,
@@ -94,7 +97,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
                       page_size, num_pages, mesh)
     prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
     cost = _cost_ratio(cost_ratio, speculator, cfg)
-    rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, seed, mesh)
+    rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, seed, mesh,
+                 step_overhead)
     sampling, max_new, eos_arr = shard.replicate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
          jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
@@ -234,8 +238,12 @@ def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
 
 
 def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator, seed,
-          mesh) -> Rule:
+          mesh, step_overhead=None) -> Rule:
     """The adaptive rule's traced settings, replicated on the mesh."""
+    if step_overhead is not None and not (
+            isinstance(step_overhead, (int, float, np.floating, np.integer))
+            and np.isfinite(step_overhead) and step_overhead >= 0):
+        raise ValueError(f"step_overhead={step_overhead!r} must be a finite number >= 0")
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
@@ -243,7 +251,7 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
     per_row = not rng.is_seed(seed)  # one seed per prompt: rows decide alone
     return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
-                                jnp.bool_(per_row)), mesh)
+                                jnp.bool_(per_row), jnp.float32(step_overhead or 0.0)), mesh)
 
 
 def _timed(program, *args):

@@ -39,6 +39,10 @@ class Rule:
     # [] bool: each row decides as if it ran alone (verify costs at batch 1, no
     # batch-wide verify width), so a row's tokens do not depend on its batch
     per_row: jax.Array = np.bool_(False)
+    # [] the speculative step's cost beyond its draft calls and verify forward (tree
+    # building, the verifier, the commit), in one-token target steps; measured by
+    # `specjax.calibrate.step_overhead` (`generate(step_overhead=)`)
+    overhead: jax.Array = np.float32(0.0)
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -172,7 +176,8 @@ class Decision:
 
 def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
     """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
-    call, the verify forward's cost growing with its width), and whether a probe pays.
+    call, the verify forward's cost growing with its width, plus the step's measured
+    overhead), and whether a probe pays.
 
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
     accepted probes in a row would make the rule draft.
@@ -180,8 +185,8 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
     b = st.tokens.shape[0]
     rows = jnp.where(rule.per_row, 1.0, float(b))  # the batch the rule prices
     inputs = np.asarray([w + 1 for _, w in buckets])  # verified tokens per bucket
-    cost = rule.vcost.speculative(inputs, rows)
-    spent = rule.vcost.speculative(np.append(inputs, 1), b)
+    cost = rule.vcost.speculative(inputs, rows) + rule.overhead
+    spent = rule.vcost.speculative(np.append(inputs, 1), b) + rule.overhead
     per_k = np.asarray(bucket_per_depth(buckets))
     calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
