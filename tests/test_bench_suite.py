@@ -237,6 +237,14 @@ def test_suite_compares_every_method_on_every_category(finished):
     assert all(r["identical"] is None for r in rows if r["temperature"] == 1)
     auto = [r for r in rows if r["method"] == "autoregressive"]
     assert all(r["speedup"] == 1.0 and r["tau"] == 1.0 for r in auto)
+    # every cell against the fastest transformers method of its category and temperature
+    for c in P.CATEGORIES:
+        for t in (0.0, 1.0):
+            cell = [r for r in rows if (r["category"], r["temperature"]) == (c, t)]
+            best = max(r["tokens_per_s"] for r in cell if r["method"] in suite.HF_METHODS)
+            for r in cell:
+                assert r["vs_transformers"] == pytest.approx(r["tokens_per_s"] / best)
+                assert r["vs_llamacpp"] is None  # llama.cpp did not run
 
 
 def test_suite_writes_its_section_and_plots(finished):
@@ -256,6 +264,45 @@ def test_suite_writes_its_section_and_plots(finished):
     assert "| 1 | 1 | hf_prompt_lookup | – | – | – |" in section  # no α, τ, k for transformers
     for name in suite.FIGURES:
         assert (out / "figures" / name).stat().st_size > 1000
+
+
+def test_a_run_in_parts_merges_into_one_section(finished, tmp_path, capsys):
+    """suite_merge: the run's JSON split by category into two parts merges back into the
+    same rows and one section naming both parts' commands; parts that time the same
+    cell or disagree on a setting are refused by name (exit 2)."""
+    from specjax.bench import suite_merge
+
+    _, _, result = finished
+    parts = []
+    for i, cats in enumerate((P.CATEGORIES[:2], P.CATEGORIES[2:])):
+        part = dict(result, rows=[r for r in result["rows"] if r["category"] in cats],
+                    prompt_sets={c: v for c, v in result["prompt_sets"].items() if c in cats},
+                    settings=dict(result["settings"], categories=list(cats)),
+                    command=f"part {i} command")
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    md = tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n")
+    argv = [str(p) for p in parts] + ["--out", str(md), "--figures", str(tmp_path / "fig"),
+                                      "--json", str(tmp_path / "merged.json")]
+    assert suite_merge.main(argv) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["rows"] == result["rows"]
+    assert merged["settings"]["categories"] == list(P.CATEGORIES)
+    section = md.read_text()
+    assert ("- commands: one run in 2 parts, merged by `python -m specjax.bench.suite_merge"
+            in section)
+    assert "`part 0 command`" in section and "`part 1 command`" in section
+    assert all(f"### {c}" in section for c in P.CATEGORIES)
+    assert (tmp_path / "fig" / suite.FIGURES[0]).stat().st_size > 1000
+    capsys.readouterr()
+    assert suite_merge.main([str(parts[0]), str(parts[0]), "--out", ""]) == 2
+    assert "both time" in capsys.readouterr().err
+    other = json.loads(parts[1].read_text())
+    other["settings"]["new"] = 8
+    parts[1].write_text(json.dumps(other))
+    assert suite_merge.main([str(p) for p in parts] + ["--out", ""]) == 2
+    assert "settings.new = 8" in capsys.readouterr().err
 
 
 def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):

@@ -5,7 +5,7 @@ temperature and batch size, on a trained quickstart run, in one run.
   python -m specjax.bench.suite --workdir runs/quickstart
       [--categories completion,docstring,repetitive,long] [--batches 1,4,16]
       [--temperatures 0,1] [--new 64] [--repeats 3] [--prompts N] [--methods LIST]
-      [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 1024] [--seed 0]
+      [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 2048] [--seed 0]
       [--torch-threads N] [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
       [--no-adaptive] [--calibrate N] [--note TEXT] [--humaneval-tokens 256]
       [--llamacpp-threads 2]
@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="completion and docstring prompts: (N/2, N] tokens")
     ap.add_argument("--edit-tokens", type=int, default=256,
                     help="repetitive-edit prompts: (N/2, N] tokens")
-    ap.add_argument("--long-tokens", type=int, default=1024, help="long prompts: N tokens")
+    ap.add_argument("--long-tokens", type=int, default=2048, help="long prompts: N tokens")
     ap.add_argument("--humaneval-tokens", type=int, default=256,
                     help="humaneval prompts: (N/2, N] tokens")
     ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp's threads")
@@ -425,7 +425,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             for name, runner in (llamacpp or {}).items():
                 rows.append(_llamacpp_row(runner, name, ids, category, run_kw, repeats,
                                           reference.get(1), log))
-    return rows
+    return peer_ratios(rows)
 
 
 def _finish(row: dict, tokens, reference, log, compare: bool = True) -> dict:
@@ -453,11 +453,35 @@ def _fmt(x, spec: str = "") -> str:
     return format(x, spec)
 
 
+# The peers each row is compared with: their methods on the same weights (llamacpp_q4_1
+# runs other weights, so it is no peer's best)
+PEERS = {"transformers": HF_METHODS,
+         "llamacpp": ("llamacpp", "llamacpp_prompt_lookup", "llamacpp_draft")}
+
+
+def peer_ratios(rows: list[dict]) -> list[dict]:
+    """Adds `vs_<peer>` to every row: its tokens/s over the fastest of that peer's
+    methods at the same category and temperature in the same run (peers run prompt by
+    prompt, so at batch 1); None where the peer did not run."""
+    best: dict = {}
+    for r in rows:
+        for peer, methods in PEERS.items():
+            if r["method"] in methods:
+                key = (peer, r["category"], r["temperature"])
+                best[key] = max(best.get(key, 0.0), r["tokens_per_s"])
+    for r in rows:
+        for peer in PEERS:
+            b = best.get((peer, r["category"], r["temperature"]))
+            r[f"vs_{peer}"] = r["tokens_per_s"] / b if b else None
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| T | batch | method | α | τ | mean k | tokens/s | speedup (measured) "
              "| decode speedup (measured) | speedup (analytical) | analytical, i.i.d. α "
-             "| analytical, free verify | c | greedy identical |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "| analytical, free verify | c | vs transformers' best | vs llama.cpp's best "
+             "| greedy identical |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in rows:
         lines.append(
             f"| {r['temperature']:g} | {r['batch']} | {r['method']} | "
@@ -466,7 +490,8 @@ def table(rows: list[dict]) -> str:
             f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r.get('decode_speedup'), '.2f')}× | "
             f"{_fmt(r.get('analytical'), '.2f')}× | {_fmt(r.get('analytical_iid'), '.2f')}× | "
             f"{_fmt(r.get('analytical_free_verify'), '.2f')}× | "
-            f"{_fmt(r.get('cost_ratio'), '.3f')} | {_fmt(r['identical'])} |")
+            f"{_fmt(r.get('cost_ratio'), '.3f')} | {_fmt(r.get('vs_transformers'), '.2f')}× | "
+            f"{_fmt(r.get('vs_llamacpp'), '.2f')}× | {_fmt(r['identical'])} |")
     return "\n".join(lines).replace("–×", "–")
 
 
@@ -483,6 +508,15 @@ _DESCRIBE = {
 }
 
 
+def _command_lines(result: dict, command: str) -> list[str]:
+    """The command that ran, or for a run merged from parts each part's and the merge's."""
+    parts = result.get("parts")
+    if not parts:
+        return [f"- command: `{command}`"]
+    return ([f"- commands: one run in {len(parts)} parts, merged by `{command}`:"]
+            + [f"  - {p['date']}: `{p['command']}`" for p in parts])
+
+
 def _markdown_header(result: dict, command: str) -> list[str]:
     """The section's opening: date, machine, versions, command, models and the prompt
     sets, so a reader knows what ran where."""
@@ -492,7 +526,7 @@ def _markdown_header(result: dict, command: str) -> list[str]:
     lines = [START, "## Benchmark suite: every method by prompt category, temperature and batch",
              "", f"- date: {result['date']}", f"- machine: {_machine()}",
              f"- versions: {_versions()}; torch threads: {result['torch_threads']}",
-             f"- command: `{command}`",
+             *_command_lines(result, command),
              *([f"- note: {result['note']}"] if result["note"] else []),
              f"- models (the workdir's): {result['models']}",
              f"- prompts: {s['prompts']} per category from the held-out split of "
@@ -512,8 +546,9 @@ def _markdown_method_notes(s: dict) -> list[str]:
     return [
         f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}, adaptive draft "
         f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}"
-        + (f", its acceptance prior calibrated per method, category and temperature on "
-           f"{s['calibrate']} other prompts at full depth (`--calibrate`)"
+        + (f", its acceptance prior and step overhead calibrated per method, category and "
+           f"temperature on {s['calibrate']} other prompts at full depth beside plain "
+           "decoding (`--calibrate`)"
            if s.get("calibrate") else "") + "; "
         f"median of {s['repeats']} interleaved rounds after a warm-up pass over every "
         "prompt (each prompt length compiles its programs there)",
@@ -523,6 +558,10 @@ def _markdown_method_notes(s: dict) -> list[str]:
         "temperature and batch, in this run; decode speedup (measured) = autoregressive's "
         "TPOT / the method's (time per output token after the first, median of the "
         "rounds): the part of the run the analytical figure models, without the prefill",
+        "- vs transformers' best, vs llama.cpp's best = tokens/s / the fastest of that "
+        "peer's methods on the same weights (llama.cpp: plain, prompt lookup, draft) at "
+        "the same category and temperature in this run; the peers run prompt by prompt "
+        "(batch 1), so at batch > 1 this is a throughput ratio",
         "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al.'s "
         "E[tokens per step] / (n·c + v) with α per draft position (E = 1 + accepted drafts "
         "per target call), n the draft calls per target call (the adaptive rule picks the "
@@ -798,6 +837,27 @@ def suite(args, command: str, log=_log) -> dict:
                     threads, llama_info, priors, rows)
 
 
+def report(result: dict, command: str, *, out: str, figures: str, json_path: str) -> None:
+    """Prints a table per category and writes what was asked: the plots into `figures`,
+    the section into the markdown file `out`, the results dict as JSON ('' = skip)."""
+    written = plots(result["rows"], Path(figures)) if figures else []
+    for f in written:
+        print(f"wrote {f}")
+    for category in result["prompt_sets"]:
+        print(f"\n{category}\n" + table([r for r in result["rows"]
+                                          if r["category"] == category]))
+    if out:
+        from specjax.bench.decode import write_section
+
+        path = Path(out)
+        rel = [os.path.relpath(f, path.parent) for f in written]
+        write_section(path, markdown(result, command, rel), START, END)
+        print(f"wrote {path}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {json_path}")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -807,24 +867,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"specjax bench suite: error: {e}", file=sys.stderr)
         return 2
-    figures = []
-    if args.figures:
-        figures = plots(result["rows"], Path(args.figures))
-        for f in figures:
-            print(f"wrote {f}")
-    for category in result["prompt_sets"]:
-        print(f"\n{category}\n" + table([r for r in result["rows"]
-                                          if r["category"] == category]))
-    if args.out:
-        from specjax.bench.decode import write_section
-
-        out = Path(args.out)
-        rel = [os.path.relpath(f, out.parent) for f in figures]
-        write_section(out, markdown(result, command, rel), START, END)
-        print(f"wrote {out}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    report(result, command, out=args.out, figures=args.figures, json_path=args.json)
     differs = [r for r in result["rows"] if r["identical"] is False
                and r["method"] in SPECJAX_METHODS]
     if differs:

@@ -1,0 +1,94 @@
+"""One benchmark-suite section from a suite run taken in parts.
+
+  python -m specjax.bench.suite_merge PART.json [PART.json ...]
+      [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
+
+The whole grid (five categories, three batch sizes, two temperatures, every method and
+peer, several rounds) takes hours on a 2-core CPU. Run it as `specjax bench suite
+--json PART.json` calls over disjoint cells (e.g. one per category), with the same
+workdir and settings; this writes the docs section, figures and JSON that one run
+would have written. Parts that disagree on a setting, or time the same cell twice,
+are refused by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from specjax.bench import suite
+
+# settings every part must share for their rows to sit in one table
+SAME = ("workdir", "new", "repeats", "prompts", "k", "seed", "adaptive", "calibrate",
+        "kv_cache_dtype", "verification")
+# settings that grow with the parts: the union, in first-seen order
+UNION = ("categories", "batches", "temperatures", "methods")
+
+
+def _union(values) -> list:
+    return list(dict.fromkeys(v for vs in values for v in vs))
+
+
+def merge_results(parts: list[dict], names: list[str] | None = None) -> dict:
+    """The results dict of one suite run from the dicts of its parts (`suite.suite`'s,
+    as `--json` writes them); names: the parts' file names, for errors."""
+    if not parts:
+        raise ValueError("no parts to merge")
+    names = names or [f"part {i}" for i in range(len(parts))]
+    first = parts[0]["settings"]
+    for name, part in zip(names[1:], parts[1:]):
+        for key in SAME:
+            if part["settings"].get(key) != first.get(key):
+                raise ValueError(f"{name}: settings.{key} = {part['settings'].get(key)!r}, "
+                                 f"but {names[0]} has {first.get(key)!r}")
+    seen = {}
+    for name, part in zip(names, parts):
+        for r in part["rows"]:
+            cell = (r["category"], r["temperature"], r["batch"], r["method"])
+            if cell in seen:
+                raise ValueError(f"{name} and {seen[cell]} both time {cell} (category, "
+                                 "temperature, batch, method)")
+            seen[cell] = name
+    settings = dict(first, **{k: _union(p["settings"][k] for p in parts) for k in UNION})
+    settings["batches"] = sorted(settings["batches"])
+    prompt_sets, rows = {}, []
+    for part in parts:
+        prompt_sets.update(part["prompt_sets"])
+        rows += part["rows"]
+    notes = [p["note"] for p in parts if p.get("note")]
+    return dict(parts[0], settings=settings, prompt_sets=prompt_sets,
+                date=", ".join(sorted({p["date"] for p in parts})),
+                note="; ".join(dict.fromkeys(notes)),
+                prompts=[x for p in parts for x in p["prompts"]],
+                priors=[x for p in parts for x in p.get("priors", [])],
+                parts=[dict(date=p["date"], command=p["command"]) for p in parts],
+                rows=suite.peer_ratios(rows))
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench.suite_merge",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("parts", nargs="+", help="`specjax bench suite --json` files")
+    ap.add_argument("--out", default="docs/benchmarks.md",
+                    help="markdown file to write the section into ('' = don't write)")
+    ap.add_argument("--figures", default="docs/figures", help="plots directory ('' = none)")
+    ap.add_argument("--json", default="", help="also write the merged results here")
+    args = ap.parse_args(argv)
+    try:
+        parts = [json.loads(Path(p).read_text()) for p in args.parts]
+        result = merge_results(parts, args.parts)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"specjax bench suite_merge: error: {e!r}", file=sys.stderr)
+        return 2
+    command = shlex.join(["python", "-m", "specjax.bench.suite_merge", *argv])
+    suite.report(result, command, out=args.out, figures=args.figures, json_path=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
