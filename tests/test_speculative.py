@@ -320,6 +320,21 @@ def test_per_position_acceptance_model():
     assert int(leviathan_optimal_k(one_rejected, 0.0, 4, v)[0]) > 0  # not yet evidence
 
 
+def test_a_draft_must_beat_plain_decoding_by_the_margin():
+    """k > 0 is picked only where its tokens per unit of cost beat k = 0's by 1 + margin:
+    α = 0.5 at one depth for 1.45 steps is 1.03x plain, so it drafts with no margin and not
+    with the default DRAFT_MARGIN; 1.2 steps (1.25x) drafts either way."""
+    import jax.numpy as jnp
+
+    from specjax.decoding.policy import DRAFT_MARGIN, leviathan_optimal_k
+
+    alpha = jnp.asarray([[0.5]])
+    for v, no_margin, default in ((1.45, 1, 0), (1.2, 1, 1)):
+        costs = jnp.asarray([1.0, v])
+        assert int(leviathan_optimal_k(alpha, 0.0, 1, costs)[0]) == no_margin
+        assert int(leviathan_optimal_k(alpha, 0.0, 1, costs, margin=DRAFT_MARGIN)[0]) == default
+
+
 def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     """With verification priced so that the rule stays at k = 0 from the prior and after
     two accepted probes, but four accepted probes would make it draft (so probes run:
@@ -328,9 +343,10 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     as its own draft must still accept every probe draft, so the draft's cache stayed
     exact."""
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
-    # any verify costs 3.75 plain steps at this batch; the draft is free: depth 4 pays
-    # at α = 0.875 (E = 3.9, the prior after four accepted probes), not at 0.83 (3.57)
-    never = flat_verify_cost(3.75)
+    # any verify costs 3.6 plain steps at this batch; the draft is free: depth 4 pays
+    # (by more than DRAFT_MARGIN) at α = 0.875 (E = 3.9, the prior after four accepted
+    # probes), not at 0.83 (3.59)
+    never = flat_verify_cost(3.6)
     own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                            speculator=DraftModel.create(tiny_target, k=4), verify_cost=never,
                            cost_ratio=0.0)

@@ -23,6 +23,10 @@ from specjax.stats import accepted_at_least
 # acceptance, the gap doubling after each rejected probe up to PROBE_GAP_MAX
 PROBE_GAP, PROBE_GAP_MAX = 16, 256
 PROBE_LOOKAHEAD = 4  # accepted probes a probe's worth is judged over (`decide`)
+# A row drafts only where the rule expects at least this much more tokens per unit of
+# cost than plain decoding: its α and cost estimates carry a few percent of error, and
+# a gain inside that error is as likely a loss (docs/speculators.md)
+DRAFT_MARGIN = 0.05
 
 
 @struct.dataclass
@@ -43,6 +47,8 @@ class Rule:
     # building, the verifier, the commit), in one-token target steps; measured by
     # `specjax.calibrate.step_overhead` (`generate(step_overhead=)`)
     overhead: jax.Array = np.float32(0.0)
+    # [] the expected gain over plain decoding a depth k > 0 must show (`DRAFT_MARGIN`)
+    margin: jax.Array = np.float32(DRAFT_MARGIN)
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -110,8 +116,9 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), me
 
 
 def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
-                        draft_calls=None):
-    """argmax_k over 0..k_max of E[tokens](k) / (n_k c + v_k), per row.
+                        draft_calls=None, margin=0.0):
+    """argmax_k over 0..k_max of E[tokens](k) / (n_k c + v_k), per row, a k > 0 counted
+    only where it beats k = 0 by the factor 1 + margin.
 
     alpha: [B] one rate per row, or [B, k_max] per position (`expected_tokens`);
     verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free);
@@ -123,6 +130,7 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
     n = ks if draft_calls is None else jnp.asarray(draft_calls, jnp.float32)
     gain = expected_tokens(a[:, :k_max]) / (n * cost_ratio + v)  # cost_ratio may be traced
+    gain = gain / jnp.where(ks > 0, 1.0 + margin, 1.0)
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
@@ -191,7 +199,8 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
     calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
     v = jnp.where(inputs[per_k] > 1, cost[per_k], 1.0)
-    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls)
+    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls,
+                                         rule.margin)
     hist, tried = st.counters.hist, st.counters.tried
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
