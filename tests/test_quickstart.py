@@ -108,6 +108,9 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     assert summary["features"] == "online" and "speculative" not in summary  # the table's
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]
     assert len(eagle) == 2 and all(r["tau"] >= 1.0 for r in eagle)
+    # the analytical figure is the per-position one (`expected_speedup`): 1 for plain
+    for r in res["rows"]:
+        assert r["analytical"] == 1.0 if r["method"] == "autoregressive" else r["analytical"] > 0
     assert res["settings"]["batch"] == 1 and res["settings"]["adaptive"] is True
     # the rule started from each draft's acceptance and step overhead on a calibration
     # prompt, per temperature

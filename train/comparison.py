@@ -17,7 +17,6 @@ import numpy as np
 import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
-from specjax.stats import leviathan_speedup
 from specjax.train.speculation import heldout_prompts, speculative_run
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
@@ -78,13 +77,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         for name, (tokens, r) in last.items():
             tps = float(np.median(speeds[name]))
             base = base or tps
-            measured = cost_ratio_of(cost_ratios, temp, name)
-            c = measured if measured is not None else r["cost_ratio"]
-            rows.append(dict(r, method=name, temperature=temp, cost_ratio=c,
-                             tokens_per_s=tps, speedup=tps / base,
-                             analytical=leviathan_speedup(r["alpha"], r["k"], c,
-                                                         r["verify_cost"],
-                                                         r["draft_calls_per_call"]),
+            rows.append(dict(r, method=name, temperature=temp, tokens_per_s=tps,
+                             speedup=tps / base,
                              identical_to_plain=tokens == next(iter(last.values()))[0]))
     return rows
 

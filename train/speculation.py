@@ -79,6 +79,7 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
     return tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
                         draft_calls_per_call=s.draft_calls / max(s.target_calls, 1),
                         cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,
+                        analytical=s.expected_speedup,
                         mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
                         ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
                         accepted_hist=s.accepted_hist, compile_s=s.compile_s,
