@@ -361,7 +361,41 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
     assert other.tokens == ref
 
 
-def test_plain_steps_keep_every_speculator_lossless(tiny_target, tiny_draft, greedy_ref):
+def test_a_speculator_that_can_never_draft_runs_plain_decoding(tiny_target, greedy_ref):
+    """Where the rule keeps every row at k = 0 and no probe could pay (α = 0 at every
+    depth, and a verify at twice a plain step at any batch: even four accepted probes,
+    α_1 = 0.5, give 1.5 tokens for 2 steps), α can never move: generate runs plain decoding's compiled
+    programs (none beside a plain call's) with plain decoding's tokens, sampled and
+    greedy. A probe that could pay (a verify at 1 step) keeps the speculative loop."""
+    import jax.numpy as jnp
+
+    from specjax.decoding import policy
+    from specjax.decoding.generate import PROGRAMS
+    from specjax.decoding.policy import Rule
+
+    dear = VerifyCost(per_token=2.0)
+    kw = dict(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
+    plain = specjax.generate(tiny_target, PROMPTS, **kw)
+    before = len(PROGRAMS.items())
+    never = specjax.generate(tiny_target, PROMPTS, **kw, speculator=NGram(k=3),
+                             acceptance_prior=[0.0] * 3, verify_cost=dear,
+                             verification="block")
+    assert len(PROGRAMS.items()) == before and never.tokens == plain.tokens
+    assert never.stats.drafted == 0 and never.stats.target_calls == 11 * len(PROMPTS)
+    greedy = specjax.generate(tiny_target, PROMPTS, max_new_tokens=12, ignore_eos=True,
+                              speculator=NGram(k=3), acceptance_prior=[0.0] * 3,
+                              verify_cost=dear)
+    assert greedy.tokens == [g[:12] for g in greedy_ref]
+    rule = lambda prior, v=dear: Rule(jnp.float32(0.0), jnp.bool_(True), v.validated(),
+                                      jnp.asarray(prior, jnp.float32))
+    assert not policy.may_draft(NGram(k=3), rule([0.0] * 3), 4)
+    assert policy.may_draft(NGram(k=3), rule([0.0] * 3, VerifyCost()), 4)  # probes pay
+    assert policy.may_draft(NGram(k=3), rule([0.9] * 3, VerifyCost()), 4)  # drafts at once
+    assert policy.may_draft(NGram(k=3), rule([0.0] * 3).replace(adaptive=jnp.bool_(False)), 1)
+
+
+def test_plain_steps_keep_every_speculator_lossless(tiny_target, tiny_draft, greedy_ref,
+                                                    monkeypatch):
     """With verification priced out so far that no probe could pay, every row is settled
     at k = 0 for good: steps run as plain decode steps in a nested loop and the
     speculator does no work at all, not even the draft calls that empty a full queue
@@ -370,8 +404,12 @@ def test_plain_steps_keep_every_speculator_lossless(tiny_target, tiny_draft, gre
     Greedy output stays target-only, one target call per token. (The commit of each
     plain step's pair, for rows that may still probe, is
     test_no_call_while_no_row_drafts_stays_lossless's.)"""
+    from specjax.decoding import generate as generate_module
     from specjax.speculators import Eagle, Medusa
 
+    # start the loop anyway (generate would run plain decoding's programs outright): the
+    # rows settle at the first decision and the loop's plain steps run
+    monkeypatch.setattr(generate_module, "may_draft", lambda *a: True)
     never = VerifyCost(per_token=100.0)
     for spec in (NGram(k=3), Medusa.random(tiny_target, num_heads=4, seed=1),
                  DraftModel.create(tiny_draft, k=3),

@@ -19,6 +19,9 @@ generate's arguments:
     tokens in expectation), "typical" (Medusa's, LOSSY); None: the speculator's own,
     "block" where that is "rejection" and the speculator proposes chains.
   adaptive: per-row draft depth from running acceptance and the speculator's cost ratio.
+    Where the rule, from its prior, would keep every row at k = 0 with no probe worth
+    running, no row can ever draft, so the call runs plain decoding's programs
+    (`policy.may_draft`).
   cost_ratio: one draft call's cost relative to a one-token target step (None: the
     speculator's parameter-count estimate; `specjax.calibrate.measured_cost_ratio`
     measures one), for the adaptive rule and the analytical speedup.
@@ -55,7 +58,7 @@ from specjax.cache import PagePool
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.loop import DecodeLoop
-from specjax.decoding.policy import Rule
+from specjax.decoding.policy import Rule, may_draft
 from specjax.decoding.programs import LayoutCache, ProgramCache
 from specjax.decoding.state import Params, Prompt
 from specjax.model import Model, validate_tokens
@@ -93,12 +96,17 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
                                    kv_cache_dtype, page_size, prefill_chunk)
     mesh = shard.mesh_of(model.params)  # run where the params live (None: one device)
     speculator = _for_decoding(speculator, cfg, mesh, layer_layout)
-    sizes = _Sizes.of([len(r) for r in rows], max_new_tokens, speculator, prefill_chunk,
-                      page_size, num_pages, mesh)
-    prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
+    method = _verification(verification, speculator)
     cost = _cost_ratio(cost_ratio, speculator, cfg)
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, seed, mesh,
                  step_overhead)
+    if speculator is not None and not may_draft(speculator, rule, len(rows)):
+        # the rule would keep every row at k = 0 with no probe: plain decoding's programs
+        speculator, method = None, _verification(None, None)
+        rule = _rule(0.0, adaptive, None, None, None, seed, mesh)
+    sizes = _Sizes.of([len(r) for r in rows], max_new_tokens, speculator, prefill_chunk,
+                      page_size, num_pages, mesh)
+    prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
     sampling, max_new, eos_arr = shard.replicate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
          jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
@@ -107,7 +115,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
         loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
                                  commit=commit_lib.resolve(kv_commit, attention_backend),
-                                 verification=_verification(verification, speculator))
+                                 verification=method)
 
     t0 = time.perf_counter()
     chunks = dict(chunk=sizes.chunk, num_chunks=sizes.num_chunks, kv_dtype=kv_dtype)

@@ -7,6 +7,7 @@ unit of cost, per row and per draft position) and prices the verify buckets once
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 from flax import struct
 
 from specjax.decoding.cost import VerifyCost
-from specjax.decoding.state import LoopState, Probes
+from specjax.decoding.state import Counters, LoopState, Probes
 from specjax.speculators.base import Speculator
 from specjax.stats import accepted_at_least
 
@@ -183,6 +184,25 @@ class Decision:
 
 
 def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
+    """`decide_from` the loop's counters."""
+    return decide_from(spec, rule, buckets, st.counters)
+
+
+def may_draft(spec: Speculator, rule: Rule, batch: int) -> bool:
+    """Whether a `generate` call of `batch` rows that starts from the rule's prior could
+    ever draft. False when, with no tries yet, every row is at k = 0 and no probe could
+    pay: α moves only on drafting steps, so the speculator would never run, and the
+    call is plain decoding (no speculator prefill, no speculative machinery)."""
+    return bool(_may_draft(spec, rule, verify_buckets(spec.shape.depth_widths), batch))
+
+
+@functools.partial(jax.jit, static_argnames=("buckets", "batch"))
+def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int) -> jax.Array:
+    d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth))
+    return ~rule.adaptive | jnp.any(d.limit > 0) | jnp.any(d.worth)
+
+
+def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters) -> Decision:
     """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
     call, the verify forward's cost growing with its width, plus the step's measured
     overhead), and whether a probe pays.
@@ -190,7 +210,7 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
     accepted probes in a row would make the rule draft.
     """
-    b = st.tokens.shape[0]
+    b = counters.hist.shape[0]
     rows = jnp.where(rule.per_row, 1.0, float(b))  # the batch the rule prices
     inputs = np.asarray([w + 1 for _, w in buckets])  # verified tokens per bucket
     cost = rule.vcost.speculative(inputs, rows) + rule.overhead
@@ -201,7 +221,7 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
     v = jnp.where(inputs[per_k] > 1, cost[per_k], 1.0)
     best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls,
                                          rule.margin)
-    hist, tried = st.counters.hist, st.counters.tried
+    hist, tried = counters.hist, counters.tried
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
                                   tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
