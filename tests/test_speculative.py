@@ -364,9 +364,10 @@ def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
 def test_a_speculator_that_can_never_draft_runs_plain_decoding(tiny_target, greedy_ref):
     """Where the rule keeps every row at k = 0 and no probe could pay (α = 0 at every
     depth, and a verify at twice a plain step at any batch: even four accepted probes,
-    α_1 = 0.5, give 1.5 tokens for 2 steps), α can never move: generate runs plain decoding's compiled
-    programs (none beside a plain call's) with plain decoding's tokens, sampled and
-    greedy. A probe that could pay (a verify at 1 step) keeps the speculative loop."""
+    α_1 = 0.5, give 1.5 tokens for 2 steps), α can never move: generate runs plain
+    decoding's compiled programs (none beside a plain call's) with plain decoding's
+    tokens, sampled and greedy. A probe that could pay (a verify at 1 step) keeps the
+    speculative loop."""
     import jax.numpy as jnp
 
     from specjax.decoding import policy
@@ -382,6 +383,7 @@ def test_a_speculator_that_can_never_draft_runs_plain_decoding(tiny_target, gree
                              verification="block")
     assert len(PROGRAMS.items()) == before and never.tokens == plain.tokens
     assert never.stats.drafted == 0 and never.stats.target_calls == 11 * len(PROMPTS)
+    assert never.stats.acceptance_by_position == [None] * 3  # counters at the draft's depth
     greedy = specjax.generate(tiny_target, PROMPTS, max_new_tokens=12, ignore_eos=True,
                               speculator=NGram(k=3), acceptance_prior=[0.0] * 3,
                               verify_cost=dear)

@@ -100,6 +100,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     cost = _cost_ratio(cost_ratio, speculator, cfg)
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, seed, mesh,
                  step_overhead)
+    depth = speculator.shape.max_depth if speculator is not None else 0
     if speculator is not None and not may_draft(speculator, rule, len(rows)):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
@@ -126,7 +127,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     compile_s = time.perf_counter() - t0
     state, ttft = _timed(pre, params.replace(rule=None), prompt)
     state, decode_s = _timed(dec, params, state)
-    return _result(model, state, sizes.lens, cost, ttft, decode_s, compile_s)
+    return _result(model, state, sizes.lens, cost, ttft, decode_s, compile_s, depth)
 
 
 # ---------------------------------------------------------------------------- stages
@@ -270,8 +271,10 @@ def _timed(program, *args):
     return state, time.perf_counter() - t0
 
 
-def _result(model: Model, state, lens, cost, ttft, decode_s, compile_s) -> GenerationResult:
-    """Generated tokens (and text) per row and the run's statistics, on the host."""
+def _result(model: Model, state, lens, cost, ttft, decode_s, compile_s,
+            depth: int) -> GenerationResult:
+    """Generated tokens (and text) per row and the run's statistics, on the host; the
+    acceptance counters span the speculator's `depth` even where the call ran plain."""
     out_tokens, out_lens = shard.to_host(state.tokens), shard.to_host(state.lengths)
     gen = [out_tokens[r, lens[r]:out_lens[r]].tolist() for r in range(len(lens))]
     text = None
@@ -279,6 +282,9 @@ def _result(model: Model, state, lens, cost, ttft, decode_s, compile_s) -> Gener
         text = [model.tokenizer.decode(g, skip_special_tokens=True) for g in gen]
     c = {f.name: shard.to_host(getattr(state.counters, f.name))
          for f in dataclasses.fields(state.counters)}
+    pad = depth - c["tried"].shape[1]  # > 0 where the speculator never ran
+    c["hist"] = np.pad(c["hist"], ((0, 0), (0, pad)))
+    c["tried"] = np.pad(c["tried"], ((0, 0), (0, pad)))
     stats = build_stats(new_tokens=[len(g) for g in gen], **c, cost_ratio=cost,
                         ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
     return GenerationResult(gen, text, stats)
