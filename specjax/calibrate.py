@@ -202,6 +202,14 @@ class Calibration:
         return dict(acceptance_prior=self.prior, step_overhead=self.overhead)
 
 
+def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:
+    """generate's calibrated arguments for a call with `speculator`: none for plain
+    decoding (speculator None) or without a calibration."""
+    if speculator is None or calibration is None:
+        return {}
+    return calibration.generate_kwargs()
+
+
 def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: float) -> float:
     """A speculative step's cost beyond what the rule models for it, in one-token target
     steps (>= 0): a full-depth pass's seconds per target call over a plain step's, less its

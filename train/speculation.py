@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 import specjax
+from specjax.calibrate import calibrated_kwargs
 from specjax.corpus import Corpus
 
 
@@ -72,7 +73,7 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
                                temperature=temperature, seed=seed + i, ignore_eos=True,
                                speculator=speculator, adaptive=adaptive,
                                cost_ratio=cost_ratio,
-                               **(calibration.generate_kwargs() if calibration else {}))
+                               **calibrated_kwargs(calibration, speculator))
         tokens += out.tokens
         parts.append(out.stats)
     s = parts[0] if len(parts) == 1 else merge_stats(parts)

@@ -311,7 +311,7 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
     prompts."""
     import specjax
     from specjax.bench.speculative import hf_pass, hf_variants, load_hf
-    from specjax.calibrate import calibration as calibrate
+    from specjax.calibrate import calibrated_kwargs, calibration as calibrate
     from specjax.speculators import NGram
 
     ours = {"specjax_generate": None, "specjax_ngram": NGram(k=args.k)}
@@ -324,7 +324,7 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
         t0 = time.perf_counter()
         out = specjax.generate(target, [p], max_new_tokens=args.new, ignore_eos=True,
                                speculator=speculator,
-                               **({} if speculator is None else cal.generate_kwargs()))
+                               **calibrated_kwargs(cal, speculator))
         return out.tokens[0], time.perf_counter() - t0
 
     for p in prompts:  # compiles every prompt shape once

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 import specjax
-from specjax.calibrate import measured_cost_ratios
+from specjax.calibrate import calibrated_kwargs, measured_cost_ratios
 from specjax.config import ModelConfig
 
 BENCH_25M = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408,
@@ -79,7 +79,7 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
                                temperature=temperature, seed=seed + i // batch,
                                ignore_eos=True, speculator=speculator, adaptive=adaptive,
                                cost_ratio=None if speculator is None else cost_ratio,
-                               **_calibrated(speculator, calibration),
+                               **calibrated_kwargs(calibration, speculator),
                                kv_cache_dtype=kv_cache_dtype,
                                verification=None if speculator is None else verification)
         tokens += out.tokens
@@ -88,13 +88,6 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
     # A prompt length not seen yet compiles inside its call (and a long session's
     # program cache may have dropped one): the steady state is what is timed.
     return tokens, stats, time.perf_counter() - t0 - stats.compile_s
-
-
-def _calibrated(speculator, calibration) -> dict:
-    """generate's calibrated arguments (none for plain decoding or no calibration)."""
-    if speculator is None or calibration is None:
-        return {}
-    return calibration.generate_kwargs()
 
 
 def run_specjax(target, prompts, new, speculators: dict, repeats: int,
