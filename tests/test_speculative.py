@@ -197,9 +197,11 @@ def test_mixed_buckets_in_one_batch_stay_lossless(tiny_target, greedy_ref):
     assert 1.0 < out.stats.mean_verified < 5.0
 
 
-def test_batch_verify_bucket_weighs_the_whole_batch():
-    """One row with a deep draft does not make a batch of idle rows verify 5 tokens;
-    alone, or with company that also drafts, it does."""
+def test_batch_verify_bucket_waits_for_the_slowest_row():
+    """The batch ends with its last row: one row with a deep draft does not make a batch
+    of idle rows verify 5 tokens; alone, with company that also drafts, or far behind
+    the others, it does. Where the slowest row ties (a free verify), tokens per cost
+    decide."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -207,22 +209,49 @@ def test_batch_verify_bucket_weighs_the_whole_batch():
 
     depths = [0, 2, 4]
     cost = 1.0 + 0.75 * np.log2([1, 3, 5])
-    one = lambda n, alpha, deep: batch_verify_bucket(  # noqa: E731
-        jnp.full((n,), alpha), jnp.asarray([deep] + [0] * (n - 1)), jnp.ones((n,), bool),
-        depths, cost)
-    assert int(one(8, 0.9, 4)) == 0  # 7 idle rows: 8 + 3.1 tokens cannot pay 2.7x
-    assert int(one(1, 0.9, 4)) == 2  # alone: 4.1 tokens for 2.7x
-    assert int(one(1, 0.2, 4)) == 0  # poor acceptance never pays
-    all_deep = batch_verify_bucket(jnp.full((8,), 0.9), jnp.full((8,), 4), jnp.ones((8,), bool),
-                                   depths, cost)
-    assert int(all_deep) == 2
-    # inactive rows do not count; a free verify always covers the deepest draft
-    inactive = batch_verify_bucket(jnp.full((8,), 0.9), jnp.asarray([4] + [0] * 7),
-                                   jnp.asarray([True] + [False] * 7), depths, cost)
-    assert int(inactive) == 2
-    free = batch_verify_bucket(jnp.full((8,), 0.5), jnp.asarray([2] + [0] * 7),
-                               jnp.ones((8,), bool), depths, np.ones(3))
-    assert int(free) == 1
+
+    def pick(alpha, deep, active=None, remaining=None, c=cost):
+        n = len(deep)
+        return int(batch_verify_bucket(
+            jnp.full((n,), alpha), jnp.asarray(deep),
+            jnp.ones((n,), bool) if active is None else jnp.asarray(active),
+            jnp.full((n,), 32) if remaining is None else jnp.asarray(remaining), depths, c))
+
+    assert pick(0.9, [4] + [0] * 7) == 0  # 7 idle rows would each take 2.7x as long
+    assert pick(0.9, [4]) == 2  # alone: 4.1 tokens for 2.7x
+    assert pick(0.2, [4]) == 0  # poor acceptance never pays
+    assert pick(0.9, [4] * 8) == 2
+    # inactive rows do not count, nor rows that will finish long before this one
+    assert pick(0.9, [4] + [0] * 7, active=[True] + [False] * 7) == 2
+    assert pick(0.9, [4] + [0] * 7, remaining=[64] + [8] * 7) == 2
+    assert pick(0.9, [4] + [0] * 7, remaining=[64] + [32] * 7) == 0
+    assert pick(0.5, [2] + [0] * 7, c=np.ones(3)) == 1  # a free verify covers the draft
+
+
+def test_the_batch_drafts_only_where_its_slowest_row_does_not_lose():
+    """`speculation_pays`: at batch 1 it is the row's own rule (margin included); at
+    batch > 1 a row kept at k = 0 vetoes a costly verify unless it finishes long before
+    the others, and a free verify that no row loses by pays for the rows that gain."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.decoding.policy import speculation_pays
+
+    depths, cost = [0, 2, 4], 1.0 + 0.75 * np.log2([1, 3, 5])
+
+    def pays(alpha, k, remaining=None, c=cost, margin=0.05):
+        n = len(k)
+        rem = jnp.full((n,), 32) if remaining is None else jnp.asarray(remaining)
+        return bool(speculation_pays(jnp.full((n,), alpha), jnp.asarray(k), jnp.ones((n,), bool),
+                                     rem, depths, c, margin))
+
+    assert pays(0.9, [4])  # 4.1 tokens for 2.74
+    assert not pays(0.45, [2])  # 1.65 tokens for 2.19
+    # E(4) at α 0.7 is 2.77 for a cost of 2.74: a gain of 1 %, inside a 5 % margin
+    assert pays(0.7, [4], margin=0.0) and not pays(0.7, [4])
+    assert pays(0.9, [4] * 8) and not pays(0.9, [4] * 7 + [0])
+    assert pays(0.9, [4] * 7 + [0], remaining=[32] * 7 + [8])
+    assert pays(0.9, [4] * 7 + [0], c=np.ones(3)) and not pays(0.9, [0] * 8, c=np.ones(3))
 
 
 def test_batch_rule_spares_idle_rows(tiny_target):
@@ -573,8 +602,9 @@ def test_rule_prices_draft_calls_not_positions():
 
 
 def test_probes_back_off_while_rejected():
-    """Rows the adaptive rule keeps at k = 0 probe with k = 1 at steps 15, then a gap
-    that doubles per rejected probe (capped) and resets when a draft is accepted."""
+    """Rows the adaptive rule keeps at k = 0 probe with k = 1 at step 15, then at least a
+    gap later, the gap doubling per rejected probe (capped) and resetting when a draft is
+    accepted, always on a clock that rows of a batch share."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -591,11 +621,14 @@ def test_probes_back_off_while_rejected():
                                       jnp.asarray([probed]), acc)
         return probes
 
-    assert run(accept_at=set())[:6] == [15, 47, 111, 239, 495, 495 + PROBE_GAP_MAX]
+    # gap 32 after step 15: the first step from 47 on the 32-step clock is 63
+    assert run(accept_at=set())[:6] == [15, 63, 127, 255, 511, 511 + PROBE_GAP_MAX]
     always = run(accept_at=set(range(800)))
     assert np.all(np.diff(always) == PROBE_GAP)  # accepted probes keep the short gap
-    reset = run(accept_at={111})
-    assert reset[:5] == [15, 47, 111, 111 + PROBE_GAP, 111 + 3 * PROBE_GAP]
+    reset = run(accept_at={127})
+    assert reset[:5] == [15, 63, 127, 127 + PROBE_GAP, 127 + 4 * PROBE_GAP]
+    # every probe falls on the shared clock, so rows of a batch probe together
+    assert all((t + 1) % PROBE_GAP == 0 for t in always + reset)
 
 
 def test_a_step_with_every_row_finished_runs_no_forward(tiny_target):

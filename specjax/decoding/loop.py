@@ -136,7 +136,7 @@ class DecodeLoop:
         if spec is None:
             st = self.plain_step(params, st)[0]
         else:  # plain steps leave α unchanged, so one decision serves both
-            decision = decide(spec, params.rule, self.buckets, st)
+            decision = decide(spec, params.rule, self.buckets, st, params.max_new)
             st = self.plain_steps(params, st, decision)
             st = self.speculative_step(params, st, decision)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
@@ -177,7 +177,7 @@ class DecodeLoop:
         settled = idle & jnp.all(st.done | ~decision.worth)
 
         def go_on(s: LoopState):
-            no_probe = jnp.all(s.done | (s.steps < s.probes.next_probe) | ~decision.worth)
+            no_probe = ~jnp.any(decision.probing(s))
             return (idle & no_probe & jnp.any(~s.done) & (s.steps < params.max_new)
                     & (settled | spec.can_skip(s.spec_state)))
 

@@ -75,10 +75,14 @@ def bucket_per_depth(buckets) -> list[int]:
 def probe_schedule(next_probe, gap, step, drafted, probed, accepted):
     """The next probe step and gap per row [B] after loop step `step`: a rejected probe
     doubles the gap (up to PROBE_GAP_MAX), an accepted draft resets it to PROBE_GAP, and
-    a row that drafted (by choice or probing) waits a gap from this step."""
+    a row that drafted (by choice or probing) waits at least a gap from this step, to
+    the next step t with (t + 1) a multiple of its gap. The gaps are PROBE_GAP times
+    powers of two, so rows probe on a shared clock: at batch > 1 one speculative step
+    serves every row due, not one step per row."""
     gap = jnp.where(accepted > 0, PROBE_GAP,
                     jnp.where(probed, jnp.minimum(2 * gap, PROBE_GAP_MAX), gap))
-    return jnp.where(drafted, step + gap, next_probe), gap
+    aligned = (step + 2 * gap) // gap * gap - 1  # the first t >= step + gap on the clock
+    return jnp.where(drafted, aligned, next_probe), gap
 
 
 def initial_probes(batch: int) -> Probes:
@@ -135,20 +139,55 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
-def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[int],
-                        bucket_cost):
-    """The verify bucket [] the whole batch should run once every row has drafted (one
-    deep row makes every row pay its width): argmax over b of
-    sum_r E_r[tokens | depth <= min(D_b, drafted_r)] / v_b, ties to the cheaper bucket."""
+def batch_step_times(alpha, depth, active, remaining, bucket_depths: Sequence[int],
+                     bucket_cost):
+    """([NB] time, [NB] rate): the batch's modelled time to finish if every step ran
+    bucket b, the slowest active row's remaining[r] · cost_b / E_r[tokens | depth <=
+    min(D_b, depth_r)], and the active rows' mean tokens per unit of cost there.
+
+    A batch ends with its last row and its forwards keep their shape to the end, so a
+    row that gains nothing from a bucket holds every row to the bucket's cost: the time
+    decides, and the rate (the throughput of rows that come and go) only breaks its
+    ties. alpha [B] or [B, Dm]; depth, active, remaining [B]."""
     a = jnp.asarray(alpha, jnp.float32)
     if a.ndim == 1:
-        a = jnp.repeat(a[:, None], max(bucket_depths), axis=1)
+        a = jnp.repeat(a[:, None], max(max(bucket_depths), 1), axis=1)
     e = expected_tokens(a)  # [B, Dm+1]
     d = jnp.asarray(bucket_depths, jnp.int32)[None, :]  # [1, NB]
-    reach = jnp.minimum(drafted_depth.astype(jnp.int32)[:, None], d)  # [B, NB]
+    reach = jnp.minimum(jnp.asarray(depth).astype(jnp.int32)[:, None], d)  # [B, NB]
     tokens = jnp.take_along_axis(e, reach, axis=1)
-    total = jnp.sum(jnp.where(active[:, None], tokens, 0.0), axis=0)
-    return jnp.argmax(total / jnp.asarray(bucket_cost, jnp.float32)).astype(jnp.int32)
+    cost = jnp.asarray(bucket_cost, jnp.float32)[None, :]
+    live = jnp.asarray(active)[:, None]
+    time = jnp.max(jnp.where(live, jnp.asarray(remaining, jnp.float32)[:, None] * cost / tokens,
+                             0.0), axis=0)
+    rate = (jnp.sum(jnp.where(live, tokens, 0.0), axis=0)
+            / jnp.maximum(jnp.sum(live), 1) / cost[0])
+    return time, rate
+
+
+def batch_verify_bucket(alpha, drafted_depth, active, remaining, bucket_depths: Sequence[int],
+                        bucket_cost):
+    """The verify bucket [] the whole batch should run once every row has drafted (one
+    deep row makes every row pay its width): the one that finishes the batch soonest
+    (`batch_step_times`); of those that tie, the best rate, then the cheapest."""
+    time, rate = batch_step_times(alpha, drafted_depth, active, remaining, bucket_depths,
+                                  bucket_cost)
+    soonest = time <= jnp.min(time) * (1.0 + 1e-6)
+    return jnp.argmax(jnp.where(soonest, rate, -1.0)).astype(jnp.int32)
+
+
+def speculation_pays(alpha, limit, active, remaining, bucket_depths: Sequence[int],
+                     bucket_cost, margin):
+    """[] bool: whether a speculative step with each row drafting to limit [B] beats
+    plain steps (each costing 1) by the factor 1 + margin in some bucket: it finishes
+    the batch sooner, or as soon with more tokens per unit of cost
+    (`batch_step_times`; bucket_cost includes the draft calls). At batch 1 this is the
+    row's own rule; at batch > 1 no row that would finish last may lose."""
+    time, rate = batch_step_times(alpha, limit, active, remaining, bucket_depths, bucket_cost)
+    plain = jnp.max(jnp.where(active, jnp.asarray(remaining, jnp.float32), 0.0))
+    sooner = time * (1.0 + margin) < plain
+    as_soon = (time <= plain) & (rate > 1.0 + margin)
+    return jnp.any(sooner | as_soon)
 
 
 @struct.dataclass
@@ -158,34 +197,62 @@ class Decision:
 
     rule: Rule
     alpha: jax.Array  # [B, Dm] acceptance per position
-    limit: jax.Array  # [B] the depth k each row drafts by the rule
-    worth: jax.Array  # [B] bool: whether a probe could change the row's k
+    limit: jax.Array  # [B] the depth k each row drafts: its own k, or 0 for every row
+    # where the batch as a whole would not gain (`speculation_pays`)
+    own: jax.Array  # [B] the depth k each row's own rule picks
+    worth: jax.Array  # [B] bool: whether a probe could change the row's own k
+    hopeful: jax.Array  # [B, Dm] α after PROBE_LOOKAHEAD accepted probes
+    hopeful_k: jax.Array  # [B] the row's own k at that α
     cost: jax.Array  # [NB] each verify bucket's cost as the rule prices it
     spent: jax.Array  # [NB+1] each bucket's cost at the batch, then no forward's
+    call_cost: jax.Array  # [Dm+1] c · the draft calls that drafting k positions takes
+    max_new: jax.Array  # [] the call's budget of new tokens per row
+    depths: tuple[int, ...] = struct.field(pytree_node=False, default=())  # per bucket
+
+    def remaining(self, st: LoopState):
+        """[B] new tokens each row may still emit."""
+        return self.max_new - (st.lengths - st.prompt_lens)
+
+    def probing(self, st: LoopState):
+        """[B] bool: the rows that draft one token this step to re-measure α. A row
+        probes once its schedule says so (`probe_schedule`) and where accepted probes
+        could make it draft; at batch > 1 only if they could also make the batch draft,
+        every row due probing at once (the schedules are aligned), since one probe puts
+        every row through a speculative step."""
+        active = ~st.done
+        due = ((self.limit == 0) & (st.steps >= st.probes.next_probe) & self.rule.adaptive
+               & active & self.worth)
+        k = jnp.where(due, self.hopeful_k, self.own)
+        alpha = jnp.where(due[:, None], self.hopeful, self.alpha)
+        calls = self.call_cost[jnp.max(jnp.where(active, k, 0))]  # every row waits
+        pays = speculation_pays(alpha, k, active, self.remaining(st), self.depths,
+                                self.cost + calls, self.rule.margin)
+        return due & (pays | self.rule.per_row)
 
     def depth_limits(self, st: LoopState, max_depth: int):
-        """(depth limit [B], probed [B]): the rule's k, 1 where a k = 0 row's probe is
-        due, full depth without the adaptive rule, 0 on finished rows."""
+        """(depth limit [B], probed [B]): the rule's k, 1 where a k = 0 row probes
+        (`probing`), full depth without the adaptive rule, 0 on finished rows."""
         adaptive, active = self.rule.adaptive, ~st.done
-        probed = ((self.limit == 0) & (st.steps >= st.probes.next_probe) & adaptive
-                  & active & self.worth)
+        probed = self.probing(st)
         limit = jnp.where(probed, 1, self.limit)  # a row at k = 0 re-measures now and then
         return jnp.where(adaptive & active, limit, jnp.where(active, max_depth, 0)), probed
 
-    def bucket(self, depths: Sequence[int], row_depth, active, probed):
-        """The verify bucket: the one that pays for the batch as a whole, never deeper
+    def bucket(self, depths: Sequence[int], row_depth, active, probed, remaining):
+        """The verify bucket: the one that finishes the batch soonest, never deeper
         than the deepest draft; probe steps (and rows deciding alone) verify every draft
         so that rows at k = 0 keep measuring."""
         covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))
-        best = batch_verify_bucket(self.alpha, row_depth, active, depths, self.cost)
+        best = batch_verify_bucket(self.alpha, row_depth, active, remaining, depths, self.cost)
         rule = self.rule
         return jnp.where(rule.adaptive & ~jnp.any(probed) & ~rule.per_row,
                          jnp.minimum(best, covering), covering)
 
 
-def decide(spec: Speculator, rule: Rule, buckets, st: LoopState) -> Decision:
-    """`decide_from` the loop's counters."""
-    return decide_from(spec, rule, buckets, st.counters)
+def decide(spec: Speculator, rule: Rule, buckets, st: LoopState, max_new) -> Decision:
+    """`decide_from` the loop's counters, for the rows still active and what they may
+    still emit (`max_new` [] the call's budget per row)."""
+    return decide_from(spec, rule, buckets, st.counters, ~st.done,
+                       max_new - (st.lengths - st.prompt_lens), max_new)
 
 
 def may_draft(spec: Speculator, rule: Rule, batch: int) -> bool:
@@ -198,17 +265,21 @@ def may_draft(spec: Speculator, rule: Rule, batch: int) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("buckets", "batch"))
 def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int) -> jax.Array:
-    d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth))
+    ones = jnp.ones((batch,), jnp.int32)  # every row alike: the batch rule is the row's
+    d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
+                    ones > 0, ones, jnp.int32(1))
     return ~rule.adaptive | jnp.any(d.limit > 0) | jnp.any(d.worth)
 
 
-def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters) -> Decision:
+def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, active,
+                remaining, max_new) -> Decision:
     """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
     call, the verify forward's cost growing with its width, plus the step's measured
-    overhead), and whether a probe pays.
+    overhead), and whether a probe pays; then, at batch > 1, whether the batch as a
+    whole gains from drafting (`speculation_pays`), every row kept at k = 0 if not.
 
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
-    accepted probes in a row would make the rule draft.
+    accepted probes in a row would make the rule draft. active, remaining: [B].
     """
     b = counters.hist.shape[0]
     rows = jnp.where(rule.per_row, 1.0, float(b))  # the batch the rule prices
@@ -225,5 +296,13 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters) -> De
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
                                   tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
-    return Decision(rule=rule, alpha=alpha, limit=best(alpha), worth=best(hopeful) > 0,
-                    cost=cost, spent=spent)
+    own, hopeful_k = best(alpha), best(hopeful)
+    call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
+    depths = tuple(d for d, _ in buckets)
+    drafts = call_cost[jnp.max(jnp.where(active, own, 0))]
+    pays = speculation_pays(alpha, own, active, remaining, depths, cost + drafts, rule.margin)
+    limit = jnp.where(pays | rule.per_row, own, 0)
+    return Decision(rule=rule, alpha=alpha, limit=limit, own=own, worth=hopeful_k > 0,
+                    hopeful=hopeful, hopeful_k=hopeful_k, cost=cost, spent=spent,
+                    call_cost=call_cost, max_new=jnp.asarray(max_new, jnp.int32),
+                    depths=depths)

@@ -64,11 +64,11 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     """Propose, then one target forward over the tree's verified prefix and verification
     (decision None: the policy's for `st`, as `specjax.inspect` asks)."""
     if decision is None:
-        decision = decide(params.speculator, params.rule, loop.buckets, st)
+        decision = decide(params.speculator, params.rule, loop.buckets, st, params.max_new)
     active = ~st.done
     tree, spec_state, limit, probed = _propose(params, st, decision)
     depths = [d for d, _ in loop.buckets]
-    which = decision.bucket(depths, tree.row_depths, active, probed)
+    which = decision.bucket(depths, tree.row_depths, active, probed, decision.remaining(st))
     tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
     k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
     branches = [functools.partial(_verify_prefix, loop, w, params, st, tree, k_ver)
