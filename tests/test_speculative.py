@@ -197,11 +197,9 @@ def test_mixed_buckets_in_one_batch_stay_lossless(tiny_target, greedy_ref):
     assert 1.0 < out.stats.mean_verified < 5.0
 
 
-def test_batch_verify_bucket_waits_for_the_slowest_row():
-    """The batch ends with its last row: one row with a deep draft does not make a batch
-    of idle rows verify 5 tokens; alone, with company that also drafts, or far behind
-    the others, it does. Where the slowest row ties (a free verify), tokens per cost
-    decide."""
+def test_batch_verify_bucket_weighs_the_whole_batch():
+    """One row with a deep draft does not make a batch of idle rows verify 5 tokens;
+    alone, or with company that also drafts, it does."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -209,23 +207,22 @@ def test_batch_verify_bucket_waits_for_the_slowest_row():
 
     depths = [0, 2, 4]
     cost = 1.0 + 0.75 * np.log2([1, 3, 5])
-
-    def pick(alpha, deep, active=None, remaining=None, c=cost):
-        n = len(deep)
-        return int(batch_verify_bucket(
-            jnp.full((n,), alpha), jnp.asarray(deep),
-            jnp.ones((n,), bool) if active is None else jnp.asarray(active),
-            jnp.full((n,), 32) if remaining is None else jnp.asarray(remaining), depths, c))
-
-    assert pick(0.9, [4] + [0] * 7) == 0  # 7 idle rows would each take 2.7x as long
-    assert pick(0.9, [4]) == 2  # alone: 4.1 tokens for 2.7x
-    assert pick(0.2, [4]) == 0  # poor acceptance never pays
-    assert pick(0.9, [4] * 8) == 2
-    # inactive rows do not count, nor rows that will finish long before this one
-    assert pick(0.9, [4] + [0] * 7, active=[True] + [False] * 7) == 2
-    assert pick(0.9, [4] + [0] * 7, remaining=[64] + [8] * 7) == 2
-    assert pick(0.9, [4] + [0] * 7, remaining=[64] + [32] * 7) == 0
-    assert pick(0.5, [2] + [0] * 7, c=np.ones(3)) == 1  # a free verify covers the draft
+    one = lambda n, alpha, deep: batch_verify_bucket(  # noqa: E731
+        jnp.full((n,), alpha), jnp.asarray([deep] + [0] * (n - 1)), jnp.ones((n,), bool),
+        depths, cost)
+    assert int(one(8, 0.9, 4)) == 0  # 7 idle rows: 8 + 3.1 tokens cannot pay 2.7x
+    assert int(one(1, 0.9, 4)) == 2  # alone: 4.1 tokens for 2.7x
+    assert int(one(1, 0.2, 4)) == 0  # poor acceptance never pays
+    all_deep = batch_verify_bucket(jnp.full((8,), 0.9), jnp.full((8,), 4), jnp.ones((8,), bool),
+                                   depths, cost)
+    assert int(all_deep) == 2
+    # inactive rows do not count; a free verify always covers the deepest draft
+    inactive = batch_verify_bucket(jnp.full((8,), 0.9), jnp.asarray([4] + [0] * 7),
+                                   jnp.asarray([True] + [False] * 7), depths, cost)
+    assert int(inactive) == 2
+    free = batch_verify_bucket(jnp.full((8,), 0.5), jnp.asarray([2] + [0] * 7),
+                               jnp.ones((8,), bool), depths, np.ones(3))
+    assert int(free) == 1
 
 
 def test_the_batch_drafts_only_where_its_slowest_row_does_not_lose():
@@ -252,6 +249,34 @@ def test_the_batch_drafts_only_where_its_slowest_row_does_not_lose():
     assert pays(0.9, [4] * 8) and not pays(0.9, [4] * 7 + [0])
     assert pays(0.9, [4] * 7 + [0], remaining=[32] * 7 + [8])
     assert pays(0.9, [4] * 7 + [0], c=np.ones(3)) and not pays(0.9, [0] * 8, c=np.ones(3))
+
+
+def test_the_batch_rule_reads_its_unluckiest_row(tiny_target):
+    """`slowest_row_acceptance` lowers α by the expected largest of B normal draws in
+    standard errors: nothing at batch 1, more with more rows and fewer tries. So a
+    verify cost that the default prior (α 0.75) pays for alone does not make 4 rows
+    that share it draft: one of them is expected near α 0.52, where no depth pays."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.decoding.policy import slowest_row_acceptance, slowest_row_z
+
+    assert slowest_row_z(1) == 0.0 and slowest_row_z(4) == pytest.approx(1.05, abs=0.01)
+    assert slowest_row_z(16) == pytest.approx(1.77, abs=0.01)
+    a, few, many = jnp.full((1, 2), 0.75), jnp.zeros((1, 2)), jnp.full((1, 2), 96)
+    assert np.allclose(slowest_row_acceptance(a, few, 1), 0.75)
+    low4, low16 = slowest_row_acceptance(a, few, 4), slowest_row_acceptance(a, few, 16)
+    assert 0.5 < float(low4[0, 0]) < 0.55 and float(low16[0, 0]) < float(low4[0, 0])
+    assert float(slowest_row_acceptance(a, many, 16)[0, 0]) > 0.65  # tries shrink the doubt
+
+    cost = VerifyCost.from_table({1: 1.0, 2: 1.6, 3: 1.9, 5: 2.2},
+                                 by_rows={4: {1: 1.0, 2: 1.6, 3: 1.9, 5: 2.2}})
+    kw = dict(max_new_tokens=14, ignore_eos=True, verify_cost=cost, speculator=NGram(k=4))
+    alone = specjax.generate(tiny_target, PROMPTS[:1], **kw)
+    batch = specjax.generate(tiny_target, PROMPTS, **kw)
+    plain = specjax.generate(tiny_target, PROMPTS, max_new_tokens=14, ignore_eos=True)
+    assert alone.stats.drafted > 0  # E(4) = 3.05 tokens for 2.2
+    assert batch.stats.drafted == 0 and batch.tokens == plain.tokens  # no probe before 15
 
 
 def test_batch_rule_spares_idle_rows(tiny_target):
@@ -365,17 +390,18 @@ def test_a_draft_must_beat_plain_decoding_by_the_margin():
 
 
 def test_draft_skips_its_call_while_no_row_drafts(tiny_target, tiny_draft):
-    """With verification priced so that the rule stays at k = 0 from the prior and after
+    """With verification priced so that the batch stays at k = 0 from the prior and after
     two accepted probes, but four accepted probes would make it draft (so probes run:
     `specjax.decoding.policy.PROBE_LOOKAHEAD`), rows draft only on probe steps: the draft
     makes no call in between and its queue grows (forced calls when it fills). The target
     as its own draft must still accept every probe draft, so the draft's cache stayed
     exact."""
     ref = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True).tokens
-    # any verify costs 3.6 plain steps at this batch; the draft is free: depth 4 pays
-    # (by more than DRAFT_MARGIN) at α = 0.875 (E = 3.9, the prior after four accepted
-    # probes), not at 0.83 (3.59)
-    never = flat_verify_cost(3.6)
+    # any verify costs 2.6 plain steps at this batch; the draft is free. The batch's
+    # slowest row (`slowest_row_acceptance`) is expected at E(4) = 2.0 from the prior
+    # and 2.55 after two accepted probes (no gain), at 2.9 after four (a gain beyond
+    # DRAFT_MARGIN)
+    never = flat_verify_cost(2.6)
     own = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                            speculator=DraftModel.create(tiny_target, k=4), verify_cost=never,
                            cost_ratio=0.0)

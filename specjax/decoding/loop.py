@@ -174,10 +174,10 @@ class DecodeLoop:
         # ... and none ever will in this call: no probe could pay, and without drafts α
         # cannot move. The speculator's state is then never read again: no commit, and no
         # draft call to empty a full queue.
-        settled = idle & jnp.all(st.done | ~decision.worth)
+        settled = idle & ~decision.probes_could_pay(~st.done)
 
         def go_on(s: LoopState):
-            no_probe = ~jnp.any(decision.probing(s))
+            no_probe = settled | ~jnp.any(decision.probing(s))  # settled: never again
             return (idle & no_probe & jnp.any(~s.done) & (s.steps < params.max_new)
                     & (settled | spec.can_skip(s.spec_state)))
 

@@ -8,6 +8,7 @@ unit of cost, per row and per draft position) and prices the verify buckets once
 from __future__ import annotations
 
 import functools
+import statistics
 from typing import Sequence
 
 import jax
@@ -104,7 +105,11 @@ def expected_tokens(alpha):
     return 1.0 + jnp.concatenate([zero, jnp.cumsum(reach, axis=-1)], axis=-1)
 
 
-def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, 4.0), mean=None):
+PRIOR_TRIES = 4.0  # pseudo-tries the acceptance estimates are shrunk with
+
+
+def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, PRIOR_TRIES),
+                        mean=None):
     """Running acceptance per draft position α_d [B, Dm] from the counters hist [B, Dm+1]
     and tried [B, Dm], shrunk towards `prior[0]` accepts in `prior[1]` tries at depth 1
     and the row's own α_{d-1} deeper (so a rejected draft's deeper estimates fall with
@@ -139,16 +144,32 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
+def slowest_row_z(batch: int) -> float:
+    """The expected largest of `batch` standard normal draws (Blom's approximation;
+    0 at batch 1): how many standard errors below its estimate the unluckiest row of a
+    batch is expected to land."""
+    if batch <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((batch - 0.375) / (batch + 0.25))
+
+
+def slowest_row_acceptance(alpha, tried, batch: int):
+    """α [B, Dm] lowered by `slowest_row_z(batch)` standard errors, each α_d an estimate
+    from tried[:, d] + PRIOR_TRIES tries. A batch ends with its unluckiest row, and
+    with a few tries per row that row's acceptance is well below the estimate every row
+    shares: the prior's 0.42 at depth 1 is 0.0-0.9 by row on HumanEval."""
+    a = jnp.asarray(alpha, jnp.float32)
+    n = jnp.asarray(tried, jnp.float32) + PRIOR_TRIES
+    return jnp.clip(a - slowest_row_z(batch) * jnp.sqrt(a * (1.0 - a) / n), 0.0, 1.0)
+
+
 def batch_step_times(alpha, depth, active, remaining, bucket_depths: Sequence[int],
                      bucket_cost):
-    """([NB] time, [NB] rate): the batch's modelled time to finish if every step ran
-    bucket b, the slowest active row's remaining[r] · cost_b / E_r[tokens | depth <=
-    min(D_b, depth_r)], and the active rows' mean tokens per unit of cost there.
+    """([NB] time, [NB] rate) if every step ran bucket b: the batch's modelled time to
+    finish, the slowest active row's remaining[r] · cost_b / E_r[tokens | depth <=
+    min(D_b, depth_r)], and the active rows' mean tokens per unit of cost.
 
-    A batch ends with its last row and its forwards keep their shape to the end, so a
-    row that gains nothing from a bucket holds every row to the bucket's cost: the time
-    decides, and the rate (the throughput of rows that come and go) only breaks its
-    ties. alpha [B] or [B, Dm]; depth, active, remaining [B]."""
+    alpha [B] or [B, Dm]; depth, active, remaining [B]."""
     a = jnp.asarray(alpha, jnp.float32)
     if a.ndim == 1:
         a = jnp.repeat(a[:, None], max(max(bucket_depths), 1), axis=1)
@@ -165,24 +186,29 @@ def batch_step_times(alpha, depth, active, remaining, bucket_depths: Sequence[in
     return time, rate
 
 
-def batch_verify_bucket(alpha, drafted_depth, active, remaining, bucket_depths: Sequence[int],
+def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[int],
                         bucket_cost):
     """The verify bucket [] the whole batch should run once every row has drafted (one
-    deep row makes every row pay its width): the one that finishes the batch soonest
-    (`batch_step_times`); of those that tie, the best rate, then the cheapest."""
-    time, rate = batch_step_times(alpha, drafted_depth, active, remaining, bucket_depths,
-                                  bucket_cost)
-    soonest = time <= jnp.min(time) * (1.0 + 1e-6)
-    return jnp.argmax(jnp.where(soonest, rate, -1.0)).astype(jnp.int32)
+    deep row makes every row pay its width): the most tokens per unit of verify cost,
+    Σ_r E_r[tokens | depth <= min(D_b, drafted_r)] / cost_b, ties to the cheaper bucket.
+    The batch's slowest row was weighed before drafting (`speculation_pays`); which row
+    drew a short draft this step is luck that evens out over the rows, so one step's
+    slowest row does not decide here."""
+    ones = jnp.ones(jnp.shape(drafted_depth), jnp.float32)
+    _, rate = batch_step_times(alpha, drafted_depth, active, ones, bucket_depths, bucket_cost)
+    return jnp.argmax(rate).astype(jnp.int32)
 
 
 def speculation_pays(alpha, limit, active, remaining, bucket_depths: Sequence[int],
                      bucket_cost, margin):
-    """[] bool: whether a speculative step with each row drafting to limit [B] beats
-    plain steps (each costing 1) by the factor 1 + margin in some bucket: it finishes
-    the batch sooner, or as soon with more tokens per unit of cost
-    (`batch_step_times`; bucket_cost includes the draft calls). At batch 1 this is the
-    row's own rule; at batch > 1 no row that would finish last may lose."""
+    """[] bool: whether steps with each row drafting to limit [B] would beat plain steps
+    (each costing 1) by the factor 1 + margin in some bucket: finish the batch sooner,
+    or as soon with more tokens per unit of cost (`batch_step_times`; bucket_cost
+    includes the draft calls). A `generate` batch ends with its last row and its
+    forwards keep their shape to the end, so a row that gains nothing holds every row to
+    the verify's cost: at batch > 1 no row that would finish last may lose, where the
+    summed tokens would let the rows that gain outvote it. At batch 1 this is the row's
+    own rule."""
     time, rate = batch_step_times(alpha, limit, active, remaining, bucket_depths, bucket_cost)
     plain = jnp.max(jnp.where(active, jnp.asarray(remaining, jnp.float32), 0.0))
     sooner = time * (1.0 + margin) < plain
@@ -203,6 +229,10 @@ class Decision:
     worth: jax.Array  # [B] bool: whether a probe could change the row's own k
     hopeful: jax.Array  # [B, Dm] α after PROBE_LOOKAHEAD accepted probes
     hopeful_k: jax.Array  # [B] the row's own k at that α
+    # [B, Dm] alpha and hopeful as the batch's slowest row may find them
+    # (`slowest_row_acceptance`), which the batch decisions read
+    alpha_low: jax.Array
+    hopeful_low: jax.Array
     cost: jax.Array  # [NB] each verify bucket's cost as the rule prices it
     spent: jax.Array  # [NB+1] each bucket's cost at the batch, then no forward's
     call_cost: jax.Array  # [Dm+1] c · the draft calls that drafting k positions takes
@@ -222,12 +252,22 @@ class Decision:
         active = ~st.done
         due = ((self.limit == 0) & (st.steps >= st.probes.next_probe) & self.rule.adaptive
                & active & self.worth)
+        return due & (self._pays_if_probes_pass(due, active, self.remaining(st))
+                      | self.rule.per_row)
+
+    def probes_could_pay(self, active) -> jax.Array:
+        """[] bool: whether probes could ever make the batch draft: had every row that
+        may probe had its probes accepted, would it (`probing` with all of them due)."""
+        return (self._pays_if_probes_pass(active & self.worth, active, jnp.ones_like(self.own))
+                | self.rule.per_row) & jnp.any(active & self.worth)
+
+    def _pays_if_probes_pass(self, due, active, remaining):
+        """[] bool: `speculation_pays` with the `due` rows at their hopeful α and k."""
         k = jnp.where(due, self.hopeful_k, self.own)
-        alpha = jnp.where(due[:, None], self.hopeful, self.alpha)
+        alpha = jnp.where(due[:, None], self.hopeful_low, self.alpha_low)
         calls = self.call_cost[jnp.max(jnp.where(active, k, 0))]  # every row waits
-        pays = speculation_pays(alpha, k, active, self.remaining(st), self.depths,
-                                self.cost + calls, self.rule.margin)
-        return due & (pays | self.rule.per_row)
+        return speculation_pays(alpha, k, active, remaining, self.depths, self.cost + calls,
+                                self.rule.margin)
 
     def depth_limits(self, st: LoopState, max_depth: int):
         """(depth limit [B], probed [B]): the rule's k, 1 where a k = 0 row probes
@@ -237,12 +277,12 @@ class Decision:
         limit = jnp.where(probed, 1, self.limit)  # a row at k = 0 re-measures now and then
         return jnp.where(adaptive & active, limit, jnp.where(active, max_depth, 0)), probed
 
-    def bucket(self, depths: Sequence[int], row_depth, active, probed, remaining):
-        """The verify bucket: the one that finishes the batch soonest, never deeper
+    def bucket(self, depths: Sequence[int], row_depth, active, probed):
+        """The verify bucket: the one that pays for the batch as a whole, never deeper
         than the deepest draft; probe steps (and rows deciding alone) verify every draft
         so that rows at k = 0 keep measuring."""
         covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))
-        best = batch_verify_bucket(self.alpha, row_depth, active, remaining, depths, self.cost)
+        best = batch_verify_bucket(self.alpha, row_depth, active, depths, self.cost)
         rule = self.rule
         return jnp.where(rule.adaptive & ~jnp.any(probed) & ~rule.per_row,
                          jnp.minimum(best, covering), covering)
@@ -268,7 +308,7 @@ def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int) -> jax.Array:
     ones = jnp.ones((batch,), jnp.int32)  # every row alike: the batch rule is the row's
     d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
                     ones > 0, ones, jnp.int32(1))
-    return ~rule.adaptive | jnp.any(d.limit > 0) | jnp.any(d.worth)
+    return ~rule.adaptive | jnp.any(d.limit > 0) | d.probes_could_pay(ones > 0)
 
 
 def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, active,
@@ -276,7 +316,8 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
     call, the verify forward's cost growing with its width, plus the step's measured
     overhead), and whether a probe pays; then, at batch > 1, whether the batch as a
-    whole gains from drafting (`speculation_pays`), every row kept at k = 0 if not.
+    whole gains from drafting (`speculation_pays` at `slowest_row_acceptance`), every
+    row kept at k = 0 if not.
 
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
     accepted probes in a row would make the rule draft. active, remaining: [B].
@@ -297,12 +338,16 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
                                   tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
     own, hopeful_k = best(alpha), best(hopeful)
+    alpha_low = slowest_row_acceptance(alpha, tried, b)
+    hopeful_low = slowest_row_acceptance(hopeful, tried.at[:, 0].add(PROBE_LOOKAHEAD), b)
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     depths = tuple(d for d, _ in buckets)
     drafts = call_cost[jnp.max(jnp.where(active, own, 0))]
-    pays = speculation_pays(alpha, own, active, remaining, depths, cost + drafts, rule.margin)
+    pays = speculation_pays(alpha_low, own, active, remaining, depths, cost + drafts,
+                            rule.margin)
     limit = jnp.where(pays | rule.per_row, own, 0)
     return Decision(rule=rule, alpha=alpha, limit=limit, own=own, worth=hopeful_k > 0,
-                    hopeful=hopeful, hopeful_k=hopeful_k, cost=cost, spent=spent,
+                    hopeful=hopeful, hopeful_k=hopeful_k, alpha_low=alpha_low,
+                    hopeful_low=hopeful_low, cost=cost, spent=spent,
                     call_cost=call_cost, max_new=jnp.asarray(max_new, jnp.int32),
                     depths=depths)
