@@ -200,16 +200,20 @@ def batch_verify_bucket(alpha, drafted_depth, active, bucket_depths: Sequence[in
 
 
 def speculation_pays(alpha, limit, active, remaining, bucket_depths: Sequence[int],
-                     bucket_cost, margin):
+                     bucket_cost, margin, alpha_low=None):
     """[] bool: whether steps with each row drafting to limit [B] would beat plain steps
     (each costing 1) by the factor 1 + margin in some bucket: finish the batch sooner,
     or as soon with more tokens per unit of cost (`batch_step_times`; bucket_cost
     includes the draft calls). A `generate` batch ends with its last row and its
     forwards keep their shape to the end, so a row that gains nothing holds every row to
     the verify's cost: at batch > 1 no row that would finish last may lose, where the
-    summed tokens would let the rows that gain outvote it. At batch 1 this is the row's
-    own rule."""
-    time, rate = batch_step_times(alpha, limit, active, remaining, bucket_depths, bucket_cost)
+    summed tokens would let the rows that gain outvote it. The time is read at
+    alpha_low (default alpha), what the unluckiest row may see
+    (`slowest_row_acceptance`); the tokens per cost, a sum over rows, at alpha. At
+    batch 1 this is the row's own rule."""
+    low = alpha if alpha_low is None else alpha_low
+    time, _ = batch_step_times(low, limit, active, remaining, bucket_depths, bucket_cost)
+    _, rate = batch_step_times(alpha, limit, active, remaining, bucket_depths, bucket_cost)
     plain = jnp.max(jnp.where(active, jnp.asarray(remaining, jnp.float32), 0.0))
     sooner = time * (1.0 + margin) < plain
     as_soon = (time <= plain) & (rate > 1.0 + margin)
@@ -264,10 +268,11 @@ class Decision:
     def _pays_if_probes_pass(self, due, active, remaining):
         """[] bool: `speculation_pays` with the `due` rows at their hopeful α and k."""
         k = jnp.where(due, self.hopeful_k, self.own)
-        alpha = jnp.where(due[:, None], self.hopeful_low, self.alpha_low)
+        alpha = jnp.where(due[:, None], self.hopeful, self.alpha)
+        low = jnp.where(due[:, None], self.hopeful_low, self.alpha_low)
         calls = self.call_cost[jnp.max(jnp.where(active, k, 0))]  # every row waits
         return speculation_pays(alpha, k, active, remaining, self.depths, self.cost + calls,
-                                self.rule.margin)
+                                self.rule.margin, low)
 
     def depth_limits(self, st: LoopState, max_depth: int):
         """(depth limit [B], probed [B]): the rule's k, 1 where a k = 0 row probes
@@ -343,8 +348,8 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     depths = tuple(d for d, _ in buckets)
     drafts = call_cost[jnp.max(jnp.where(active, own, 0))]
-    pays = speculation_pays(alpha_low, own, active, remaining, depths, cost + drafts,
-                            rule.margin)
+    pays = speculation_pays(alpha, own, active, remaining, depths, cost + drafts,
+                            rule.margin, alpha_low)
     limit = jnp.where(pays | rule.per_row, own, 0)
     return Decision(rule=rule, alpha=alpha, limit=limit, own=own, worth=hopeful_k > 0,
                     hopeful=hopeful, hopeful_k=hopeful_k, alpha_low=alpha_low,
