@@ -156,8 +156,8 @@ def slowest_row_z(batch: int) -> float:
 def slowest_row_acceptance(alpha, tried, batch: int):
     """α [B, Dm] lowered by `slowest_row_z(batch)` standard errors, each α_d an estimate
     from tried[:, d] + PRIOR_TRIES tries. A batch ends with its unluckiest row, and
-    with a few tries per row that row's acceptance is well below the estimate every row
-    shares: the prior's 0.42 at depth 1 is 0.0-0.9 by row on HumanEval."""
+    while each row has only a few tries that row's acceptance is well below the estimate
+    every row shares (a calibrated prior is a mean over prompts)."""
     a = jnp.asarray(alpha, jnp.float32)
     n = jnp.asarray(tried, jnp.float32) + PRIOR_TRIES
     return jnp.clip(a - slowest_row_z(batch) * jnp.sqrt(a * (1.0 - a) / n), 0.0, 1.0)
@@ -261,7 +261,8 @@ class Decision:
 
     def probes_could_pay(self, active) -> jax.Array:
         """[] bool: whether probes could ever make the batch draft: had every row that
-        may probe had its probes accepted, would it (`probing` with all of them due)."""
+        may probe had its probes accepted, would it (`probing` with all of them due and
+        every row as far from its end)."""
         return (self._pays_if_probes_pass(active & self.worth, active, jnp.ones_like(self.own))
                 | self.rule.per_row) & jnp.any(active & self.worth)
 
