@@ -245,7 +245,7 @@ class Decision:
 
     def remaining(self, st: LoopState):
         """[B] new tokens each row may still emit."""
-        return self.max_new - (st.lengths - st.prompt_lens)
+        return remaining_tokens(st, self.max_new)
 
     def probing(self, st: LoopState):
         """[B] bool: the rows that draft one token this step to re-measure α. A row
@@ -294,11 +294,16 @@ class Decision:
                          jnp.minimum(best, covering), covering)
 
 
+def remaining_tokens(st: LoopState, max_new) -> jax.Array:
+    """[B] new tokens each row may still emit under the call's budget `max_new` []."""
+    return max_new - (st.lengths - st.prompt_lens)
+
+
 def decide(spec: Speculator, rule: Rule, buckets, st: LoopState, max_new) -> Decision:
     """`decide_from` the loop's counters, for the rows still active and what they may
     still emit (`max_new` [] the call's budget per row)."""
     return decide_from(spec, rule, buckets, st.counters, ~st.done,
-                       max_new - (st.lengths - st.prompt_lens), max_new)
+                       remaining_tokens(st, max_new), max_new)
 
 
 def may_draft(spec: Speculator, rule: Rule, batch: int) -> bool:

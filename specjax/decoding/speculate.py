@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import rng
-from specjax.decoding.policy import Decision, decide, probe_schedule
+from specjax.decoding.policy import Decision, decide, probe_schedule, remaining_tokens
 from specjax.decoding.state import LoopState, Params, Speculation
 from specjax.model import step_kv
 from specjax.models.transformer import Hidden
@@ -135,7 +135,7 @@ def speculative_step(loop: "DecodeLoop", params: Params, st: LoopState,
     sp = speculate(loop, params, st, decision)
     res, lens = sp.result, st.lengths
     # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
-    budget = params.max_new - (lens - st.prompt_lens)
+    budget = remaining_tokens(st, params.max_new)
     emit = jnp.minimum(res.num_accepted + 1, budget)
     j = jnp.arange(dm + 1)[None, :]
     eos_at = is_eos(res.path_tokens, params.eos_ids) & (j < emit[:, None])
