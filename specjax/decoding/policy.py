@@ -283,12 +283,12 @@ class Decision:
         limit = jnp.where(probed, 1, self.limit)  # a row at k = 0 re-measures now and then
         return jnp.where(adaptive & active, limit, jnp.where(active, max_depth, 0)), probed
 
-    def bucket(self, depths: Sequence[int], row_depth, active, probed):
+    def bucket(self, row_depth, active, probed):
         """The verify bucket: the one that pays for the batch as a whole, never deeper
         than the deepest draft; probe steps (and rows deciding alone) verify every draft
         so that rows at k = 0 keep measuring."""
-        covering = jnp.sum(jnp.asarray(depths) < jnp.max(row_depth))
-        best = batch_verify_bucket(self.alpha, row_depth, active, depths, self.cost)
+        covering = jnp.sum(jnp.asarray(self.depths) < jnp.max(row_depth))
+        best = batch_verify_bucket(self.alpha, row_depth, active, self.depths, self.cost)
         rule = self.rule
         return jnp.where(rule.adaptive & ~jnp.any(probed) & ~rule.per_row,
                          jnp.minimum(best, covering), covering)

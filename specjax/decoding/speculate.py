@@ -68,7 +68,7 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     active = ~st.done
     tree, spec_state, limit, probed = _propose(params, st, decision)
     depths = [d for d, _ in loop.buckets]
-    which = decision.bucket(depths, tree.row_depths, active, probed)
+    which = decision.bucket(tree.row_depths, active, probed)
     tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
     k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
     branches = [functools.partial(_verify_prefix, loop, w, params, st, tree, k_ver)
