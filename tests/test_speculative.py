@@ -1,5 +1,7 @@
 """Speculative generation end to end: lossless greedy, α/τ, sampling distribution, errors."""
 
+from types import SimpleNamespace
+
 import jax
 import pytest
 
@@ -754,6 +756,39 @@ def test_step_overhead_is_the_measured_step_less_the_modelled_one():
     assert step_overhead(full, 1.6, 0.1) == pytest.approx(0.2)
     assert step_overhead(full, 1.0, 0.1) == 0.0
     assert step_overhead(full, 1.6, 0.0) == 0.0
+
+
+def test_calibration_times_warm_programs(monkeypatch):
+    """calibrations runs every pass once untimed: a program's first run after compiling
+    (here 1 s slower) would otherwise move the step overhead. Timed warm: 16 plain steps
+    in 1.6 s; 10 full-depth steps of 2 draft calls at c = 0.1 and a 1.2-step verify in
+    2 s leave 0.6 steps unmodelled (the first runs would give 0.45)."""
+    import numpy as np
+
+    import specjax.decoding.generate as generate_mod
+    from specjax.calibrate import calibrations
+    from specjax.stats import build_stats
+
+    ones, seen = np.ones(1, np.int64), set()
+
+    def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
+        key = (seed, speculator)
+        cold = 1.0 if key not in seen else 0.0
+        seen.add(key)
+        if speculator is None:
+            counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
+                          accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
+        else:
+            counts = dict(target_calls=10 * ones, draft_calls=20 * ones, drafted=30 * ones,
+                          accepted=20 * ones, cost_ratio=0.1, verify_cost=np.asarray([12.0]))
+        stats = build_stats(new_tokens=31 * ones, hist=np.zeros((1, 4), np.int64),
+                            ttft_s=0.0, decode_s=(1.6 if speculator is None else 2.0) + cold,
+                            compile_s=0.0, **counts)
+        return SimpleNamespace(stats=stats)
+
+    monkeypatch.setattr(generate_mod, "generate", fake_generate)
+    out = calibrations(None, {"spec": "a speculator"}, [[1, 2], [3, 4]], new_tokens=32)
+    assert out[0.0]["spec"].overhead == pytest.approx(0.6)
 
 
 def test_position_acceptance_takes_a_prior_mean_per_depth():
