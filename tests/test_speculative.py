@@ -524,6 +524,35 @@ def test_both_kv_commit_paths_are_lossless():
             assert out.tokens == want, (defer, type(spec).__name__)
 
 
+def test_pages_take_the_draft_slack_only_where_the_tree_is_written():
+    """The page table takes a draft tree's slack only where the verify forward writes the
+    tree (compact), so a speculative program's plain steps attend over what plain
+    decoding's do; at the edge (prompt + new + 1 = 64, the slack past it) both commit
+    paths stay lossless with drafts accepted up to the last token of the budget."""
+    from specjax.decoding.generate import _Sizes
+    from specjax.speculators import Medusa
+    from tests.conftest import greedy_reference
+
+    target = _attention_sensitive_target()
+    spec = DraftModel.create(target, k=4)  # the target drafting for itself: all accepted
+    prompt, new = [3, 4, 5, 3, 4, 5, 3, 4], 55
+
+    def pages(speculator, tree_in_cache):
+        sizes = _Sizes.of([len(prompt)], new, speculator, 256, 16, None, None,
+                          tree_in_cache=tree_in_cache)
+        return sizes.table.shape[1], sizes.width
+
+    assert pages(None, False) == (4, 64)
+    assert pages(spec, False) == (4, 128)  # the token buffer keeps its slack
+    assert pages(spec, True) == (8, 128)
+    want = greedy_reference(target, prompt, new)
+    for kv_commit in ("write-kept", "compact"):
+        for s in (spec, Medusa.random(target, num_heads=4, seed=0)):
+            out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                                   speculator=s, adaptive=False, kv_commit=kv_commit)
+            assert out.tokens == [want], (kv_commit, type(s).__name__)
+
+
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):
     """With an int8 KV cache, greedy speculative output equals target-only greedy decoding
     over the same int8 cache, through both commit paths: a tree written and compacted

@@ -105,17 +105,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
         rule = _rule(0.0, adaptive, None, None, None, seed, mesh)
+    with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
+        commit = commit_lib.resolve(kv_commit, attention_backend)
     sizes = _Sizes.of([len(r) for r in rows], max_new_tokens, speculator, prefill_chunk,
-                      page_size, num_pages, mesh)
+                      page_size, num_pages, mesh, tree_in_cache=commit.write_in_verify)
     prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
     sampling, max_new, eos_arr = shard.replicate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
          jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
     params = Params(target=model.decode_params(layer_layout),
                     speculator=speculator, sampling=sampling, max_new=max_new, eos_ids=eos_arr)
-    with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
-        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
-                                 commit=commit_lib.resolve(kv_commit, attention_backend),
+    with shard.use_mesh(mesh):
+        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend, commit=commit,
                                  verification=method)
 
     t0 = time.perf_counter()
@@ -196,20 +197,33 @@ class _Sizes:
     table: Any
 
     @classmethod
-    def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh):
+    def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh,
+           tree_in_cache: bool = True):
+        """tree_in_cache: the verify forward writes the whole draft tree into the pages
+        (`Commit.write_in_verify`), so they need its slack; otherwise only what is kept
+        is written, never past a row's budget."""
         b = len(lens)
         slack = speculator.shape.num_nodes + 1 if speculator is not None else 1
         chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
-        # token buffer S: the padded prompt chunks (and the token after them) and every
-        # row's prompt, new tokens and draft slack
-        width = round_up(max(num_chunks * chunk + 1, max(lens) + max_new_tokens + slack), 64)
-        pages_per_row = -(-width // page_size)
+
+        def bucketed(extra: int) -> int:
+            """The padded prompt chunks (and the token after them), or every row's
+            prompt, new tokens and `extra`, in multiples of 64."""
+            return round_up(max(num_chunks * chunk + 1, max(lens) + max_new_tokens + extra), 64)
+
+        width = bucketed(slack)  # token buffer S: the draft's slack too
+        # Attention reads every page of the table, so the pages take the slack only where
+        # the tree is written there: a speculative program's plain steps then cost what
+        # plain decoding's do, also when the slack would cross a multiple of 64.
+        page_slack = slack if tree_in_cache else 1
+        pages_per_row = -(-bucketed(page_slack) // page_size)
         # Default pool: a full table per row, so the cache shape (and the compiled program)
         # depends only on the bucketed buffer width, not on the exact prompt lengths. On a
         # mesh each data shard owns the pages of its rows (shard-local ids).
         pool = PagePool(num_pages if num_pages is not None else b * pages_per_row, page_size,
                         num_shards=shard.page_shards(b, mesh))
-        table = pool.allocate_rows([n + max_new_tokens + slack for n in lens], pages_per_row)
+        table = pool.allocate_rows([n + max_new_tokens + page_slack for n in lens],
+                                   pages_per_row)
         return cls(list(lens), chunk, num_chunks, width, pool, table)
 
 
