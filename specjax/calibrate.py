@@ -254,8 +254,8 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                                      cost_ratio=cost_ratio_of(cost_ratios, temp, name)).stats
 
         # A program's first run after compiling is slower by a fixed cost per call, which
-        # weighs more on the speculative pass's fewer steps (o came out 0.25 instead of
-        # 0.06): every program runs once before the timed pass.
+        # weighs more on the speculative pass's fewer steps and would read as overhead:
+        # every program runs once before the timed pass.
         for i, p in enumerate(prompts):
             for _ in passes(i, p):
                 pass

@@ -106,18 +106,17 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         speculator, method = None, _verification(None, None)
         rule = _rule(0.0, adaptive, None, None, None, seed, mesh)
     with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
-        commit = commit_lib.resolve(kv_commit, attention_backend)
+        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
+                                 commit=commit_lib.resolve(kv_commit, attention_backend),
+                                 verification=method)
     sizes = _Sizes.of([len(r) for r in rows], max_new_tokens, speculator, prefill_chunk,
-                      page_size, num_pages, mesh, tree_in_cache=commit.write_in_verify)
+                      page_size, num_pages, mesh, tree_in_cache=loop.commit.write_in_verify)
     prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
     sampling, max_new, eos_arr = shard.replicate(
         (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
          jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
     params = Params(target=model.decode_params(layer_layout),
                     speculator=speculator, sampling=sampling, max_new=max_new, eos_ids=eos_arr)
-    with shard.use_mesh(mesh):
-        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend, commit=commit,
-                                 verification=method)
 
     t0 = time.perf_counter()
     chunks = dict(chunk=sizes.chunk, num_chunks=sizes.num_chunks, kv_dtype=kv_dtype)
