@@ -197,7 +197,7 @@ class _Sizes:
 
     @classmethod
     def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh,
-           tree_in_cache: bool = True):
+           *, tree_in_cache: bool):
         """tree_in_cache: the verify forward writes the whole draft tree into the pages
         (`Commit.write_in_verify`), so they need its slack; otherwise only what is kept
         is written, never past a row's budget."""
