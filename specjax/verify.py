@@ -74,7 +74,7 @@ def _finish(tree: DraftTree, accepted: jax.Array, bonus: jax.Array) -> VerifyRes
 def verify_greedy(logits: jax.Array, tree: DraftTree) -> VerifyResult:
     """logits [B, N+1, V]: accept children equal to the target's argmax, depth by depth."""
     b = logits.shape[0]
-    g = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N+1]
+    g = sampling_lib.argmax(logits)  # [B, N+1]
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
     accepted = []

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import Sampling, probs
+from specjax.sampling import Sampling, argmax, probs
 from specjax.tree import DraftTree, ancestor_mask, chain, check_tree, static_tree
 from specjax.verify import VerifyResult, _finish, verify, verify_greedy
 from tests.stat_utils import assert_same_distribution
@@ -94,6 +94,24 @@ def test_iid_sampled_siblings_is_the_target():
                                                            for i in range(3)]), (ROWS, 4, V))
     res = verify(logits, tree, s, jax.random.key(3))
     assert_same_distribution(_first_tokens(res), {(t,): p[t] for t in range(V)})
+
+
+def test_argmax_is_jnp_argmax_with_ties_infinities_and_nan():
+    """The greedy pick (two plain reductions) equals jnp.argmax: the first maximal index,
+    NaN counting as maximal, all -inf giving index 0."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (64, 50)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, 7] = x[2, 30] = np.inf
+    x[3, 11] = x[3, 40] = np.nan
+    x[4, :] = np.nan
+    x[5, 49] = 100.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got[1] == 0 and got[2] == 7 and got[3] == 11 and got[4] == 0 and got[5] == 49
+    y = rng.standard_normal((2, 3, 49152)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(y))), y.argmax(-1))
 
 
 def test_greedy_follows_the_argmax_down_the_tree():

@@ -76,13 +76,17 @@ def attend_parts(
     cached prefix and the step's own new keys/values kept out of the cache."""
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)
+    # Contract with the KV heads as the leading batch dim: [K, B, S, H] is the order
+    # `_gather_rows` reads pages in, so its transpose and this one cancel and XLA:CPU
+    # contracts the gathered pages in place instead of copying them transposed per layer.
+    qg = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 2, 0)  # [K, B, T, G, H]
     scores, oks = [], []
     for k, _, ok in parts:
-        s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("KBTGH,KBSH->KBTGS", qg, jnp.moveaxis(k, 2, 0),
+                       preferred_element_type=jnp.float32) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        okb = ok[:, None, None, :, :]
+        okb = ok[None, :, :, None, :]
         scores.append(jnp.where(okb, s, -jnp.inf))
         oks.append(okb)
     m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
@@ -93,13 +97,14 @@ def attend_parts(
     out = 0.0
     for p, (_, v, ok) in zip(probs, parts):
         # Zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN.
-        v = jnp.where(jnp.any(ok, axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+        v = jnp.where(jnp.any(ok, axis=1)[None, :, :, None], jnp.moveaxis(v, 2, 0),
+                      jnp.zeros((), v.dtype))  # [K, B, S, H]
         # p in the wider of q's and v's dtype (bf16 for bf16 q and v; float32 queries keep
         # float32 p over a bf16 cache, as the kernel computes in the wider dtype)
         dt = jnp.promote_types(q.dtype, v.dtype)
-        out = out + jnp.einsum("BKGTS,BSKH->BTKGH", (p / denom).astype(dt), v.astype(dt),
+        out = out + jnp.einsum("KBTGS,KBSH->KBTGH", (p / denom).astype(dt), v.astype(dt),
                                preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
 
 
 def reference_ragged_paged_attention(
