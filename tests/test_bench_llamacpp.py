@@ -137,6 +137,8 @@ def test_llama_cpp_greedy_tokens_are_specjaxs(tmp_path):
         assert tokens == ours, (method, lc.agreement(ours, tokens))
         assert wall > 0 and runner.calls <= 32
         runner.close()
+    step_ms, step_tokens = lc.decode_step_ms(path, prompts, new=16, threads=1)
+    assert step_tokens == ours and step_ms > 0
     # the target as its own draft: every drafted token is kept, 5 tokens per target call
     # after the prefill's one (τ = 16 / 4)
     stats = lc.bench(lc.Runner(path, "draft", k=4, draft=path, n_ctx=n_ctx, threads=1),

@@ -221,6 +221,36 @@ def bench(runner: Runner, prompts: list[list[int]], *, new: int, temperature: fl
                 tau=new * len(prompts) / sum(calls))
 
 
+def decode_step_ms(path: str | Path, prompts: list[list[int]], *, new: int,
+                   threads: int = 2) -> tuple[float, list[list[int]]]:
+    """llama.cpp's one-token decode step alone: after each prompt is evaluated, the
+    median over prompts of milliseconds per greedy step (one forward and the argmax), and
+    the tokens. What `specjax.bench.profile` sets beside specjax's step."""
+    llama_cpp = require_llama_cpp()
+    llm = _llama(path, n_ctx=context_size(prompts, new), threads=threads, n_batch=512, seed=0)
+    v = llm.n_vocab()
+
+    def greedy() -> int:  # the last token's logits, which eval leaves in the context
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx),
+                                                   shape=(v,))))
+
+    per, tokens = [], []
+    try:
+        for p in prompts:
+            llm.reset()
+            llm.eval(list(p))
+            out = [greedy()]
+            start = time.perf_counter()
+            for _ in range(new - 1):
+                llm.eval(out[-1:])
+                out.append(greedy())
+            per.append((time.perf_counter() - start) / (new - 1) * 1e3)
+            tokens.append(out)
+    finally:
+        llm.close()
+    return statistics.median(per), tokens
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first position where the token lists differ (None if equal)."""
     for i, (x, y) in enumerate(zip(a, b)):

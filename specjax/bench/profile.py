@@ -1,0 +1,241 @@
+"""Where a decode step's time goes: per-op times of `generate`'s compiled decode loop.
+
+jax.profiler records every XLA:CPU op (thunk) the loop runs; XLA's own HLO dump
+(`--xla_dump_to`) gives each op the model code it came from (its `op_name` metadata).
+This script joins the two and sums each part of the model per decode step: the attention
+projections, the attention over the KV cache, the MLP, the LM head, norms and the rest
+(sampling, stopping, loop bookkeeping). Weights are read once per step, so the matmul
+rows also show the bandwidth they reach.
+
+  python -m specjax.bench.profile [--target CKPT] [--batch 1] [--new 64] [--speculator ngram]
+      [--llamacpp GGUF]
+
+Plain decoding by default; `--speculator ngram` profiles the n-gram loop at full depth.
+`--llamacpp` times llama.cpp's decode step beside specjax's, untraced, one row at a time
+on 4 HumanEval prompts.
+It compiles afresh (no persistent cache: a cache hit would skip XLA's dump).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+LOOP_MODULE = "jit_run"  # the decode loop's program (`DecodeLoop.run`)
+PARTS = ("attention projections (q, k, v, o)", "attention over the KV cache", "MLP",
+         "LM head", "norms and residuals", "sampling and loop bookkeeping")
+_CONTAINERS = ("while", "conditional", "call")
+_INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*?)\)(.*)$")
+
+
+def part_of(op_name: str) -> str:
+    """The model part an op's `op_name` metadata (the jax call path) belongs to."""
+    if "_proj/" in op_name and "/self_attn/" in op_name:
+        return PARTS[0]
+    if "/self_attn/" in op_name:
+        return PARTS[1]
+    if "/mlp/" in op_name:
+        return PARTS[2]
+    if "D,DV->" in op_name or "lm_head" in op_name:
+        return PARTS[3]
+    if "layernorm" in op_name or re.search(r"/layers_\d+/add", op_name) or "/norm/" in op_name:
+        return PARTS[4]
+    return PARTS[5]
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.match(r"\w+\[([\d,]*)\]", shape)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _dot_part(out: list[int], lhs: list[int], config) -> str:
+    """The part a matmul without metadata (XLA:CPU's plain dots) belongs to, by shapes:
+    only the LM head outputs the vocabulary, the MLP's dots output or contract the
+    intermediate size, the projections map hidden <-> heads; batched dots attend."""
+    heads = {config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim}
+    if len(out) <= 2 and out and out[-1] == config.vocab_size:
+        return PARTS[3]
+    if len(out) <= 2 and config.intermediate_size in (out[-1:] + lhs[-1:] + lhs[:1]):
+        return PARTS[2]
+    if len(out) <= 2 and out and out[-1] in heads | {config.hidden_size}:
+        return PARTS[0]
+    return PARTS[1]
+
+
+def hlo_ops(hlo_text: str, config) -> dict[str, tuple[str, str]]:
+    """{instruction name: (opcode, part)} of an optimized HLO module's text."""
+    shapes, found = {}, {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, opcode, operands, rest = m.groups()
+        shapes[name] = shape
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        if op_name:
+            found[name] = (opcode, part_of(op_name.group(1)))
+        elif opcode == "dot":
+            lhs = operands.split(",")[0].strip().lstrip("%")
+            found[name] = (opcode, _dot_part(_dims(shape), _dims(shapes.get(lhs, "")), config))
+        else:
+            found[name] = (opcode, PARTS[5])
+    return found
+
+
+def breakdown(events: list[dict], ops: dict[str, tuple[str, str]]) -> dict:
+    """Per-step milliseconds by part from the loop's trace events ({'name', 'ts', 'dur'}
+    in microseconds): steps are counted by the LM head's matmul (its costliest op), wall
+    per step is the median gap between its starts, and ops that contain others (loops,
+    conds) are left out of the sums."""
+    by_part, head_ops = collections.Counter(), collections.Counter()
+    for e in events:
+        opcode, part = ops.get(e["name"], ("", PARTS[5]))
+        if opcode in _CONTAINERS:
+            continue
+        by_part[part] += e["dur"]
+        if part == PARTS[3]:
+            head_ops[e["name"]] += e["dur"]
+    head = max(head_ops, key=head_ops.get) if head_ops else None  # the matmul itself
+    head_starts = sorted(e["ts"] for e in events if e["name"] == head)
+    if len(head_starts) < 2:
+        raise ValueError(f"found {len(head_starts)} LM head matmuls in the trace: cannot "
+                         "count decode steps (is the loop module named "
+                         f"{LOOP_MODULE!r}?)")
+    steps = len(head_starts)
+    wall = statistics.median(b - a for a, b in zip(head_starts, head_starts[1:]))
+    return {"steps": steps, "wall_ms": wall / 1e3,
+            "ms": {p: by_part[p] / steps / 1e3 for p in PARTS}}
+
+
+def weight_bytes(config, itemsize: int = 4) -> dict[str, int]:
+    """Bytes of the weights each matmul part reads once per step."""
+    d, h = config.hidden_size, config.head_dim
+    attn = d * h * (2 * config.num_heads + 2 * config.num_kv_heads)
+    return {PARTS[0]: config.num_layers * attn * itemsize,
+            PARTS[2]: config.num_layers * 3 * d * config.intermediate_size * itemsize,
+            PARTS[3]: config.vocab_size * d * itemsize}
+
+
+def profile(model, prompts: list[list[int]], new_tokens: int, dump_dir: str,
+            trace_dir: str, speculator=None) -> dict:
+    """Runs `generate` once to compile (XLA dumps the loop's HLO to dump_dir), once under
+    jax.profiler, and returns `breakdown` of the traced loop."""
+    import jax
+
+    import specjax
+
+    kw = dict(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    if speculator is not None:
+        kw.update(speculator=speculator, adaptive=False)
+    specjax.generate(model, prompts, **kw)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        specjax.generate(model, prompts, **kw)
+    dumps = sorted(glob.glob(f"{dump_dir}/*{LOOP_MODULE}*after_optimizations.txt"))
+    traces = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+    if not dumps or not traces:
+        raise RuntimeError(f"no HLO dump in {dump_dir} or no trace in {trace_dir}: XLA_FLAGS "
+                           "must be set before jax starts (run this as its own process)")
+    ops = hlo_ops(Path(dumps[-1]).read_text(), model.config)
+    with gzip.open(traces[0]) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+                  and e.get("args", {}).get("hlo_module") == LOOP_MODULE]
+    return breakdown(events, ops)
+
+
+def step_ms(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """specjax's untraced decode step: the median over prompts (one row each) of a greedy
+    `generate` call's time after its first token, per further token."""
+    import specjax
+
+    per = []
+    for p in prompts:
+        s = specjax.generate(model, [p], max_new_tokens=new_tokens, temperature=0.0,
+                             ignore_eos=True).stats
+        per.append((s.wall_s - s.ttft_s) / (new_tokens - 1) * 1e3)
+    return statistics.median(per)
+
+
+def markdown(result: dict, config, batch: int) -> str:
+    """The per-part table: ms per step, share of the op time and, for matmuls, GB/s."""
+    total = sum(result["ms"].values())
+    wb = weight_bytes(config)
+    lines = ["| part | ms / step | share | weights read, GB/s |", "|---|---:|---:|---:|"]
+    for p in PARTS:
+        ms = result["ms"][p]
+        gbs = f"{wb[p] / (ms / 1e3) / 1e9:.1f}" if p in wb and ms > 0 else "–"
+        lines.append(f"| {p} | {ms:.2f} | {ms / total:.0%} | {gbs} |")
+    lines += [f"| **sum of op times** | **{total:.2f}** | | |",
+              f"| wall per step (median) | {result['wall_ms']:.2f} | | |",
+              "", f"batch {batch}, {result['steps']} steps traced"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench.profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None,
+                    help="checkpoint (anything specjax.load reads; default: packaged SmolLM2)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new", type=int, default=64, help="new tokens per row")
+    ap.add_argument("--prompt-tokens", type=int, default=256,
+                    help="HumanEval prompts of at most this many tokens")
+    ap.add_argument("--speculator", choices=("none", "ngram"), default="none")
+    ap.add_argument("--llamacpp", default=None, metavar="GGUF",
+                    help="also time llama.cpp's decode step on this GGUF (same weights; "
+                    "batch 1 only)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="interleaved rounds of the untraced specjax / llama.cpp steps")
+    args = ap.parse_args(argv)
+    if args.batch < 1 or args.new < 2 or args.prompt_tokens < 8 or args.repeats < 1:
+        ap.error(f"--batch={args.batch} and --repeats={args.repeats} must be >= 1, "
+                 f"--new={args.new} >= 2 and --prompt-tokens={args.prompt_tokens} >= 8")
+    if args.llamacpp and args.batch != 1:
+        ap.error(f"--llamacpp times one sequence: it needs --batch 1 (got {args.batch})")
+    dump_dir = tempfile.mkdtemp(prefix="specjax_hlo_")
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                        f"--xla_dump_to={dump_dir}",
+                                        f"--xla_dump_hlo_module_re={LOOP_MODULE}"])
+    import jax
+
+    import specjax
+    from specjax.bench.prompts import build_prompts
+
+    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
+    from specjax.checkpoint import packaged
+
+    model = specjax.load(str(packaged.smollm2() if args.target is None else args.target),
+                         dtype="float32")
+    prompts = [p.ids for p in build_prompts("humaneval", [], model.tokenizer,
+                                            max(args.batch, 4), args.prompt_tokens, 0)]
+    spec = None
+    if args.speculator == "ngram":
+        from specjax.speculators.ngram import NGram
+        spec = NGram()
+    result = profile(model, prompts[:args.batch], args.new, dump_dir,
+                     tempfile.mkdtemp(prefix="specjax_trace_"), spec)
+    print(markdown(result, model.config, args.batch))
+    if args.llamacpp:
+        from specjax.bench import llamacpp
+
+        ours, theirs = [], []
+        for _ in range(args.repeats):  # interleaved: this machine's speed drifts
+            ours.append(step_ms(model, prompts, args.new))
+            theirs.append(llamacpp.decode_step_ms(args.llamacpp, prompts, new=args.new)[0])
+        ours, theirs = statistics.median(ours), statistics.median(theirs)
+        print(f"\nuntraced decode step, median of {args.repeats} interleaved rounds: specjax "
+              f"{ours:.2f} ms, llama.cpp {theirs:.2f} ms; specjax at {theirs / ours:.2f}x "
+              "llama.cpp's speed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
