@@ -222,7 +222,7 @@ def finished(workdir, tmp_path_factory):
 
 def test_suite_compares_every_method_on_every_category(finished):
     code, out, result = finished
-    assert code == 0
+    assert code == 0 and "partial" not in result  # the finished run replaced the parts
     rows = result["rows"]
     cells = {(r["category"], r["temperature"], r["method"]) for r in rows}
     methods = suite.SPECJAX_METHODS + suite.HF_METHODS
@@ -245,6 +245,31 @@ def test_suite_compares_every_method_on_every_category(finished):
             for r in cell:
                 assert r["vs_transformers"] == pytest.approx(r["tokens_per_s"] / best)
                 assert r["vs_llamacpp"] is None  # llama.cpp did not run
+
+
+def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypatch):
+    """--json holds every finished (category, temperature) as the run goes, marked
+    partial, so a crash later in a long run loses only the part it was in."""
+    calls = []
+    real = suite._specjax_rows
+
+    def dies_in_the_second_part(*args, **kwargs):
+        calls.append(args[4])  # the temperature
+        if len(set(calls)) > 1:
+            raise RuntimeError("the process died here")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "_specjax_rows", dies_in_the_second_part)
+    out = tmp_path / "suite.json"
+    argv = ["--workdir", str(workdir), *TINY, "--categories", P.CATEGORIES[0],
+            "--out", "", "--figures", "", "--json", str(out)]
+    with pytest.raises(RuntimeError, match="died here"):
+        suite.main(argv)
+    kept = json.loads(out.read_text())
+    assert kept["partial"] is True
+    assert {(r["category"], r["temperature"]) for r in kept["rows"]} == {(P.CATEGORIES[0], 0.0)}
+    assert {r["method"] for r in kept["rows"]} == set(suite.SPECJAX_METHODS + suite.HF_METHODS)
+    assert all(r["vs_transformers"] is not None for r in kept["rows"])
 
 
 def test_suite_writes_its_section_and_plots(finished):

@@ -956,3 +956,35 @@ def test_a_speculator_is_laid_out_once_across_generate_calls(tiny_target, tiny_d
     specjax.generate(tiny_target, PROMPTS, max_new_tokens=4,
                      speculator=DraftModel.create(tiny_draft, k=2))
     assert calls == ["auto", "scan", "auto"]
+
+
+def test_programs_past_the_memory_map_budget_are_dropped_with_jaxs_caches(tiny_target,
+                                                                          monkeypatch):
+    """XLA:CPU programs hold memory maps that jax's caches keep alive; past the budget a
+    compile first clears generate's programs and jax's caches (a long run in one process
+    otherwise dies at the OS limit), and decoding gives the same tokens after it."""
+    import jax
+
+    from specjax.decoding import programs
+    from specjax.decoding.generate import PROGRAMS
+
+    maps = programs.memory_maps()
+    assert maps is not None and maps > 0  # Linux: /proc/self/maps
+    limit = int(open("/proc/sys/vm/max_map_count").read())
+    assert programs.map_budget() == int(limit * 0.75)
+    kw = dict(max_new_tokens=8, ignore_eos=True, speculator=NGram(k=3), adaptive=False)
+    want = specjax.generate(tiny_target, PROMPTS, **kw).tokens
+    clears = []
+    real = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: (clears.append(1), real())[1])
+    PROGRAMS.clear()
+    monkeypatch.setattr(PROGRAMS, "budget", None)  # no limit known: nothing is cleared
+    assert specjax.generate(tiny_target, PROMPTS, **kw).tokens == want and not clears
+    assert len(PROGRAMS.items()) == 2  # its prefill and decode loop
+    monkeypatch.setattr(PROGRAMS, "budget", 0)  # every compile finds the budget spent
+    PROGRAMS.clear()
+    assert specjax.generate(tiny_target, PROMPTS, **kw).tokens == want
+    assert len(clears) == 2 and len(PROGRAMS.items()) == 1  # the loop's compile dropped
+    monkeypatch.setattr(PROGRAMS, "budget", programs.memory_maps() + 10**6)
+    assert specjax.generate(tiny_target, PROMPTS, **kw).tokens == want  # prefill again
+    assert len(clears) == 2 and len(PROGRAMS.items()) == 2

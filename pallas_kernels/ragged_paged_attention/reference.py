@@ -77,8 +77,8 @@ def attend_parts(
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     # Contract with the KV heads as the leading batch dim: [K, B, S, H] is the order
-    # `_gather_rows` reads pages in, so its transpose and this one cancel and XLA:CPU
-    # contracts the gathered pages in place instead of copying them transposed per layer.
+    # `_gather_rows` reads pages in, so its transpose and this one cancel and the matmuls
+    # take the gathered pages as they are, without a transposed copy per layer on XLA:CPU.
     qg = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 2, 0)  # [K, B, T, G, H]
     scores, oks = [], []
     for k, _, ok in parts:

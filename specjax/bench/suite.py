@@ -388,7 +388,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
         kv_cache_dtype=None, llamacpp: dict | None = None, verification: str | None = None,
-        log=print) -> list[dict]:
+        log=print, on_part=None) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
@@ -401,7 +401,9 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     target cache (`generate(kv_cache_dtype=)`; transformers keeps its own); verification:
     `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
-    (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
+    (`llamacpp_q4_1` runs other weights: its tokens are not compared). on_part: called
+    with the rows so far (peer ratios included) after each (category, temperature), so
+    that a run that dies later keeps what it measured."""
     from specjax.calibrate import cost_ratio_of
 
     rows = []
@@ -425,6 +427,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             for name, runner in (llamacpp or {}).items():
                 rows.append(_llamacpp_row(runner, name, ids, category, run_kw, repeats,
                                           reference.get(1), log))
+            if on_part is not None:
+                on_part(peer_ratios([dict(r) for r in rows]))
     return peer_ratios(rows)
 
 
@@ -826,11 +830,20 @@ def suite(args, command: str, log=_log) -> dict:
     if args.calibrate:
         priors = _calibrated_priors(args, target, speculators, prompt_sets, docs, lengths,
                                     costs.get(1), log)
+    def checkpoint(rows: list[dict]) -> None:
+        """The rows so far to --json, marked partial: a long run in one process can die
+        (XLA:CPU's compiled programs hold memory maps until the process exits)."""
+        if args.json:
+            partial = _results(args, command, corpus, docs, prompt_sets, target, draft,
+                               speculators, threads, llama_info, priors, rows)
+            Path(args.json).write_text(json.dumps(dict(partial, partial=True), indent=2))
+            log(f"wrote {args.json} ({len(rows)} rows so far)")
+
     rows = run(target, speculators, prompt_sets, batches=args.batches,
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
                cost_ratios=costs, priors=priors, kv_cache_dtype=args.kv_cache_dtype,
-               llamacpp=llama, verification=args.verification, log=log)
+               llamacpp=llama, verification=args.verification, log=log, on_part=checkpoint)
     for runner in llama.values():
         runner.close()
     return _results(args, command, corpus, docs, prompt_sets, target, draft, speculators,

@@ -5,6 +5,7 @@ put compile time into TTFT. `LayoutCache`: the speculators laid out for those pr
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import jax
 
@@ -12,13 +13,39 @@ from specjax.sharding import rules as shard
 from specjax.xla_options import compile_decode
 
 
+def memory_maps() -> int | None:
+    """This process's memory maps (Linux's /proc/self/maps), None where unreadable."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def map_budget(fraction: float = 0.75) -> int | None:
+    """`fraction` of Linux's per-process limit on memory maps (`vm.max_map_count`), None
+    where there is none to read."""
+    try:
+        return int(int(Path("/proc/sys/vm/max_map_count").read_text()) * fraction)
+    except (OSError, ValueError):
+        return None
+
+
 class ProgramCache:
     """Compiled programs by (name, static loop, argument structure, shapes and shardings):
     compiled ahead of the call so that compile time stays out of TTFT. Least recently
-    used programs are dropped past `size`, so a long session does not keep them all."""
+    used programs are dropped past `size`, so a long session does not keep them all.
 
-    def __init__(self, size: int = 32):
+    Every XLA:CPU program holds memory maps (thousands for a 30-layer model's decode
+    loop) that jax's own caches keep alive after this cache drops the program; past the
+    OS limit the next compile fails ("Cannot allocate memory") and the process dies.
+    So before compiling, when the process holds more maps than `budget`, this cache and
+    jax's caches are cleared (`jax.clear_caches`): later calls recompile (from the
+    persistent compilation cache where it is on) instead of crashing."""
+
+    def __init__(self, size: int = 32, budget: int | None = None):
         self._programs = _Lru(size)
+        self.budget = map_budget() if budget is None else budget
 
     def get(self, name: str, fn, static, args: tuple, kwargs: dict, mesh=None):
         leaves, treedef = jax.tree.flatten(args)
@@ -27,10 +54,17 @@ class ProgramCache:
                       getattr(x, "sharding", None)) for x in leaves))
 
         def compile_():
+            self._make_room()
             with shard.use_mesh(mesh):  # traced under the mesh: attention runs per shard
                 return compile_decode(fn.lower(static, *args, **kwargs))
 
         return self._programs.get(sig, lambda hit: hit is not None, compile_)
+
+    def _make_room(self) -> None:
+        maps = memory_maps()
+        if maps is not None and self.budget is not None and maps > self.budget:
+            self.clear()
+            jax.clear_caches()
 
     def items(self):
         return self._programs.items()
