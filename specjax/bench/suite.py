@@ -831,8 +831,8 @@ def suite(args, command: str, log=_log) -> dict:
         priors = _calibrated_priors(args, target, speculators, prompt_sets, docs, lengths,
                                     costs.get(1), log)
     def checkpoint(rows: list[dict]) -> None:
-        """The rows so far to --json, marked partial: a long run in one process can die
-        (XLA:CPU's compiled programs hold memory maps until the process exits)."""
+        """The rows so far to --json, marked partial: an hours-long run that dies (out
+        of memory, a peer library's crash) keeps the parts it finished."""
         if args.json:
             partial = _results(args, command, corpus, docs, prompt_sets, target, draft,
                                speculators, threads, llama_info, priors, rows)
