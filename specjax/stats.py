@@ -94,6 +94,9 @@ class GenerationStats:
     # row's forwards and draft calls), in one-token target steps, summed over calls
     batch_plain_steps: float = 0.0
     batch_cost: float = 0.0
+    # generate calls that ran the speculative loop; 0: plain decoding's programs ran
+    # (no speculator, or the rule could never draft: `policy.may_draft`)
+    speculative_calls: int = 0
 
     @property
     def acceptance_by_position(self) -> list:
@@ -127,12 +130,14 @@ def batch_speedup(decode_tokens, verify_cost, draft_calls, cost_ratio) -> tuple[
 
 def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, hist,
                 cost_ratio, ttft_s, decode_s, compile_s, verified=None,
-                verify_cost=None, batch=None, tried=None) -> GenerationStats:
+                verify_cost=None, batch=None, tried=None,
+                speculative_calls: int = 0) -> GenerationStats:
     """From per-row numpy counters (decode phase) and timings. verify_cost: per row, the
     summed modelled cost of its decode forwards (`VerifyCost`; None: 1 per forward).
     batch: (plain steps, modelled cost) when the rows are several batches
     (`merge_stats`); else they are one (`batch_speedup`). tried: [B, Dm] per row, or
-    [Dm] summed (`Counters.tried`)."""
+    [Dm] summed (`Counters.tried`). speculative_calls: how many of the calls ran the
+    speculative loop."""
     new_tokens = np.asarray(new_tokens)
     if verified is None:
         verified = np.asarray(target_calls)
@@ -157,7 +162,7 @@ def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, his
     total["tokens_per_s"] = float(new_tokens.sum() / wall) if wall > 0 else 0.0
     total["tpot_s"] = float(np.mean([r["tpot_s"] for r in rows])) if rows else 0.0
     tried = np.zeros(np.shape(hist)[-1] - 1) if tried is None else np.asarray(tried)
-    return GenerationStats(**total, compile_s=compile_s,
+    return GenerationStats(**total, compile_s=compile_s, speculative_calls=speculative_calls,
                            accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows,
                            tried_hist=[int(x) for x in
                                        tried.sum(axis=tuple(range(tried.ndim - 1)))])
@@ -189,7 +194,8 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
         verified=[round(r["mean_verified"] * r["target_calls"]) for r in rows],
         verify_cost=[r["verify_cost"] * r["target_calls"] for r in rows],
         batch=(sum(p.batch_plain_steps for p in parts), sum(p.batch_cost for p in parts)),
-        tried=_padded_sum([p.tried_hist for p in parts]))
+        tried=_padded_sum([p.tried_hist for p in parts]),
+        speculative_calls=sum(p.speculative_calls for p in parts))
     return dataclasses.replace(merged, ttft_s=ttft / len(parts), rows=rows,
                                tpot_s=float(np.mean(field("tpot_s"))) if rows else 0.0)
 

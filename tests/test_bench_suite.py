@@ -237,6 +237,11 @@ def test_suite_compares_every_method_on_every_category(finished):
     assert all(r["identical"] is None for r in rows if r["temperature"] == 1)
     auto = [r for r in rows if r["method"] == "autoregressive"]
     assert all(r["speedup"] == 1.0 and r["tau"] == 1.0 for r in auto)
+    assert all(r["loop"] == "plain" for r in auto)
+    # a method that drafted ran the speculative loop in at least one call
+    assert all(r["loop"] != "plain" for r in rows if r.get("k"))
+    assert all("loop" not in r for r in rows if r["method"] in suite.HF_METHODS)
+    assert "| loop |" in suite.table(rows)
     # every cell against the fastest transformers method of its category and temperature
     for c in P.CATEGORIES:
         for t in (0.0, 1.0):
@@ -245,6 +250,12 @@ def test_suite_compares_every_method_on_every_category(finished):
             for r in cell:
                 assert r["vs_transformers"] == pytest.approx(r["tokens_per_s"] / best)
                 assert r["vs_llamacpp"] is None  # llama.cpp did not run
+
+
+def test_loop_kind_names_the_loop_the_calls_ran():
+    assert suite.loop_kind(0, 4) == "plain"
+    assert suite.loop_kind(4, 4) == "speculative"
+    assert suite.loop_kind(1, 4) == "1/4 speculative"
 
 
 def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypatch):
@@ -285,8 +296,9 @@ def test_suite_writes_its_section_and_plots(finished):
         assert f"### {c}" in section
     for m in suite.SPECJAX_METHODS + suite.HF_METHODS:
         assert f"| {m} |" in section
-    assert "| 0 | 1 | eagle | 0." in section
-    assert "| 1 | 1 | hf_prompt_lookup | – | – | – |" in section  # no α, τ, k for transformers
+    assert re.search(r"\| 0 \| 1 \| eagle \| (plain|speculative) \| 0\.", section)
+    # no loop, α, τ or k for transformers
+    assert "| 1 | 1 | hf_prompt_lookup | – | – | – | – |" in section
     for name in suite.FIGURES:
         assert (out / "figures" / name).stat().st_size > 1000
 

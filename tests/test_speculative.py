@@ -9,6 +9,7 @@ import specjax
 from specjax.config import tiny_llama
 from specjax.decoding.cost import VerifyCost
 from specjax.speculators import DraftModel, NGram
+from specjax.stats import merge_stats
 from tests.conftest import PROMPTS, flat_verify_cost
 from tests.stat_utils import assert_same_distribution, exact_joint
 
@@ -441,10 +442,15 @@ def test_a_speculator_that_can_never_draft_runs_plain_decoding(tiny_target, gree
     assert len(PROGRAMS.items()) == before and never.tokens == plain.tokens
     assert never.stats.drafted == 0 and never.stats.target_calls == 11 * len(PROMPTS)
     assert never.stats.acceptance_by_position == [None] * 3  # counters at the draft's depth
+    assert never.stats.speculative_calls == plain.stats.speculative_calls == 0
     greedy = specjax.generate(tiny_target, PROMPTS, max_new_tokens=12, ignore_eos=True,
                               speculator=NGram(k=3), acceptance_prior=[0.0] * 3,
                               verify_cost=dear)
     assert greedy.tokens == [g[:12] for g in greedy_ref]
+    probing = specjax.generate(tiny_target, PROMPTS, **kw, speculator=NGram(k=3),
+                               acceptance_prior=[0.0] * 3, verify_cost=VerifyCost())
+    assert probing.stats.speculative_calls == 1  # a probe could pay: the speculative loop
+    assert merge_stats([never.stats, probing.stats, probing.stats]).speculative_calls == 2
     rule = lambda prior, v=dear: Rule(jnp.float32(0.0), jnp.bool_(True), v.validated(),
                                       jnp.asarray(prior, jnp.float32))
     assert not policy.may_draft(NGram(k=3), rule([0.0] * 3), 4)

@@ -339,13 +339,26 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
             tpots[name].append(stats.tpot_s)
             last[name] = tokens, stats
     rows = []
+    calls = -(-len(ids) // b)
     for name, (tokens, stats) in last.items():
         row = _row(category, temp, b, name,
                    len(ids) * new / statistics.median(walls[name]), stats,
                    tpot_s=statistics.median(tpots[name]))
+        row["loop"] = loop_kind(stats.speculative_calls, calls)
         reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
         rows.append(_finish(row, tokens, reference[b], log))
     return rows
+
+
+def loop_kind(speculative_calls: int, calls: int) -> str:
+    """Which loop a method's `generate` calls ran: "plain" (plain decoding's programs, the
+    rule having seen that drafting could never pay, `policy.may_draft`), "speculative",
+    or "s/n speculative" where only s of the n calls did."""
+    if speculative_calls == 0:
+        return "plain"
+    if speculative_calls == calls:
+        return "speculative"
+    return f"{speculative_calls}/{calls} speculative"
 
 
 def _hf_row(hf, name: str, extra: dict, ids, category, run_kw: dict, repeats: int, reference,
@@ -481,14 +494,15 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| T | batch | method | α | τ | mean k | tokens/s | speedup (measured) "
+    lines = ["| T | batch | method | loop | α | τ | mean k | tokens/s | speedup (measured) "
              "| decode speedup (measured) | speedup (analytical) | analytical, i.i.d. α "
              "| analytical, free verify | c | vs transformers' best | vs llama.cpp's best "
              "| greedy identical |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+             "|:---:|"]
     for r in rows:
         lines.append(
-            f"| {r['temperature']:g} | {r['batch']} | {r['method']} | "
+            f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {r.get('loop', '–')} | "
             f"{_fmt(r.get('alpha'), '.3f')} | {_fmt(r.get('tau'), '.2f')} | "
             f"{_fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | "
             f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r.get('decode_speedup'), '.2f')}× | "
@@ -582,6 +596,10 @@ def _markdown_method_notes(s: dict) -> list[str]:
         "the draft with transformers' default assistant settings, `hf_prompt_lookup` "
         f"`prompt_lookup_num_tokens={s['k']}`; sampling with top_k=0, top_p=1; α and τ "
         "are not reported for them",
+        "- loop: which loop specjax's `generate` calls ran. plain: plain decoding's own "
+        "programs, because the calibrated rule saw that drafting could never pay "
+        "(`policy.may_draft`); such a cell differs from autoregressive's only by the "
+        "machine's spread between runs of the same programs",
         "- greedy identical: the tokens equal specjax autoregressive's at the same batch "
         "(`hf_*`: at batch 1), token for token", ""]
 

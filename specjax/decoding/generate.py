@@ -127,7 +127,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     compile_s = time.perf_counter() - t0
     state, ttft = _timed(pre, params.replace(rule=None), prompt)
     state, decode_s = _timed(dec, params, state)
-    return _result(model, state, sizes.lens, cost, ttft, decode_s, compile_s, depth)
+    return _result(model, state, sizes.lens, cost, ttft, decode_s, compile_s, depth,
+                   speculative=speculator is not None)
 
 
 # ---------------------------------------------------------------------------- stages
@@ -285,9 +286,10 @@ def _timed(program, *args):
 
 
 def _result(model: Model, state, lens, cost, ttft, decode_s, compile_s,
-            depth: int) -> GenerationResult:
+            depth: int, speculative: bool) -> GenerationResult:
     """Generated tokens (and text) per row and the run's statistics, on the host; the
-    acceptance counters span the speculator's `depth` even where the call ran plain."""
+    acceptance counters span the speculator's `depth` even where the call ran plain
+    (`speculative` False: plain decoding's programs ran)."""
     out_tokens, out_lens = shard.to_host(state.tokens), shard.to_host(state.lengths)
     gen = [out_tokens[r, lens[r]:out_lens[r]].tolist() for r in range(len(lens))]
     text = None
@@ -299,7 +301,8 @@ def _result(model: Model, state, lens, cost, ttft, decode_s, compile_s,
     c["hist"] = np.pad(c["hist"], ((0, 0), (0, pad)))
     c["tried"] = np.pad(c["tried"], ((0, 0), (0, pad)))
     stats = build_stats(new_tokens=[len(g) for g in gen], **c, cost_ratio=cost,
-                        ttft_s=ttft, decode_s=decode_s, compile_s=compile_s)
+                        ttft_s=ttft, decode_s=decode_s, compile_s=compile_s,
+                        speculative_calls=int(speculative))
     return GenerationResult(gen, text, stats)
 
 
