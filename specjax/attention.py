@@ -1,5 +1,6 @@
 """The one attention entry point of specjax: picks the Pallas kernel or its plain-jnp
-reference, both in `specjax.pallas_kernels.ragged_paged_attention` (`pallas_kernels/`).
+reference, both in `specjax.pallas_kernels.ragged_paged_attention` (`pallas_kernels/`);
+the reference reads long query chunks (prefill) block by block (`blockwise.py` there).
 
 Every model call (decode T=1, chain verify T=k+1, tree verify T=nodes, prefill chunk)
 goes through `paged_attention`. Its contract, shared by both backends:
@@ -34,6 +35,9 @@ import jax
 
 from specjax import kv_quant
 from specjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from specjax.pallas_kernels.ragged_paged_attention.blockwise import (
+    blockwise_ragged_paged_attention,
+)
 from specjax.pallas_kernels.ragged_paged_attention.reference import (
     allowed_mask,
     attend,
@@ -49,6 +53,10 @@ __all__ = ["BACKENDS", "allowed_mask", "attend", "attend_parts", "default_backen
 
 BACKENDS = ("reference", "pallas")
 _ENV = "SPECJAX_ATTENTION"
+# Calls with at least this many query tokens (prefill chunks) take the reference backend's
+# blockwise form, which reads only the pages before the batch's end; fewer (decode,
+# verify) gather the whole table in one piece, as a loop over blocks costs more there
+BLOCKWISE_MIN_QUERIES = 64
 
 
 def default_backend() -> str:
@@ -75,6 +83,13 @@ def kernel(backend: str | None) -> Callable:
     if resolve_backend(backend) == "reference":
         return reference_paged_attention
     return ragged_paged_attention
+
+
+def _reference_for(queries: int) -> Callable:
+    """The reference backend's form for `queries` tokens per row (`BLOCKWISE_MIN_QUERIES`)."""
+    if queries >= BLOCKWISE_MIN_QUERIES:
+        return blockwise_ragged_paged_attention
+    return reference_paged_attention
 
 
 def paged_attention(
@@ -111,4 +126,5 @@ def paged_attention(
     opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if k_scales is not None:
         opts.update(k_scales=k_scales, v_scales=v_scales)
-    return kernel(backend)(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, **opts)
+    run = _reference_for(q.shape[1]) if backend == "reference" else kernel(backend)
+    return run(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask, **opts)

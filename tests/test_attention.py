@@ -16,6 +16,9 @@ import pytest
 import specjax
 from specjax import attention
 from specjax.config import ModelConfig
+from specjax.pallas_kernels.ragged_paged_attention.blockwise import (
+    blockwise_ragged_paged_attention,
+)
 from tests.hf_models import CACHE_ATOL, VOCAB
 
 ATOL = CACHE_ATOL["float32"]
@@ -202,3 +205,70 @@ def test_float32_queries_over_a_bfloat16_cache_compute_in_float32():
                                                *args, scale=0.3)
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("name, soft_cap, window, block_pages", [
+    (n, sc, w, bp) for n in CASES for sc, w in [(None, None), (5.0, None), (None, 3)]
+    for bp in (1, 2)])
+def test_blockwise_form_matches_contract(name, soft_cap, window, block_pages):
+    """The reference's blockwise form (long prefill chunks) over blocks of 1 or 2 pages:
+    several blocks per row, the last ones past every row's end skipped, NaN outside."""
+    t_len, q_lens, parents = CASES[name]
+    mask = None if parents is None else _tree_mask(parents, t_len, len(KV_LENS))
+    args = _case(t_len, q_lens, mask, seed=2)
+    scale = H ** -0.5
+    out = np.asarray(blockwise_ragged_paged_attention(
+        *map(lambda a: None if a is None else jnp.asarray(a), args), scale=scale,
+        soft_cap=soft_cap, sliding_window=window, block_pages=block_pages))
+    assert np.isfinite(out).all()
+    want = _naive(*args, scale, soft_cap, window)
+    for row, n in enumerate(q_lens):
+        np.testing.assert_allclose(out[row, :n], want[row, :n], atol=ATOL, rtol=0)
+
+
+def test_blockwise_form_reads_int8_pages_as_the_reference():
+    """int8 pages with their scales: the blockwise form dequantizes as the reference."""
+    q, k_pages, v_pages, table, kv_lens, q_lens, _ = _case(5, [3, 4, 5, 5, 0], seed=3)
+    kp, ks = specjax.kv_quant.quantize(jnp.asarray(np.nan_to_num(k_pages)))
+    vp, vs = specjax.kv_quant.quantize(jnp.asarray(np.nan_to_num(v_pages)))
+    args = (jnp.asarray(q), kp, vp, jnp.asarray(table), jnp.asarray(kv_lens),
+            jnp.asarray(q_lens))
+    kw = dict(scale=H ** -0.5, k_scales=ks, v_scales=vs)
+    got = blockwise_ragged_paged_attention(*args, block_pages=2, **kw)
+    want = attention.reference_paged_attention(*args, **kw)
+    for row, n in enumerate(q_lens):
+        np.testing.assert_allclose(np.asarray(got)[row, :n], np.asarray(want)[row, :n],
+                                   atol=ATOL, rtol=0)
+
+
+def test_long_chunks_take_the_blockwise_form(monkeypatch):
+    """`paged_attention` on the reference backend: T >= BLOCKWISE_MIN_QUERIES goes block
+    by block, fewer queries gather the whole table; both give the contract's output."""
+    calls = []
+    real = attention.blockwise_ragged_paged_attention
+    monkeypatch.setattr(attention, "blockwise_ragged_paged_attention",
+                        lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
+    monkeypatch.setattr(attention, "BLOCKWISE_MIN_QUERIES", 5)
+    for t_len, q_lens in ((5, [3, 4, 5, 5, 0]), (3, [3, 2, 3, 3, 0])):
+        args = _case(t_len, q_lens, seed=4)
+        out = np.asarray(attention.paged_attention(*map(jnp.asarray, args[:6]),
+                                                   scale=H ** -0.5, backend="reference"))
+        want = _naive(*args, H ** -0.5, None, None)
+        for row, n in enumerate(q_lens):
+            np.testing.assert_allclose(out[row, :n], want[row, :n], atol=ATOL, rtol=0)
+    assert calls == [5]
+
+
+def test_prefill_chunks_block_by_block_decode_as_in_one_piece(tiny_target, monkeypatch):
+    """A long ragged prompt batch prefilled in chunks of 128 (the blockwise form, which
+    skips the pages past each chunk) decodes the tokens the one-piece form gives."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (300, 150)]
+    kw = dict(max_new_tokens=12, ignore_eos=True, prefill_chunk=128)
+    blockwise = specjax.generate(tiny_target, prompts, **kw).tokens
+    monkeypatch.setattr(attention, "BLOCKWISE_MIN_QUERIES", 10 ** 9)
+    jax.clear_caches()  # the programs above were traced with the blockwise form
+    try:
+        assert specjax.generate(tiny_target, prompts, **kw).tokens == blockwise
+    finally:
+        jax.clear_caches()

@@ -89,3 +89,21 @@ def test_one_int_seed_gives_identical_prompts_independent_draws(tiny_target):
 def test_bad_seeds_are_named(tiny_target, seed, match):
     with pytest.raises(ValueError, match=match):
         specjax.generate(tiny_target, [ROW] * 3, max_new_tokens=2, seed=seed)
+
+
+def test_greedy_rows_with_their_own_seeds_are_decided_as_a_batch(pair):
+    """At temperature 0 the depth drafted cannot change a row's tokens, so a seed list
+    does not make the rule decide rows alone: it prices the batch's forward, as with one
+    int seed (alone, the rows would draft where the batch does not)."""
+    target, _ = pair
+    prompts, seeds = _batch(64, 37)
+    kw = dict(max_new_tokens=8, ignore_eos=True, speculator=NGram(k=2), cost_ratio=0.0,
+              acceptance_prior=[0.9, 0.9])
+    by_list = specjax.generate(target, prompts, seed=seeds, **kw)
+    by_int = specjax.generate(target, prompts, seed=0, **kw)
+    assert by_list.tokens == by_int.tokens
+    assert by_list.stats.target_calls == by_int.stats.target_calls
+    assert by_list.stats.drafted == by_int.stats.drafted
+    alone = specjax.generate(target, prompts, seed=seeds, temperature=1.0, top_k=1, **kw)
+    assert alone.tokens == by_int.tokens  # top_k=1 samples the greedy tokens
+    assert alone.stats.drafted != by_int.stats.drafted  # rows alone decide otherwise

@@ -32,10 +32,12 @@ def allowed_mask(
     q_lens: RowLengths,
     mask: TreeMask | None,
     sliding_window: int | None = None,
+    first_slot=0,
 ) -> AllowedMask:
-    """Which KV slot each query may see: [B, T, S] bool (the contract above, spelled out)."""
+    """Which KV slot each query may see: [B, T, S] bool (the contract above, spelled out),
+    for the S slots from `first_slot` (an int or traced [] int32) on."""
     t = jnp.arange(t_len)[None, :, None]  # [1, T, 1]
-    j = jnp.arange(s_len)[None, None, :]  # [1, 1, S]
+    j = first_slot + jnp.arange(s_len)[None, None, :]  # [1, 1, S]
     start = (kv_lens - q_lens)[:, None, None]  # [B, 1, 1]
     rel = j - start  # slot relative to the first new token
     in_new = (rel >= 0) & (rel < q_lens[:, None, None])
@@ -82,10 +84,7 @@ def attend_parts(
     qg = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 2, 0)  # [K, B, T, G, H]
     scores, oks = [], []
     for k, _, ok in parts:
-        s = jnp.einsum("KBTGH,KBSH->KBTGS", qg, jnp.moveaxis(k, 2, 0),
-                       preferred_element_type=jnp.float32) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = grouped_scores(qg, k, scale, soft_cap)
         okb = ok[None, :, :, None, :]
         scores.append(jnp.where(okb, s, -jnp.inf))
         oks.append(okb)
@@ -105,6 +104,14 @@ def attend_parts(
         out = out + jnp.einsum("KBTGS,KBSH->KBTGH", (p / denom).astype(dt), v.astype(dt),
                                preferred_element_type=jnp.float32)
     return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
+
+
+def grouped_scores(qg, k: RowKV, scale: float, soft_cap: float | None):
+    """float32 scores [K, B, T, G, S] of grouped queries qg [K, B, T, G, H] against a
+    row's keys k [B, S, K, H], scaled and soft-capped."""
+    s = jnp.einsum("KBTGH,KBSH->KBTGS", qg, jnp.moveaxis(k, 2, 0),
+                   preferred_element_type=jnp.float32) * scale
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
 def reference_ragged_paged_attention(

@@ -8,8 +8,10 @@ generate's arguments:
   prompts: token-id lists (a ragged batch) or strings (needs `model.tokenizer`).
   seed: an int (row r draws from this seed folded with r) or one int per prompt; rows
     draw from keys of their own (`specjax.rng`), so a row given seed s in a list samples
-    the same tokens alone or in any batch, plain or with a speculator. With a list the
-    adaptive rule also decides each row as if it ran alone (`Rule.per_row`).
+    the same tokens alone or in any batch, plain or with a speculator. With a list and
+    temperature > 0 the adaptive rule also decides each row as if it ran alone
+    (`Rule.per_row`); greedy tokens do not depend on the depth drafted, so at
+    temperature 0 the rule prices the batch's forward whatever the seed.
   eos_id: stop tokens; None uses the config's `eos_token_id` (as transformers does);
     `ignore_eos=True` generates exactly `max_new_tokens`.
   speculator: a `specjax.speculators` instance; output is identical to target-only
@@ -98,13 +100,16 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     speculator = _for_decoding(speculator, cfg, mesh, layer_layout)
     method = _verification(verification, speculator)
     cost = _cost_ratio(cost_ratio, speculator, cfg)
-    rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, seed, mesh,
+    # one seed per prompt: rows decide alone, so that a row's sampled tokens do not depend
+    # on its batch; greedy tokens do not depend on the depth drafted
+    per_row = temperature > 0 and not rng.is_seed(seed)
+    rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
                  step_overhead)
     depth = speculator.shape.max_depth if speculator is not None else 0
     if speculator is not None and not may_draft(speculator, rule, len(rows)):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
-        rule = _rule(0.0, adaptive, None, None, None, seed, mesh)
+        rule = _rule(0.0, adaptive, None, None, None, per_row, mesh)
     with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
         loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
                                  commit=commit_lib.resolve(kv_commit, attention_backend),
@@ -260,8 +265,8 @@ def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
     return float(speculator.cost.ratio(cfg) if cost_ratio is None else cost_ratio)
 
 
-def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator, seed,
-          mesh, step_overhead=None) -> Rule:
+def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator,
+          per_row: bool, mesh, step_overhead=None) -> Rule:
     """The adaptive rule's traced settings, replicated on the mesh."""
     if step_overhead is not None and not (
             isinstance(step_overhead, (int, float, np.floating, np.integer))
@@ -271,7 +276,6 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
     prior = _prior(acceptance_prior, speculator.shape.max_depth if speculator is not None else 0)
-    per_row = not rng.is_seed(seed)  # one seed per prompt: rows decide alone
     return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
                                 jnp.bool_(per_row), jnp.float32(step_overhead or 0.0)), mesh)
