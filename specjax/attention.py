@@ -55,7 +55,8 @@ BACKENDS = ("reference", "pallas")
 _ENV = "SPECJAX_ATTENTION"
 # Calls with at least this many query tokens (prefill chunks) take the reference backend's
 # blockwise form, which reads only the pages before the batch's end; fewer (decode,
-# verify) gather the whole table in one piece, as a loop over blocks costs more there
+# verify) gather the whole table in one piece, where the loop over blocks measured
+# slower (docs/benchmarks.md, "Prompt processing")
 BLOCKWISE_MIN_QUERIES = 64
 
 
