@@ -258,17 +258,3 @@ def test_long_chunks_take_the_blockwise_form(monkeypatch):
             np.testing.assert_allclose(out[row, :n], want[row, :n], atol=ATOL, rtol=0)
     assert calls == [5]
 
-
-def test_prefill_chunks_block_by_block_decode_as_in_one_piece(tiny_target, monkeypatch):
-    """A long ragged prompt batch prefilled in chunks of 128 (the blockwise form, which
-    skips the pages past each chunk) decodes the tokens the one-piece form gives."""
-    rng = np.random.default_rng(6)
-    prompts = [rng.integers(0, 128, n).tolist() for n in (300, 150)]
-    kw = dict(max_new_tokens=12, ignore_eos=True, prefill_chunk=128)
-    blockwise = specjax.generate(tiny_target, prompts, **kw).tokens
-    monkeypatch.setattr(attention, "BLOCKWISE_MIN_QUERIES", 10 ** 9)
-    jax.clear_caches()  # the programs above were traced with the blockwise form
-    try:
-        assert specjax.generate(tiny_target, prompts, **kw).tokens == blockwise
-    finally:
-        jax.clear_caches()

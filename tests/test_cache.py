@@ -145,6 +145,36 @@ def test_chunked_prefill_matches_one_shot(prefill_case, chunk):
             assert max_diff(got_kv[:, :, :t_len], want_kv[:, :, :t_len]) <= ATOL
 
 
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_long_chunks_block_by_block_match_full_forward(name):
+    """Chunks of 64 tokens (`specjax.attention.BLOCKWISE_MIN_QUERIES`: the reference's
+    blockwise form, blocks of 16 four-token pages) over ragged rows of 150 and 97
+    tokens: each chunk reads only the blocks up to its end, and its logits equal the
+    uncached forward's."""
+    from specjax import attention
+
+    model, chunk, lens = _model(name), 64, (150, 97)
+    assert chunk >= attention.BLOCKWISE_MIN_QUERIES
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, max(lens))).astype(np.int32)
+    full = np.asarray(specjax.forward(model, tokens))
+    pool = _shuffled_pool(120, 4, seed=5)
+    for row, n in enumerate(lens):
+        pool.allocate(row, n)
+    cache = _nan_cache(model.config, pool.page_table(range(2), 60), 120, 4)  # 4 blocks
+    for start in range(0, max(lens), chunk):
+        q_lens = np.clip(np.asarray(lens) - start, 0, chunk).astype(np.int32)
+        piece = np.zeros((2, chunk), np.int32)
+        for row, n in enumerate(q_lens):
+            piece[row, :n] = tokens[row, start:start + n]
+        positions = np.broadcast_to(np.arange(start, start + chunk, dtype=np.int32), (2, chunk))
+        logits, _, cache = STEP(model.config, model.params, cache, jnp.asarray(piece),
+                                jnp.asarray(positions), q_lens=jnp.asarray(q_lens))
+        for row, n in enumerate(q_lens):
+            if n:  # a finished row's queries are padding
+                assert max_diff(np.asarray(logits)[row, :n], full[row, start:start + n]) <= ATOL
+
+
 def _row_slots(cache: PagedKVCache, row: int, which: str = "k") -> np.ndarray:
     """A row's KV in slot order: [L, K, M*Z, H]."""
     pages = np.asarray(cache.k_pages if which == "k" else cache.v_pages)

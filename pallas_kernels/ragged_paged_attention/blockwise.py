@@ -18,7 +18,10 @@ import jax.numpy as jnp
 from specjax.pallas_kernels.ragged_paged_attention.reference import (
     _gather_rows,
     allowed_mask,
+    grouped_queries,
     grouped_scores,
+    ungrouped,
+    weighted_values,
 )
 from specjax.typing import Pages, PageTable, Queries, RowLengths, Scales, TreeMask
 
@@ -49,7 +52,7 @@ def blockwise_ragged_paged_attention(
     num_blocks = -(-page_table.shape[1] // bp)
     # pad the table to whole blocks; the padded slots lie past every row's kv_lens
     table = jnp.pad(page_table, ((0, 0), (0, num_blocks * bp - page_table.shape[1])))
-    qg = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 2, 0)  # [K, B, T, G, H]
+    qg = grouped_queries(q, kh)  # [K, B, T, G, H]
     slots = bp * z
 
     def block(i, carry):
@@ -57,21 +60,15 @@ def blockwise_ragged_paged_attention(
         tab = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
         k, v = _gather_rows(k_pages, v_pages, tab, k_scales, v_scales, q.dtype)
         ok = allowed_mask(t, slots, kv_lens, q_lens, mask, sliding_window,
-                          first_slot=i * slots)[None, :, :, None, :]  # [1, B, T, 1, S]
-        s = jnp.where(ok, grouped_scores(qg, k, scale, soft_cap), -jnp.inf)
+                          first_slot=i * slots)  # [B, T, S]
+        okb = ok[None, :, :, None, :]
+        s = jnp.where(okb, grouped_scores(qg, k, scale, soft_cap), -jnp.inf)
         new_max = jnp.maximum(run_max, jnp.max(s, axis=-1, keepdims=True))
         safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        p = jnp.where(ok, jnp.exp(s - safe), 0.0)
+        p = jnp.where(okb, jnp.exp(s - safe), 0.0)
         rescale = jnp.where(jnp.isfinite(run_max), jnp.exp(run_max - safe), 0.0)
-        # zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN
-        seen = jnp.any(ok[0, :, :, 0], axis=1)  # [B, S]
-        v = jnp.where(seen[None, :, :, None], jnp.moveaxis(v, 2, 0),
-                      jnp.zeros((), v.dtype))  # [K, B, S, H]
-        dt = jnp.promote_types(q.dtype, v.dtype)
-        pv = jnp.einsum("KBTGS,KBSH->KBTGH", p.astype(dt), v.astype(dt),
-                        preferred_element_type=jnp.float32)
         return (new_max, denom * rescale + jnp.sum(p, axis=-1, keepdims=True),
-                out * rescale + pv)
+                out * rescale + weighted_values(p, v, ok, q.dtype))
 
     g = n // kh
     init = (jnp.full((kh, b, t, g, 1), -jnp.inf, jnp.float32),
@@ -79,4 +76,4 @@ def blockwise_ragged_paged_attention(
     needed = (jnp.max(kv_lens) + slots - 1) // slots  # blocks holding a valid slot
     _, denom, out = jax.lax.fori_loop(0, jnp.minimum(needed, num_blocks), block, init)
     out = out / jnp.where(denom > 0, denom, 1.0)  # queries that see nothing output 0
-    return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
+    return ungrouped(out, q)

@@ -76,12 +76,7 @@ def attend_parts(
     """`attend` over the concatenation of several KV parts, without concatenating them:
     one softmax across all parts (a shared max and denominator). Used to attend to the
     cached prefix and the step's own new keys/values kept out of the cache."""
-    b, t, n, h = q.shape
-    kh = parts[0][0].shape[2]
-    # Contract with the KV heads as the leading batch dim: [K, B, S, H] is the order
-    # `_gather_rows` reads pages in, so its transpose and this one cancel and the matmuls
-    # take the gathered pages as they are, without a transposed copy per layer on XLA:CPU.
-    qg = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 2, 0)  # [K, B, T, G, H]
+    qg = grouped_queries(q, parts[0][0].shape[2])
     scores, oks = [], []
     for k, _, ok in parts:
         s = grouped_scores(qg, k, scale, soft_cap)
@@ -93,17 +88,35 @@ def attend_parts(
     probs = [jnp.where(okb, jnp.exp(s - m), 0.0) for s, okb in zip(scores, oks)]
     denom = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     denom = jnp.where(denom > 0, denom, 1.0)
-    out = 0.0
-    for p, (_, v, ok) in zip(probs, parts):
-        # Zero unseen slots of v so garbage (NaN) there cannot leak through 0 * NaN.
-        v = jnp.where(jnp.any(ok, axis=1)[None, :, :, None], jnp.moveaxis(v, 2, 0),
-                      jnp.zeros((), v.dtype))  # [K, B, S, H]
-        # p in the wider of q's and v's dtype (bf16 for bf16 q and v; float32 queries keep
-        # float32 p over a bf16 cache, as the kernel computes in the wider dtype)
-        dt = jnp.promote_types(q.dtype, v.dtype)
-        out = out + jnp.einsum("KBTGS,KBSH->KBTGH", (p / denom).astype(dt), v.astype(dt),
-                               preferred_element_type=jnp.float32)
-    return jnp.moveaxis(out, 0, 2).reshape(b, t, n, h).astype(q.dtype)
+    out = sum(weighted_values(p / denom, v, ok, q.dtype) for p, (_, v, ok) in zip(probs, parts))
+    return ungrouped(out, q)
+
+
+def grouped_queries(q: Queries, kv_heads: int):
+    """q [B, T, N, H] -> [K, B, T, G, H]. The KV heads lead as the batch dim: [K, B, S, H]
+    is the order `_gather_rows` reads pages in, so its transpose and this one cancel and
+    the matmuls take the gathered pages as they are, without a transposed copy per layer
+    on XLA:CPU."""
+    b, t, n, h = q.shape
+    return jnp.moveaxis(q.reshape(b, t, kv_heads, n // kv_heads, h), 2, 0)
+
+
+def ungrouped(out, q: Queries) -> Queries:
+    """out [K, B, T, G, H] (float32) -> [B, T, N, H] in q's dtype."""
+    return jnp.moveaxis(out, 0, 2).reshape(q.shape).astype(q.dtype)
+
+
+def weighted_values(p, v: RowKV, ok: AllowedMask, q_dtype):
+    """Σ_S p v: float32 [K, B, T, G, H] from probabilities p [K, B, T, G, S] and a row's
+    values v [B, S, K, H], the slots no query sees (ok [B, T, S]) zeroed first so that
+    garbage (NaN) there cannot leak through 0 * NaN. p is cast to the wider of q's and
+    v's dtype (bf16 for bf16 q and v; float32 queries keep float32 p over a bf16 cache,
+    as the kernel computes in the wider dtype)."""
+    v = jnp.where(jnp.any(ok, axis=1)[None, :, :, None], jnp.moveaxis(v, 2, 0),
+                  jnp.zeros((), v.dtype))  # [K, B, S, H]
+    dt = jnp.promote_types(q_dtype, v.dtype)
+    return jnp.einsum("KBTGS,KBSH->KBTGH", p.astype(dt), v.astype(dt),
+                      preferred_element_type=jnp.float32)
 
 
 def grouped_scores(qg, k: RowKV, scale: float, soft_cap: float | None):
