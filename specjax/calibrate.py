@@ -197,9 +197,11 @@ class Calibration:
 
     prior: list | None = None
     overhead: float = 0.0
+    proposal: float | None = None  # how often the speculator found a draft when asked
 
     def generate_kwargs(self) -> dict:
-        return dict(acceptance_prior=self.prior, step_overhead=self.overhead)
+        return dict(acceptance_prior=self.prior, step_overhead=self.overhead,
+                    proposal_prior=self.proposal)
 
 
 def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:
@@ -210,65 +212,89 @@ def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:
     return calibration.generate_kwargs()
 
 
-def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: float) -> float:
+def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: float,
+                  steps: int | None = None) -> float:
     """A speculative step's cost beyond what the rule models for it, in one-token target
-    steps (>= 0): a full-depth pass's seconds per target call over a plain step's, less its
-    modelled draft calls (n·c) and verify forward (v, `VerifyCost`). It is the work the
-    model has no term for: building and reranking the tree, the verifier (sampled at
-    T > 0), the commit and the speculator's own state, in the compiled loop itself."""
+    steps of the batch (>= 0): a full-depth pass's seconds per loop step over a plain
+    step's, less its modelled draft calls (n·c) and verify forward (v, `VerifyCost`). It
+    is the work the model has no term for: building and reranking the tree, the verifier
+    (sampled at T > 0), the commit and the speculator's own state, in the compiled loop
+    itself. steps: the loop steps the pass ran (None: its target calls, one row)."""
     calls = full.target_calls
-    if calls == 0 or plain_step_s <= 0:
+    steps = calls if steps is None else steps
+    if calls == 0 or steps == 0 or plain_step_s <= 0:
         return 0.0
-    measured = full_decode_s / calls / plain_step_s
+    measured = full_decode_s / steps / plain_step_s
     modelled = full.verify_cost + full.cost_ratio * full.draft_calls / calls
     return max(measured - modelled, 0.0)
 
 
+def loop_steps(stats: GenerationStats) -> int:
+    """The loop steps a `generate` call (or calls, merged) ran: each call runs until its
+    longest-running row is done, so the most target calls of any of its rows."""
+    return max((r["target_calls"] for r in stats.rows), default=0)
+
+
+def filled_batches(prompts, batch: int) -> list[list]:
+    """`prompts` in calls of exactly `batch` rows, repeated in order to fill the last
+    (none without prompts)."""
+    if not prompts:
+        return []
+    n = -(-max(len(prompts), batch) // batch) * batch
+    return [[prompts[j % len(prompts)] for j in range(i, i + batch)] for i in range(0, n, batch)]
+
+
 def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                  temperatures=(0.0,), seed: int = 0, cost_ratios: dict | None = None,
-                 verification: str | None = None) -> dict:
+                 verification: str | None = None, batch: int = 1) -> dict:
     """{temperature: {method: `Calibration`}} for every speculator (None: autoregressive,
-    skipped), at batch 1, one `generate` call per prompt (prompt i seeded `seed + i`).
+    skipped), in `generate` calls of `batch` rows (the prompts repeated to fill the last;
+    call i seeded `seed + i`): calibrate at the batch size the runs will use, since a
+    verify's cost and the loop's own work grow differently with the batch.
 
-    Per prompt, plain decoding and then every speculator at full depth (adaptive=False:
+    Per call, plain decoding and then every speculator at full depth (adaptive=False:
     every depth is tried whenever the one before was accepted), so that each sees the
     same machine load. The full-depth pass gives the acceptance per depth, so a good
-    draft drafts deep from its first step, and, timed against the plain pass, the step's
-    overhead (`step_overhead`), after one untimed warm-up of every pass. cost_ratios:
-    {temperature: {method: c}} as the timed runs price draft calls
-    (`measured_cost_ratios`). Compilation is not timed."""
+    draft drafts deep from its first step, how often the speculator finds a draft, and,
+    timed against the plain pass, the step's overhead (`step_overhead`), after one
+    untimed warm-up of every pass. cost_ratios: {temperature: {method: c}} as the timed
+    runs price draft calls (`measured_cost_ratios`, at this batch). Compilation is not
+    timed."""
     from specjax.decoding.generate import generate
     from specjax.stats import merge_stats
 
     specs = {name: spec for name, spec in speculators.items() if spec is not None}
+    calls = filled_batches(list(prompts), batch)
     out = {}
     for temp in temperatures:
-        def passes(i, p):
-            """Prompt i's plain pass, then each speculator's full-depth pass."""
+        def passes(i, rows):
+            """Call i's plain pass, then each speculator's full-depth pass."""
             kw = dict(max_new_tokens=new_tokens, temperature=temp, seed=seed + i,
                       ignore_eos=True)
-            yield None, generate(target, [p], **kw).stats
+            yield None, generate(target, rows, **kw).stats
             for name, spec in specs.items():
-                yield name, generate(target, [p], **kw, speculator=spec, adaptive=False,
+                yield name, generate(target, rows, **kw, speculator=spec, adaptive=False,
                                      verification=verification,
                                      cost_ratio=cost_ratio_of(cost_ratios, temp, name)).stats
 
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:
         # every program runs once before the timed pass.
-        for i, p in enumerate(prompts):
-            for _ in passes(i, p):
+        for i, rows in enumerate(calls):
+            for _ in passes(i, rows):
                 pass
         plain_s, plain_steps = 0.0, 0
         decode_s = {name: 0.0 for name in specs}
+        steps = {name: 0 for name in specs}
         stats = {name: [] for name in specs}
-        for i, p in enumerate(prompts):
-            for name, s in passes(i, p):
+        for i, rows in enumerate(calls):
+            for name, s in passes(i, rows):
                 if name is None:
                     plain_s += s.wall_s - s.ttft_s
-                    plain_steps += s.target_calls
+                    plain_steps += loop_steps(s)
                 else:
                     decode_s[name] += s.wall_s - s.ttft_s
+                    steps[name] += loop_steps(s)
                     stats[name].append(s)
         out[temp] = {}
         for name in specs:
@@ -276,16 +302,18 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                 out[temp][name] = Calibration()
                 continue
             full = merge_stats(stats[name])
-            out[temp][name] = Calibration(full.acceptance_by_position, step_overhead(
-                full, decode_s[name], plain_s / max(plain_steps, 1)))
+            out[temp][name] = Calibration(
+                full.acceptance_by_position,
+                step_overhead(full, decode_s[name], plain_s / max(plain_steps, 1), steps[name]),
+                full.proposal_rate)
     return out
 
 
 def calibration(target: Model, speculator, prompts, *, new_tokens: int,
                 temperature: float = 0.0, seed: int = 0, cost_ratio: float | None = None,
-                verification: str | None = None) -> Calibration:
+                verification: str | None = None, batch: int = 1) -> Calibration:
     """`calibrations` for one speculator at one temperature (no prompts: the defaults)."""
     return calibrations(target, {"spec": speculator}, prompts, new_tokens=new_tokens,
                         temperatures=(temperature,), seed=seed,
                         cost_ratios={temperature: {"spec": cost_ratio}},
-                        verification=verification)[temperature]["spec"]
+                        verification=verification, batch=batch)[temperature]["spec"]

@@ -97,6 +97,16 @@ class GenerationStats:
     # generate calls that ran the speculative loop; 0: plain decoding's programs ran
     # (no speculator, or the rule could never draft: `policy.may_draft`)
     speculative_calls: int = 0
+    # speculative steps that asked a row for a draft, and those where the speculator
+    # proposed one (all rows; `proposal_rate`)
+    asked: int = 0
+    proposed: int = 0
+
+    @property
+    def proposal_rate(self) -> float | None:
+        """P(the speculator proposes at least one token | a row asked it to draft), over
+        all rows (None where no row was asked): what `generate(proposal_prior=)` takes."""
+        return self.proposed / self.asked if self.asked else None
 
     @property
     def acceptance_by_position(self) -> list:
@@ -131,13 +141,13 @@ def batch_speedup(decode_tokens, verify_cost, draft_calls, cost_ratio) -> tuple[
 def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, hist,
                 cost_ratio, ttft_s, decode_s, compile_s, verified=None,
                 verify_cost=None, batch=None, tried=None,
-                speculative_calls: int = 0) -> GenerationStats:
+                speculative_calls: int = 0, asked=0, proposed=0) -> GenerationStats:
     """From per-row numpy counters (decode phase) and timings. verify_cost: per row, the
     summed modelled cost of its decode forwards (`VerifyCost`; None: 1 per forward).
     batch: (plain steps, modelled cost) when the rows are several batches
     (`merge_stats`); else they are one (`batch_speedup`). tried: [B, Dm] per row, or
     [Dm] summed (`Counters.tried`). speculative_calls: how many of the calls ran the
-    speculative loop."""
+    speculative loop. asked, proposed: per row or summed (`Counters.asked`, `.proposed`)."""
     new_tokens = np.asarray(new_tokens)
     if verified is None:
         verified = np.asarray(target_calls)
@@ -163,6 +173,7 @@ def build_stats(*, new_tokens, target_calls, draft_calls, drafted, accepted, his
     total["tpot_s"] = float(np.mean([r["tpot_s"] for r in rows])) if rows else 0.0
     tried = np.zeros(np.shape(hist)[-1] - 1) if tried is None else np.asarray(tried)
     return GenerationStats(**total, compile_s=compile_s, speculative_calls=speculative_calls,
+                           asked=int(np.sum(asked)), proposed=int(np.sum(proposed)),
                            accepted_hist=[int(x) for x in np.asarray(hist).sum(0)], rows=rows,
                            tried_hist=[int(x) for x in
                                        tried.sum(axis=tuple(range(tried.ndim - 1)))])
@@ -195,7 +206,8 @@ def merge_stats(parts: Sequence[GenerationStats]) -> GenerationStats:
         verify_cost=[r["verify_cost"] * r["target_calls"] for r in rows],
         batch=(sum(p.batch_plain_steps for p in parts), sum(p.batch_cost for p in parts)),
         tried=_padded_sum([p.tried_hist for p in parts]),
-        speculative_calls=sum(p.speculative_calls for p in parts))
+        speculative_calls=sum(p.speculative_calls for p in parts),
+        asked=sum(p.asked for p in parts), proposed=sum(p.proposed for p in parts))
     return dataclasses.replace(merged, ttft_s=ttft / len(parts), rows=rows,
                                tpot_s=float(np.mean(field("tpot_s"))) if rows else 0.0)
 

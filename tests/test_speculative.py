@@ -826,6 +826,99 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert out[0.0]["spec"].overhead == pytest.approx(0.6)
 
 
+def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
+    """At batch 2, three prompts fill two calls (the first repeated), and the overhead
+    is per loop step, which runs until the call's slowest row: rows of 10 and 6 target
+    calls in 2 s are 10 steps of 0.2 s (0.1 s plain), so 2 steps against a modelled 1.2
+    verify and 0.2 of draft calls leave 0.6 (per row-call it would read 0.1). The
+    proposal rate is the passes' found drafts over asked steps."""
+    import numpy as np
+
+    import specjax.decoding.generate as generate_mod
+    from specjax.calibrate import calibrations, filled_batches
+    from specjax.stats import build_stats
+
+    assert filled_batches([[1], [2], [3]], 2) == [[[1], [2]], [[3], [1]]]
+    assert filled_batches([[1]], 4) == [[[1]] * 4] and filled_batches([], 4) == []
+    calls = []
+
+    def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
+        calls.append((speculator, seed, prompts))
+        if speculator is None:
+            counts = dict(target_calls=np.asarray([16, 16]), draft_calls=np.zeros(2),
+                          drafted=np.zeros(2), accepted=np.zeros(2), cost_ratio=0.0,
+                          verify_cost=None)
+        else:
+            counts = dict(target_calls=np.asarray([10, 6]), draft_calls=np.asarray([20, 12]),
+                          drafted=np.asarray([30, 18]), accepted=np.asarray([20, 12]),
+                          cost_ratio=0.1, verify_cost=np.asarray([12.0, 7.2]),
+                          asked=np.asarray([10, 6]), proposed=np.asarray([8, 4]))
+        stats = build_stats(new_tokens=np.asarray([17, 17]), hist=np.zeros((2, 4), np.int64),
+                            ttft_s=0.0, decode_s=1.6 if speculator is None else 2.0,
+                            compile_s=0.0, **counts)
+        return SimpleNamespace(stats=stats)
+
+    monkeypatch.setattr(generate_mod, "generate", fake_generate)
+    cal = calibrations(None, {"spec": "a speculator"}, [[1], [2], [3]], new_tokens=17,
+                       batch=2)[0.0]["spec"]
+    assert cal.overhead == pytest.approx(0.6) and cal.proposal == pytest.approx(0.75)
+    assert cal.generate_kwargs()["proposal_prior"] == pytest.approx(0.75)
+    timed = calls[len(calls) // 2:]  # after the warm-up passes
+    assert [(s, seed, p) for s, seed, p in timed] == [
+        (None, 0, [[1], [2]]), ("a speculator", 0, [[1], [2]]),
+        (None, 1, [[3], [1]]), ("a speculator", 1, [[3], [1]])]
+
+
+def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
+    """At batch > 1 a row asked to draft pays the batch's verify whether or not its
+    speculator finds a draft. Rows that found one in 4 of 40 asked steps (α 0.8 where
+    they did) keep a batch of 4 plain; rows that always found one draft, as does the
+    rarely-finding row alone (a step without a draft runs no wider forward), and so
+    does the batch when its prior says the speculator always finds one."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.decoding.policy import Rule, decide_from, proposal_rate
+    from specjax.decoding.state import Counters
+
+    spec = NGram(k=4)
+    rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(slope=0.5).validated(),
+                jnp.full((4,), 0.8, jnp.float32))
+    buckets = ((0, 0), (1, 1), (2, 2), (4, 4))
+
+    def limit(batch, proposed, asked=40, r=rule):
+        c = Counters.zeros(batch, 4)
+        c = c.replace(asked=jnp.full((batch,), asked, jnp.int32),
+                      proposed=jnp.full((batch,), proposed, jnp.int32))
+        ones = jnp.ones((batch,), jnp.int32)
+        return np.asarray(decide_from(spec, r, buckets, c, ones > 0, 32 * ones, 32).limit)
+
+    assert (limit(4, 40) > 0).all() and (limit(4, 4) == 0).all()
+    assert (limit(1, 4) > 0).all()
+    assert (limit(4, 4, asked=4, r=rule.replace(proposal=jnp.float32(1.0))) > 0).all()
+    assert (limit(4, 0, asked=0, r=rule.replace(proposal=jnp.float32(0.1))) == 0).all()
+    np.testing.assert_allclose(proposal_rate(jnp.asarray([4]), jnp.asarray([40])),
+                               [8 / 44], rtol=1e-6)
+
+
+def test_generate_counts_asked_and_proposed_drafts(tiny_target):
+    """Every full-depth step asks each active row for a draft; at batch 1 the row's
+    draft is verified whenever it found one, so found drafts are the steps that tried
+    depth 1. A bad proposal prior is refused by name."""
+    out = specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=16, ignore_eos=True,
+                           speculator=NGram(k=3), adaptive=False).stats
+    assert out.asked == out.target_calls > 0
+    assert out.proposed == out.tried_hist[0] <= out.asked
+    assert out.proposal_rate == out.proposed / out.asked
+    batch = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                             speculator=NGram(k=3), adaptive=False).stats
+    assert batch.asked == batch.target_calls and batch.proposed >= batch.tried_hist[0]
+    for bad in (-0.1, 1.5, float("nan"), "x"):
+        with pytest.raises(ValueError, match="proposal_prior="):
+            specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=4,
+                             speculator=NGram(k=3), proposal_prior=bad)
+
+
 def test_position_acceptance_takes_a_prior_mean_per_depth():
     """A prior mean replaces the defaults where given (NaN: the default, chained)."""
     import jax.numpy as jnp

@@ -136,14 +136,16 @@ def plots(rows: list, sweep: list, out: Path) -> list[str]:
 
 def _calibrated_priors(target, specs: dict, prompt_corpus: CorpusConfig, prompts,
                        calibrate: int, num_prompts: int, prompt_len: int, new_tokens: int,
-                       temperatures, seed: int, costs) -> dict:
-    """The adaptive rule's calibration (acceptance per depth, step overhead), measured on
-    `calibrate` other held-out prompts (never the evaluation's own)."""
+                       temperatures, seed: int, costs, batch: int) -> dict:
+    """The adaptive rule's calibration (acceptance per depth, proposal rate, step
+    overhead), measured on `calibrate` other held-out prompts (never the evaluation's
+    own) in calls of `batch` rows, as the comparison runs them."""
     pool = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                            calibrate + num_prompts, prompt_len, seed + 1)
     calib = [p for p in pool if p not in prompts][:calibrate]
     return calibrations(target, specs, calib, new_tokens=new_tokens,
-                        temperatures=temperatures, seed=seed + 1, cost_ratios=costs)
+                        temperatures=temperatures, seed=seed + 1, cost_ratios=costs,
+                        batch=batch)
 
 
 def _k_sweep(target, draft, prompts, sweep_k, *, new_tokens: int, seed: int, costs,
@@ -200,7 +202,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     if calibrate and adaptive:
         priors = _calibrated_priors(target, specs, prompt_corpus, prompts, calibrate,
                                     num_prompts, prompt_len, new_tokens, temperatures, seed,
-                                    costs)
+                                    costs, batch or len(prompts))
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
                    repeats=repeats, priors=priors)

@@ -285,22 +285,26 @@ def calibration_sets(prompt_sets: dict[str, list[Prompt]], docs, tokenizer, num:
 
 
 def calibrate(target, speculators: dict, calibration: dict[str, list[Prompt]], *,
-              temperatures, new: int, seed: int = 0,
+              temperatures, new: int, seed: int = 0, batches=(1,),
               cost_ratios: dict | None = None, verification: str | None = None) -> dict:
-    """{(category, temperature, method): `specjax.calibrate.Calibration`} from plain
+    """{(category, temperature, batch, method): `specjax.calibrate.Calibration`} from plain
     decoding and one full-depth pass per method (adaptive=False: every depth is tried
-    whenever the one before was accepted) over the calibration prompts, batch 1,
-    verified as the timed runs are (`verification`): the acceptance per depth and the
-    step's overhead. cost_ratios: {temperature: {method: c}}."""
+    whenever the one before was accepted) over the calibration prompts, at every batch
+    size the runs use (the prompts repeated to fill a batch), verified as the timed runs
+    are (`verification`): the acceptance per depth, how often each method finds a draft
+    and the step's overhead at that batch. cost_ratios: {batch: {temperature: {method:
+    c}}}."""
     from specjax.calibrate import calibrations
 
     priors = {}
     for category, prompts in calibration.items():
-        by_temp = calibrations(target, speculators, [p.ids for p in prompts],
-                               new_tokens=new, temperatures=temperatures, seed=seed + 1,
-                               cost_ratios=cost_ratios, verification=verification)
-        priors.update({(category, temp, name): cal for temp, per in by_temp.items()
-                       for name, cal in per.items()})
+        for b in batches:
+            by_temp = calibrations(target, speculators, [p.ids for p in prompts],
+                                   new_tokens=new, temperatures=temperatures, seed=seed + 1,
+                                   cost_ratios=(cost_ratios or {}).get(b),
+                                   verification=verification, batch=b)
+            priors.update({(category, temp, b, name): cal for temp, per in by_temp.items()
+                           for name, cal in per.items()})
     return priors
 
 
@@ -409,8 +413,9 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     prompt by prompt and are reported at batch 1. cost_ratios: {batch: {temperature:
     {method: measured cost of a draft call}}} (`generate(cost_ratio=)`, measured at each
     batch), else the parameter-count estimate.
-    priors: {(category, temperature, method): `Calibration`} (`calibrate`) for generate's
-    `acceptance_prior` and `step_overhead`, else the defaults. kv_cache_dtype: specjax's
+    priors: {(category, temperature, batch, method): `Calibration`} (`calibrate`) for
+    generate's `acceptance_prior`, `proposal_prior` and `step_overhead`, else the
+    defaults. kv_cache_dtype: specjax's
     target cache (`generate(kv_cache_dtype=)`; transformers keeps its own); verification:
     `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
@@ -430,7 +435,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             for b in batches:
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
                                                            name),
-                                  calibration=(priors or {}).get((category, temp, name)))
+                                  calibration=(priors or {}).get((category, temp, b, name)))
                        for name in speculators}
                 rows += _specjax_rows(target, speculators, ids, category, temp, b, spec_kw, per,
                                       new, repeats, reference, log)
@@ -564,9 +569,9 @@ def _markdown_method_notes(s: dict) -> list[str]:
     return [
         f"- {s['new']} new tokens per prompt (EOS does not stop), k = {s['k']}, adaptive draft "
         f"length {'on (the default)' if s['adaptive'] else 'off (full k / tree every step)'}"
-        + (f", its acceptance prior and step overhead calibrated per method, category and "
-           f"temperature on {s['calibrate']} other prompts at full depth beside plain "
-           "decoding (`--calibrate`)"
+        + (f", its acceptance prior, proposal rate and step overhead calibrated per method, "
+           f"category, temperature and batch on {s['calibrate']} other prompts at full depth "
+           "beside plain decoding (`--calibrate`)"
            if s.get("calibrate") else "") + "; "
         f"median of {s['repeats']} interleaved rounds after a warm-up pass over every "
         "prompt (each prompt length compiles its programs there)",
@@ -775,13 +780,14 @@ def _hf_setup(args, target, draft) -> tuple:
 
 def _calibrated_priors(args, target, speculators: dict, prompt_sets, docs, lengths,
                        cost_ratios, log) -> dict:
-    """`--calibrate`: each method's acceptance per depth and step overhead on other
-    prompts of each category, the adaptive rule's start for the timed runs."""
+    """`--calibrate`: each method's acceptance per depth, proposal rate and step
+    overhead on other prompts of each category at each batch size, the adaptive rule's
+    start for the timed runs."""
     calib = calibration_sets(prompt_sets, docs, target.tokenizer, args.calibrate, lengths,
                              args.seed)
     priors = calibrate(target, speculators, calib, temperatures=args.temperatures,
-                       new=args.new, seed=args.seed, cost_ratios=cost_ratios,
-                       verification=args.verification)
+                       new=args.new, seed=args.seed, batches=args.batches,
+                       cost_ratios=cost_ratios, verification=args.verification)
     log(f"calibrated: {priors}")
     return priors
 
@@ -805,8 +811,9 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
         prompts=[dict(category=p.category, origin=p.origin, tokens=len(p.ids))
                  for ps in prompt_sets.values() for p in ps],
         **llama_info,
-        priors=[dict(category=c, temperature=t, method=m, acceptance_by_position=cal.prior,
-                     step_overhead=cal.overhead) for (c, t, m), cal in priors.items()],
+        priors=[dict(category=c, temperature=t, batch=b, method=m,
+                     acceptance_by_position=cal.prior, proposal_rate=cal.proposal,
+                     step_overhead=cal.overhead) for (c, t, b, m), cal in priors.items()],
         rows=rows)
 
 
@@ -841,13 +848,13 @@ def suite(args, command: str, log=_log) -> dict:
     llama, llama_info = {}, {}
     if set(LLAMACPP_METHODS) & set(args.methods):
         llama, llama_info = llamacpp_runners(args, paths, target, draft, prompt_sets)
-    # c at every batch the run times (and at 1 for the calibration passes)
+    # c at every batch the run times (and calibrates at)
     costs = {b: measured_cost_ratios(target, speculators, args.temperatures, batch=b)
-             for b in sorted(set(args.batches) | ({1} if args.calibrate else set()))}
+             for b in args.batches}
     priors = {}
     if args.calibrate:
         priors = _calibrated_priors(args, target, speculators, prompt_sets, docs, lengths,
-                                    costs.get(1), log)
+                                    costs, log)
     def checkpoint(rows: list[dict]) -> None:
         """The rows so far to --json, marked partial: an hours-long run that dies (out
         of memory, a peer library's crash) keeps the parts it finished."""

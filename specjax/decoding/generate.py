@@ -35,6 +35,9 @@ generate's arguments:
   acceptance_prior: the acceptance α_d per draft depth the adaptive rule starts from
     (None, or None / NaN entries: the default); a calibration run's
     `stats.acceptance_by_position` makes a good draft draft deep from its first step.
+  proposal_prior: the rate at which the speculator finds a draft when asked, which the
+    rule starts from (None: 1); a calibration run's `stats.proposal_rate`. At batch > 1
+    a row whose n-gram finds nothing still pays the batch's verify.
   layer_layout: "auto", "scan" or "unrolled" (`specjax.model.decode_params`).
   prefill_chunk: the most prompt tokens one prefill forward takes (`prefill_chunks`).
   num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
@@ -88,7 +91,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              adaptive: bool = True, cost_ratio: float | None = None,
              verify_cost: VerifyCost | None = None, step_overhead: float | None = None,
              acceptance_prior: Sequence[float | None] | None = None,
-             layer_layout: str = "auto", page_size: int = 16, num_pages: int | None = None,
+             proposal_prior: float | None = None, layer_layout: str = "auto",
+             page_size: int = 16, num_pages: int | None = None,
              prefill_chunk: int = 256, attention_backend: str | None = None,
              kv_cache_dtype=None, kv_commit: str | None = None) -> GenerationResult:
     """Generates up to `max_new_tokens` per prompt; greedy by default (arguments: this
@@ -104,7 +108,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     # on its batch; greedy tokens do not depend on the depth drafted
     per_row = temperature > 0 and not rng.is_seed(seed)
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
-                 step_overhead)
+                 step_overhead, proposal_prior)
     depth = speculator.shape.max_depth if speculator is not None else 0
     if speculator is not None and not may_draft(speculator, rule, len(rows)):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
@@ -266,8 +270,13 @@ def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
 
 
 def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator,
-          per_row: bool, mesh, step_overhead=None) -> Rule:
+          per_row: bool, mesh, step_overhead=None, proposal_prior=None) -> Rule:
     """The adaptive rule's traced settings, replicated on the mesh."""
+    if proposal_prior is not None and not (
+            isinstance(proposal_prior, (int, float, np.floating, np.integer))
+            and 0 <= proposal_prior <= 1):
+        raise ValueError(f"proposal_prior={proposal_prior!r} must be a rate in [0, 1] "
+                         "(None: 1)")
     if step_overhead is not None and not (
             isinstance(step_overhead, (int, float, np.floating, np.integer))
             and np.isfinite(step_overhead) and step_overhead >= 0):
@@ -278,7 +287,9 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
     prior = _prior(acceptance_prior, speculator.shape.max_depth if speculator is not None else 0)
     return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
-                                jnp.bool_(per_row), jnp.float32(step_overhead or 0.0)), mesh)
+                                jnp.bool_(per_row), jnp.float32(step_overhead or 0.0),
+                                proposal=jnp.float32(np.nan if proposal_prior is None
+                                                     else proposal_prior)), mesh)
 
 
 def _timed(program, *args):

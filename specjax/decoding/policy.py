@@ -51,6 +51,9 @@ class Rule:
     overhead: jax.Array = np.float32(0.0)
     # [] the expected gain over plain decoding a depth k > 0 must show (`DRAFT_MARGIN`)
     margin: jax.Array = np.float32(DRAFT_MARGIN)
+    # [] prior P(the speculator proposes | asked to draft) (`generate(proposal_prior=)`);
+    # NaN: 1, a speculator that always proposes
+    proposal: jax.Array = np.float32(np.nan)
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -123,6 +126,16 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, PRIOR_TR
         out.append((at_least[:, d] + pseudo) / (tried[:, d] + n0))
         pseudo = n0 * out[-1]
     return jnp.stack(out, axis=1) if out else jnp.asarray(at_least, jnp.float32)
+
+
+def proposal_rate(proposed, asked, prior=np.float32(np.nan)):
+    """[B] P(the speculator proposes at least one token | the row asked it to draft), from
+    the counters proposed and asked [B], shrunk towards `prior` (NaN: 1) with
+    PRIOR_TRIES pseudo-steps. An n-gram speculator proposes only where its pattern
+    recurs; a draft model always proposes."""
+    p0 = jnp.where(jnp.isnan(prior), 1.0, jnp.clip(prior, 0.0, 1.0))
+    return (jnp.asarray(proposed, jnp.float32) + PRIOR_TRIES * p0) / (
+        jnp.asarray(asked, jnp.float32) + PRIOR_TRIES)
 
 
 def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
@@ -348,6 +361,15 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
                                   tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
+    # At batch > 1 a row asked to draft pays the batch's verify width whether or not its
+    # speculator finds a draft, so the first position's acceptance counts the steps it
+    # finds none (at batch 1 such a step runs no wider forward; probes assume they find)
+    shared = ~rule.per_row & (b > 1)
+    p = proposal_rate(counters.proposed, counters.asked, rule.proposal)
+    p_hopeful = proposal_rate(counters.proposed + PROBE_LOOKAHEAD,
+                              counters.asked + PROBE_LOOKAHEAD, rule.proposal)
+    alpha = alpha.at[:, 0].multiply(jnp.where(shared, p, 1.0))
+    hopeful = hopeful.at[:, 0].multiply(jnp.where(shared, p_hopeful, 1.0))
     own, hopeful_k = best(alpha), best(hopeful)
     alpha_low = slowest_row_acceptance(alpha, tried, b)
     hopeful_low = slowest_row_acceptance(hopeful, tried.at[:, 0].add(PROBE_LOOKAHEAD), b)

@@ -68,6 +68,7 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     active = ~st.done
     tree, spec_state, limit, probed = _propose(params, st, decision)
     depths = [d for d, _ in loop.buckets]
+    proposed = tree.row_depths > 0  # before the batch's bucket cuts the tree
     which = decision.bucket(tree.row_depths, active, probed)
     tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
     k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
@@ -88,7 +89,7 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     width = jnp.asarray([w for _, w in loop.buckets] + [0], jnp.int32)[which]
     return Speculation(tree=tree, result=res, kept_inputs=kept, kept_hidden=kept_hidden,
                        cache=cache, kept_kv=kept_kv, spec_state=spec_state, depth_limit=limit,
-                       probed=probed, width=width, bucket=which)
+                       probed=probed, proposed=proposed, width=width, bucket=which)
 
 
 def _verify_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState, tree, key):
@@ -177,4 +178,6 @@ def _count(params: Params, st: LoopState, sp: Speculation, acc, decision: Decisi
         drafted=c.drafted + jnp.where(active, depth_used, 0), accepted=c.accepted + acc,
         hist=c.hist.at[jnp.arange(b), acc].add(active), tried=tried,
         verified=c.verified + active * (sp.width + 1),
-        verify_cost=c.verify_cost + active * decision.spent[sp.bucket])
+        verify_cost=c.verify_cost + active * decision.spent[sp.bucket],
+        asked=c.asked + (active & (sp.depth_limit > 0)),
+        proposed=c.proposed + (active & (sp.depth_limit > 0) & sp.proposed))

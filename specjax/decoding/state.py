@@ -28,6 +28,11 @@ class Counters:
     tried: jax.Array  # [B, Dm] steps that verified depth d+1 with depth d accepted
     verified: jax.Array  # [B] target inputs fed while active (1 per plain step)
     verify_cost: jax.Array  # [B] float32: modelled cost of those forwards (VerifyCost)
+    # [B] speculative steps that asked the row for a draft (depth limit >= 1), and those
+    # in which the speculator proposed at least one token (before the batch's verify
+    # bucket cut it): how often a speculator that may find nothing (n-gram) drafts
+    asked: jax.Array
+    proposed: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int) -> "Counters":
@@ -35,7 +40,8 @@ class Counters:
         return cls(target_calls=zeros, draft_calls=zeros, drafted=zeros, accepted=zeros,
                    hist=jnp.zeros((batch, max_depth + 1), jnp.int32),
                    tried=jnp.zeros((batch, max_depth), jnp.int32), verified=zeros,
-                   verify_cost=jnp.zeros((batch,), jnp.float32))
+                   verify_cost=jnp.zeros((batch,), jnp.float32), asked=zeros,
+                   proposed=zeros)
 
 
 @struct.dataclass
@@ -99,5 +105,6 @@ class Speculation:
     spec_state: Any
     depth_limit: jax.Array  # [B]
     probed: jax.Array  # [B] bool: rows drafting only to re-measure (the rule said k = 0)
+    proposed: jax.Array  # [B] bool: rows whose draft (within their limit) has a node
     width: jax.Array  # [] tree nodes the target verified this step (0: a plain decode step)
     bucket: jax.Array  # [] the verify bucket that ran (len(buckets): no forward)
