@@ -44,7 +44,7 @@ def speculators(target, draft) -> dict:
     """name -> (speculator, proposes chains)."""
     return {
         "plain": (None, False),
-        "ngram": (NGram(k=3), True),
+        "ngram": (NGram(k=3, n_min=1), True),  # as recorded: one-token matches too
         "draft": (DraftModel.create(draft, k=3), True),
         "self": (DraftModel.create(target, k=4), True),
         "medusa": (Medusa.random(target, num_heads=2, tree=[[0], [1], [0, 0], [0, 1]]), False),

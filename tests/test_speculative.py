@@ -67,7 +67,7 @@ def test_ngram_takes_the_latest_match_with_a_whole_continuation():
         toks = jnp.asarray([row + [0] * (16 - len(row))], jnp.int32)
         ctx = ProposeContext(toks, jnp.asarray([length]), jnp.asarray([True]), None, None,
                              jnp.asarray([k]))
-        tree, _ = NGram(k=k).propose(None, ctx, None)
+        tree, _ = NGram(k=k, n_min=1).propose(None, ctx, None)
         return [int(t) for t, v in zip(tree.tokens[0], tree.valid[0]) if v]
 
     # last token 3: after position 9 only one token follows, after position 2 four do
@@ -134,7 +134,8 @@ def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temp
     target, draft = peaked_pair
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n_rows = 3000
-    spec = DraftModel.create(draft, k=2) if spec_name == "draft" else NGram(k=2)
+    # one-token matches: a random model rarely repeats a pair of tokens
+    spec = DraftModel.create(draft, k=2) if spec_name == "draft" else NGram(k=2, n_min=1)
     out = specjax.generate(target, [prompt] * n_rows, max_new_tokens=3, ignore_eos=True,
                            temperature=temperature, top_p=top_p, seed=1, speculator=spec,
                            adaptive=False, verification=verification)
@@ -163,8 +164,9 @@ def test_verify_buckets_and_depth_widths():
 def test_adaptive_verifies_only_what_pays(tiny_target, greedy_ref):
     """A costly verify forward (large slope) makes every step a plain one-token step; a
     free one (slope 0) verifies the drafts. Output is target-only greedy either way, and
-    the stats count the inputs each forward fed."""
-    spec = NGram(k=4)
+    the stats count the inputs each forward fed (one-token matches: a random model
+    rarely repeats a pair of tokens)."""
+    spec = NGram(k=4, n_min=1)
     costly = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                               speculator=spec, verify_cost=VerifyCost(per_token=50.0))
     free = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
@@ -945,8 +947,9 @@ def test_probes_run_only_where_their_outcome_could_change_the_rule(tiny_target):
     steps) as the best case: no probes at all."""
     kw = dict(max_new_tokens=40, ignore_eos=True, verify_cost=VerifyCost(jump=2.2))
     plain = specjax.generate(tiny_target, PROMPTS[:1], **kw)
-    default = specjax.generate(tiny_target, PROMPTS[:1], speculator=NGram(k=4), **kw)
-    known = specjax.generate(tiny_target, PROMPTS[:1], speculator=NGram(k=4), **kw,
+    spec = NGram(k=4, n_min=1)  # a random model rarely repeats a pair of tokens
+    default = specjax.generate(tiny_target, PROMPTS[:1], speculator=spec, **kw)
+    known = specjax.generate(tiny_target, PROMPTS[:1], speculator=spec, **kw,
                              acceptance_prior=[None, 0.0, 0.0, 0.0])
     assert default.tokens == plain.tokens and known.tokens == plain.tokens
     assert default.stats.mean_verified > 1.0  # the probes (any n-gram match) verified

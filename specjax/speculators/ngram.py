@@ -7,7 +7,9 @@ one with the longest (the earliest). The most recent occurrence alone is often j
 behind the end (a repeated token, a line being repeated), with one or two tokens after
 it, so it drafted too little to beat prompt lookup; this choice drafts far deeper
 (docs/benchmarks.md, History).
-Repetitive input (code edits, quoting the prompt) gives long accepted runs.
+Repetitive input (code edits, quoting the prompt) gives long accepted runs. A match of
+one token is right about one time in four, of two more often than not, so `n_min`
+defaults to 2 (docs/benchmarks.md, "n-gram: the shortest match").
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from specjax.tree import DraftTree, chain
 class NGram(Speculator):
     k: int = struct.field(pytree_node=False, default=4)
     n_max: int = struct.field(pytree_node=False, default=3)
-    n_min: int = struct.field(pytree_node=False, default=1)
+    n_min: int = struct.field(pytree_node=False, default=2)
 
     def __post_init__(self):
         if self.k < 1:
