@@ -390,7 +390,8 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
             out[n].update(agreement(tokens["specjax_generate"], tokens[n]))
     return dict(settings={k: v for k, v in vars(args).items()}, prompt_tokens=[len(p) for p in
                                                                              prompts],
-                ngram_prior=cal.prior, ngram_step_overhead=cal.overhead, methods=out)
+                ngram_prior=cal.prior, ngram_proposal_rate=cal.proposal,
+                ngram_step_overhead=cal.overhead, methods=out)
 
 
 if __name__ == "__main__":

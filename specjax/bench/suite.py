@@ -173,10 +173,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
     ap.add_argument("--calibrate", type=int, default=0,
                     help="N: before timing, each method runs N other prompts of the category "
-                         "at full depth beside plain decoding: its acceptance per depth is the "
-                         "adaptive rule's prior and its step's measured overhead the rule's "
-                         "step_overhead (generate's acceptance_prior, step_overhead); 0: the "
-                         "defaults")
+                         "at full depth beside plain decoding, at each batch size: its "
+                         "acceptance per depth, proposal rate and step's measured overhead "
+                         "start the adaptive rule (generate's acceptance_prior, "
+                         "proposal_prior, step_overhead); 0: the defaults")
     ap.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                     help="draft the full k / tree every step (generate's adaptive=False)")
     ap.add_argument("--torch-threads", type=int, default=0,
