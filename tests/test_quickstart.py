@@ -39,6 +39,9 @@ def test_quickstart_compares_every_method(finished):
     assert res["greedy_identical"] is True
     saved = json.loads((workdir / "results.json").read_text())
     assert saved["versions"]["jax"] and saved["settings"]["seed"] == 0
+    # the n-gram's own settings key the finished table: a new default re-measures it
+    assert saved["settings"]["lookups"]["ngram"] == dict(k=saved["settings"]["k"], n_min=2,
+                                                         n_max=3)
     for plot in saved["plots"]:
         assert (workdir / plot).stat().st_size > 0
     assert "| ngram | 0 |" in (workdir / "results.md").read_text()

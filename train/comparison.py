@@ -167,6 +167,16 @@ def _k_sweep(target, draft, prompts, sweep_k, *, new_tokens: int, seed: int, cos
     return sweep
 
 
+def _lookup_settings(specs: dict) -> dict:
+    """{name: its settings} of the speculators with no trained stage (n-gram), so that a
+    finished evaluation is reused only if they drafted the same way (the trained ones
+    are keyed by their stages' settings)."""
+    from specjax.speculators import NGram
+
+    return {name: dict(k=s.k, n_min=s.n_min, n_max=s.n_max) for name, s in specs.items()
+            if isinstance(s, NGram)}
+
+
 def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, specs: dict,
              settings: dict, prompt_corpus: CorpusConfig, *, num_prompts: int,
              prompt_len: int, new_tokens: int, k: int, sweep_k: tuple[int, ...],
@@ -184,9 +194,9 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
                     **({"adaptive": True} if adaptive else {}),
                     **({"repeats": repeats} if repeats != 1 else {}),
                     **({"calibrate": calibrate} if calibrate and adaptive else {}),
-                    methods=list(specs), stages={p.name: json.loads((p / DONE).read_text())
-                                                 ["settings"] for p in workdir.iterdir()
-                                                 if (p / DONE).exists()})
+                    methods=list(specs), lookups=_lookup_settings(specs),
+                    stages={p.name: json.loads((p / DONE).read_text())["settings"]
+                            for p in workdir.iterdir() if (p / DONE).exists()})
     res_file = workdir / "results.json"
     if res_file.exists():
         old = json.loads(res_file.read_text())
