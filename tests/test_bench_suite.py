@@ -13,6 +13,7 @@ import re
 import textwrap
 import tokenize
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -256,6 +257,34 @@ def test_loop_kind_names_the_loop_the_calls_ran():
     assert suite.loop_kind(0, 4) == "plain"
     assert suite.loop_kind(4, 4) == "speculative"
     assert suite.loop_kind(1, 4) == "1/4 speculative"
+
+
+def test_timed_rounds_rotate_the_method_order(monkeypatch):
+    """No method runs first in every round (the first measured slower on the same
+    programs), and autoregressive stays the reference whatever its position."""
+    from specjax.bench import speculative
+
+    order = []
+
+    def fake_pass(target, spec, ids, *, batch, **kw):
+        order.append(spec)
+        stats = SimpleNamespace(acceptance_rate=0.5, mean_accepted_length=1.5, mean_k=1.0,
+                                cost_ratio=0.1, expected_speedup=1.2, ttft_s=0.01,
+                                expected_speedup_free_verify=1.4, expected_speedup_iid=1.1,
+                                tpot_s=0.01, speculative_calls=1)
+        return [[len(order)] * 4], stats, 0.1
+
+    monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
+    names = ["autoregressive", "ngram", "draft"]
+    rows = suite._specjax_rows(None, {n: n for n in names}, [[1, 2]], "docstring", 0.0, 1,
+                               {}, {n: {} for n in names}, 4, 3, {}, lambda _: None)
+    timed = order[len(names):]  # after one warm-up pass each
+    rounds = [timed[i:i + len(names)] for i in range(0, len(timed), len(names))]
+    assert [r[0] for r in rounds] == names  # each method first once
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    assert [r["method"] for r in rows] == names
+    # the reference is autoregressive's last pass: its tokens are identical to themselves
+    assert rows[0]["identical"] is True and rows[1]["identical"] is False
 
 
 def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypatch):

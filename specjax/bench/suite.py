@@ -326,8 +326,8 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_kw: dict,
                   per: dict, new: int, repeats: int, reference: dict, log) -> list[dict]:
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
-    length compiles its programs), then `repeats` interleaved timed rounds; the first
-    method (autoregressive) becomes the batch's `reference`."""
+    length compiles its programs), then `repeats` interleaved timed rounds in
+    `round_order`; the first method (autoregressive) becomes the batch's `reference`."""
     from specjax.bench.speculative import specjax_pass
 
     for name, spec in speculators.items():
@@ -335,16 +335,17 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     walls = {name: [] for name in speculators}
     tpots = {name: [] for name in speculators}
     last = {}
-    for _ in range(repeats):
-        for name, spec in speculators.items():
+    for r in range(repeats):
+        for name in round_order(list(speculators), r):
             tokens, stats, wall = specjax_pass(
-                target, spec, ids, batch=b, **spec_kw, **per[name])
+                target, speculators[name], ids, batch=b, **spec_kw, **per[name])
             walls[name].append(wall)
             tpots[name].append(stats.tpot_s)
             last[name] = tokens, stats
     rows = []
     calls = -(-len(ids) // b)
-    for name, (tokens, stats) in last.items():
+    for name in speculators:
+        tokens, stats = last[name]
         row = _row(category, temp, b, name,
                    len(ids) * new / statistics.median(walls[name]), stats,
                    tpot_s=statistics.median(tpots[name]))
@@ -352,6 +353,13 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
         reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
         rows.append(_finish(row, tokens, reference[b], log))
     return rows
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round `r`'s method order: `names` rotated by r. The same programs measured 6-10 %
+    slower when they always ran first in a round, so no method keeps one position."""
+    shift = r % len(names)
+    return names[shift:] + names[:shift]
 
 
 def loop_kind(speculative_calls: int, calls: int) -> str:
