@@ -112,33 +112,45 @@ def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, defau
 
 
 def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: int = 128, *,
-                        config: ModelConfig) -> dict:
-    """What a verify forward of T tokens costs relative to a one-token step, on `config`'s
-    shapes (random weights): median seconds per step at each T, their ratios, and the
-    fitted jump, slope (`fit_verify_cost`) and per_token (`fit_per_token`).
+                        config: ModelConfig, far: int | None = None) -> dict:
+    """What a verify forward of T tokens costs relative to a one-token step after
+    `context` cached tokens, on `config`'s shapes (random weights): median seconds per
+    step at each T, their ratios, and the fitted jump, slope (`fit_verify_cost`) and
+    per_token (`fit_per_token`).
 
     Each T is compiled twice: with the options `generate` compiles with
     (`specjax.xla_options`, the figures the fit uses) and without YNNPACK fusions
-    (`NO_YNN`), so one run shows what that option would change."""
+    (`NO_YNN`), so one run shows what that option would change. With `far`, each T is
+    also timed after `far` cached tokens (generate's options), interleaved with the rest:
+    `far_seconds`, and `far` = those seconds over T = 1's at `context`
+    (`VerifyCost.from_table(contexts=, far=)`). `capacity`: each context's page table in
+    tokens, what the reference backend's attention reads (`policy.attended`), so what
+    `contexts=` takes on CPU."""
     model = init_model(config, seed=0)
     params = model.decode_params()  # the layout `generate` decodes with
     page = 16
-    pages = -(-(context + max(tokens)) // page)
-    table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
-    cache = PagedKVCache.create(config, table, num_pages=batch * pages, page_size=page,
-                                lengths=jnp.full((batch,), context, jnp.int32))
-    fns = {}
-    for t in tokens:
-        ids = jnp.asarray(np.random.default_rng(t).integers(0, config.vocab_size, (batch, t)))
-        pos = context + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        mask = None if t == 1 else ancestor_mask(chain(ids[:, 1:]).parents, t - 1)
-        args = (params, cache, ids, pos, mask)
-        lowered = jax.jit(lambda p, c, i, q, m: step(config, p, c, i, q, mask=m)[0]
-                          ).lower(*args)
-        for variant, fn in (("generate", compile_decode(lowered)),
-                            ("no_ynn", lowered.compile(compiler_options=NO_YNN))):
-            fn(*args).block_until_ready()  # first run
-            fns[variant, t] = (fn, args)
+    contexts = (context,) if far is None else (context, far)
+    fns, capacity = {}, []
+    for c in contexts:
+        pages = -(-(c + max(tokens)) // page)
+        capacity.append(pages * page)
+        table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+        cache = PagedKVCache.create(config, table, num_pages=batch * pages, page_size=page,
+                                    lengths=jnp.full((batch,), c, jnp.int32))
+        for t in tokens:
+            ids = jnp.asarray(np.random.default_rng(t).integers(0, config.vocab_size,
+                                                                 (batch, t)))
+            pos = c + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+            mask = None if t == 1 else ancestor_mask(chain(ids[:, 1:]).parents, t - 1)
+            args = (params, cache, ids, pos, mask)
+            lowered = jax.jit(lambda p, kv, i, q, m: step(config, p, kv, i, q, mask=m)[0]
+                              ).lower(*args)
+            variants = (("generate", compile_decode(lowered)),)
+            if c == context:
+                variants += (("no_ynn", lowered.compile(compiler_options=NO_YNN)),)
+            for variant, fn in variants:
+                fn(*args).block_until_ready()  # first run
+                fns[variant if c == context else "far", t] = (fn, args)
     times = {key: [] for key in fns}
     for _ in range(repeats):  # interleaved: every T sees the same machine load
         for key, (fn, args) in fns.items():
@@ -146,12 +158,15 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
             fn(*args).block_until_ready()
             times[key].append(time.perf_counter() - t0)
     med = {key: statistics.median(v) for key, v in times.items()}
-    out = dict(params=model.num_params(),
+    out = dict(params=model.num_params(), capacity=tuple(capacity),
                name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
     for variant, suffix in (("generate", ""), ("no_ynn", "_no_ynn")):
         sec = {t: med[variant, t] for t in tokens}
         out["seconds" + suffix] = sec
         out["ratio" + suffix] = {t: sec[t] / sec[tokens[0]] for t in tokens}
+    if far is not None:
+        out["far_seconds"] = {t: med["far", t] for t in tokens}
+        out["far"] = {t: med["far", t] / med["generate", tokens[0]] for t in tokens}
     small = {t: r for t, r in out["ratio"].items() if t < LINEAR_FROM}
     out["jump"], out["slope"] = fit_verify_cost(small)
     out["per_token"] = fit_per_token(out["ratio"])

@@ -127,3 +127,74 @@ def test_bad_arguments_exit_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         verify_cost.main(argv + ["--out", ""])
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_measure_times_a_far_context_beside_the_near_one():
+    """--far: every T timed again after more cached tokens, in units of the near
+    context's one-token step, which is what `VerifyCost.from_table(far=)` takes."""
+    result = calibrate.measure_verify_cost([1, 3], batch=1, repeats=2, context=8, far=72,
+                                           config=tiny_llama(vocab_size=64))
+    assert set(result["far_seconds"]) == set(result["far"]) == {1, 3}
+    assert result["far"][3] == result["far_seconds"][3] / result["seconds"][1]
+    assert result["capacity"] == (16, 80)  # 16-token pages holding context + 3
+    result.update(context=8, far_context=72)
+    text = verify_cost.markdown(result, 1, 2, "python -m specjax.bench.verify_cost --far 72")
+    assert "| ms after 72 tokens | cost / cost(T=1) after 8 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 3 |"))
+    assert row.endswith(f"| {result['far_seconds'][3] * 1e3:.2f} | {result['far'][3]:.2f} |")
+
+
+@pytest.mark.parametrize("argv", [["--far", "64", "--context", "128"],
+                                  ["--context", "-1"]])
+def test_bad_contexts_exit_non_zero(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        verify_cost.main(argv + ["--out", ""])
+    assert e.value.code != 0 and "--context=" in capsys.readouterr().err
+
+
+def test_verify_cost_is_affine_in_the_context():
+    """Measured at two contexts, each forward's cost is linear in the cached tokens, so
+    v(T) moves from the near table to the far one and past it; without a context, or
+    without a far table, the near table stands."""
+    from specjax.decoding.cost import VerifyCost
+
+    near = {1: 1.0, 2: 1.2, 5: 1.5}
+    far = {1: {1: 2.0, 2: 2.8, 5: 4.0}}
+    vc = VerifyCost.from_table(near, contexts=(100, 1100), far=far).validated()
+    assert float(vc(2)) == pytest.approx(1.2) and float(vc(2, 100)) == pytest.approx(1.2)
+    assert float(vc(2, 1100)) == pytest.approx(1.4)
+    assert float(vc(2, 600)) == pytest.approx(2.0 / 1.5)  # (1.2 + 0.8) / (1 + 0.5)
+    assert float(vc(5, 2100)) == pytest.approx((1.5 + 2 * 2.5) / 3.0)  # past the far one
+    assert float(VerifyCost.from_table(near).validated()(2, 5000)) == pytest.approx(1.2)
+    assert "measured after 1100" in vc.describe()
+    by = VerifyCost.from_table(near, by_rows={4: {1: 1.0, 2: 1.5, 5: 2.0}},
+                               contexts=(100, 1100),
+                               far={1: far[1], 4: {1: 3.0, 2: 6.0, 5: 9.0}}).validated()
+    assert float(by.relative(2, 4, 1100)) == pytest.approx(2.0)
+    assert float(by.relative(2, 4, 100)) == pytest.approx(1.5)
+    assert float(by.relative(2, 1, 1100)) == pytest.approx(1.4)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(contexts=(100, 1100)), "give both or neither"),
+    (dict(contexts=(100, 1100), far={4: {1: 1.0, 2: 1.1, 5: 1.2}}), r"far\[1\]"),
+    (dict(contexts=(100, 1100), far={1: {1: 1.0, 2: 1.1}}), r"far\[1\] measures T"),
+])
+def test_bad_far_tables_are_named(kw, match):
+    from specjax.decoding.cost import VerifyCost
+
+    with pytest.raises(ValueError, match=match):
+        VerifyCost.from_table({1: 1.0, 2: 1.2, 5: 1.5}, **kw)
+
+
+@pytest.mark.parametrize("contexts, far, match", [
+    ((500, 100), [[1.0, 2.0]], "contexts="),
+    ((100, 500), [[1.0, -2.0]], "far="),
+    ((100, 500), [[1.0, 2.0], [1.0, 2.0]], "far="),
+])
+def test_bad_context_fields_are_refused_by_name(contexts, far, match):
+    from specjax.decoding.cost import VerifyCost
+
+    vc = VerifyCost(measured=[[1, 2], [1.0, 1.2]], contexts=contexts, far=far)
+    with pytest.raises(ValueError, match=match):
+        vc.validated()

@@ -459,6 +459,11 @@ def test_a_speculator_that_can_never_draft_runs_plain_decoding(tiny_target, gree
     assert policy.may_draft(NGram(k=3), rule([0.0] * 3, VerifyCost()), 4)  # probes pay
     assert policy.may_draft(NGram(k=3), rule([0.9] * 3, VerifyCost()), 4)  # drafts at once
     assert policy.may_draft(NGram(k=3), rule([0.0] * 3).replace(adaptive=jnp.bool_(False)), 1)
+    # a verify that grows dear with the context: drafts after a short prompt, not a long one
+    growing = VerifyCost.from_table({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, contexts=(0, 100),
+                                    far={1: {1: 1.5, 2: 3.0, 3: 4.5, 4: 6.0}})
+    assert policy.may_draft(NGram(k=3), rule([0.9] * 3, growing), 1, 10)
+    assert not policy.may_draft(NGram(k=3), rule([0.9] * 3, growing), 1, 5000)
 
 
 def test_plain_steps_keep_every_speculator_lossless(tiny_target, tiny_draft, greedy_ref,
@@ -771,7 +776,7 @@ def test_step_overhead_prices_the_speculative_step(tiny_target, greedy_ref):
     more = specjax.generate(tiny_target, PROMPTS[:1], **full, step_overhead=0.5).stats
     assert more.verify_cost == pytest.approx(base.verify_cost + 0.5)
     assert more.expected_speedup < base.expected_speedup
-    for bad in (-1.0, float("nan"), "x"):
+    for bad in (-1.0, float("nan"), "x", True):
         with pytest.raises(ValueError, match="step_overhead="):
             specjax.generate(tiny_target, PROMPTS[:1], **kw, step_overhead=bad)
 
@@ -915,7 +920,7 @@ def test_generate_counts_asked_and_proposed_drafts(tiny_target):
     batch = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                              speculator=NGram(k=3), adaptive=False).stats
     assert batch.asked == batch.target_calls and batch.proposed >= batch.tried_hist[0]
-    for bad in (-0.1, 1.5, float("nan"), "x"):
+    for bad in (-0.1, 1.5, float("nan"), "x", True):
         with pytest.raises(ValueError, match="proposal_prior="):
             specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=4,
                              speculator=NGram(k=3), proposal_prior=bad)

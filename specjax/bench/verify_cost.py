@@ -16,8 +16,13 @@ compute-bound (a batch verifies rows × T tokens at once, so wide trees at batch
 there). `specjax.decoding.cost.VERIFY_COST` holds the measured ratios themselves
 (`VerifyCost.from_table`; the adaptive draft length and the analytical speedup use it).
 
+With `--far N` every T is timed again after N cached tokens, interleaved: the
+reference attention reads every page of a row's table, so a verify's share of the step
+grows with the context, and `VerifyCost.from_table(contexts=, far=)` makes each cost
+affine in it between the two.
+
   python -m specjax.bench.verify_cost [--target CKPT|bench] [--tokens 1,2,3,5,9,17,33,65,129]
-      [--batch 1] [--repeats 30]
+      [--batch 1] [--repeats 30] [--context 128] [--far N]
 """
 
 from __future__ import annotations
@@ -40,17 +45,25 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
              f"- versions: {_versions()}", f"- command: `{command}`",
              f"- model: {result['name']}, random weights, {result['params']:,} params, float32, "
              f"batch {batch}, "
-             f"128-token context; median of {repeats} interleaved rounds",
+             f"{result.get('context', 128)}-token context; median of {repeats} interleaved "
+             "rounds",
              "- generate's options: `specjax.xla_options.DECODE_OPTIONS`; the other columns: "
              "without YNNPACK fusions (`xla_cpu_experimental_ynn_fusion_type=''`), the "
              "option generate used before", "",
              "| T (verified tokens) | ms, generate's options | cost / cost(T=1) "
              "| ms, no YNNPACK | cost / cost(T=1), no YNNPACK |",
              "|---:|---:|---:|---:|---:|"]
+    far = "far" in result
+    if far:
+        lines[-2] = lines[-2][:-1] + (f"| ms after {result['far_context']} tokens | cost / "
+                                      f"cost(T=1) after {result.get('context', 128)} |")
+        lines[-1] += "---:|---:|"
     for t, sec in result["seconds"].items():
         lines.append(f"| {t} | {sec * 1e3:.2f} | {result['ratio'][t]:.2f} | "
                      f"{result['seconds_no_ynn'][t] * 1e3:.2f} | "
-                     f"{result['ratio_no_ynn'][t]:.2f} |")
+                     f"{result['ratio_no_ynn'][t]:.2f} |"
+                     + (f" {result['far_seconds'][t] * 1e3:.2f} | {result['far'][t]:.2f} |"
+                        if far else ""))
     lines += ["", "Least-squares fit of cost(T)/cost(1) = 1 + jump·[T > 1] + slope·log2(T) "
               f"over T < {LINEAR_FROM} and of per_token·T over T >= {LINEAR_FROM} (compute-"
               "bound; a batch verifies rows × T tokens in one forward), generate's options: "
@@ -84,6 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,2,3,5,9,17,33,65,129")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--context", type=int, default=128,
+                    help="cached tokens before the verified ones")
+    ap.add_argument("--far", type=int, default=None,
+                    help="also time every T after this many cached tokens, for "
+                    "VerifyCost.from_table(contexts=(context, far), far=...)")
     ap.add_argument("--out", default="docs/benchmarks.md",
                     help="markdown file to write the table into ('' = don't write)")
     args = ap.parse_args(argv)
@@ -94,8 +112,11 @@ def main(argv=None) -> int:
     if tokens[0] != 1 or args.batch < 1 or args.repeats < 1:
         ap.error(f"--tokens must start at 1 (got {args.tokens!r}); --batch={args.batch} and "
                  f"--repeats={args.repeats} must be >= 1")
-    result = measure_verify_cost(tokens, args.batch, args.repeats,
-                                 config=target_config(args.target))
+    if args.context < 0 or (args.far is not None and args.far <= args.context):
+        ap.error(f"--context={args.context} must be >= 0 and --far={args.far} above it")
+    result = measure_verify_cost(tokens, args.batch, args.repeats, args.context,
+                                 config=target_config(args.target), far=args.far)
+    result.update(context=args.context, far_context=args.far)
     for t in tokens:
         print(f"T={t:3d}: {result['seconds'][t] * 1e3:7.2f} ms  ({result['ratio'][t]:.2f}x T=1)"
               f"   no YNNPACK {result['seconds_no_ynn'][t] * 1e3:7.2f} ms  "
@@ -104,6 +125,11 @@ def main(argv=None) -> int:
           f"per_token {result['per_token']:.4f}")
     table = ", ".join(f"{t}: {r:.2f}" for t, r in result["ratio"].items())
     print(f"table: VerifyCost.from_table({{{table}}})")
+    if args.far is not None:
+        points = ", ".join(f"{t}: {r:.2f}" for t, r in result["far"].items())
+        near, far = result["capacity"]  # what the reference backend's attention reads
+        print(f"after {args.far} tokens: contexts=({near}, {far}), "
+              f"far={{{args.batch}: {{{points}}}}}")
     command = " ".join(["python -m specjax.bench.verify_cost",
                         *(argv if argv is not None else sys.argv[1:])])
     if args.out:

@@ -33,50 +33,86 @@ class VerifyCost:
     measured: Any = None  # [2, P] (T, cost(T) / cost(1)) replacing the formula
     rows: Any = None  # [A] batch sizes > 1, rising, measured too (`from_table(by_rows=)`)
     by_rows: Any = None  # [A, P] their cost(T) / cost(1) on measured's T
+    # The tables above hold at `contexts[0]` cached tokens. Measured again at contexts[1]
+    # (`far`: cost(T) there over cost(1) at contexts[0], batch 1's row then by_rows'),
+    # each cost is affine in the context between and beyond: attention reads and
+    # multiplies every cached token, so a verify's share of it grows with the context.
+    contexts: Any = None  # [2] (near, far) cached tokens, rising
+    far: Any = None  # [A+1, P]
 
     @classmethod
-    def from_table(cls, ratios: dict, branch: float = 0.0,
-                   by_rows: dict | None = None) -> "VerifyCost":
+    def from_table(cls, ratios: dict, branch: float = 0.0, by_rows: dict | None = None,
+                   contexts: tuple[int, int] | None = None,
+                   far: dict | None = None) -> "VerifyCost":
         """From measured {T: cost(T) / cost(1)} at batch 1 (`python -m
-        specjax.bench.verify_cost`), and optionally {batch: {T: ratio}} measured at larger
-        batches (`--batch N`) over the same T."""
+        specjax.bench.verify_cost`), optionally {batch: {T: ratio}} measured at larger
+        batches (`--batch N`) over the same T, and optionally, with `contexts` = (near,
+        far) (`--context near --far far`; the tables above at near), `far` = {batch: {T:
+        cost(T) at far / cost(1) at near}} for batch 1 and every batch of by_rows."""
         ts = sorted(ratios)
-        rows = table = None
+
+        def grid(tables: dict, what: str, batches) -> np.ndarray:
+            for b in batches:
+                if b not in tables or sorted(tables[b]) != ts:
+                    raise ValueError(f"{what}[{b}] measures T = "
+                                     f"{sorted(tables.get(b, ()))}; the batch-1 table "
+                                     f"measures T = {ts}")
+            return np.asarray([[tables[b][t] for t in ts] for b in batches], np.float64)
+
+        rows = table = far_table = None
         if by_rows:
             rows = sorted(by_rows)
-            for b in rows:
-                if sorted(by_rows[b]) != ts:
-                    raise ValueError(f"by_rows[{b}] measures T = {sorted(by_rows[b])}; "
-                                     f"the batch-1 table measures T = {ts}")
-            table = np.asarray([[by_rows[b][t] for t in ts] for b in rows], np.float64)
+            table = grid(by_rows, "by_rows", rows)
             rows = np.asarray(rows, np.float64)
+        if (contexts is None) != (far is None):
+            raise ValueError(f"contexts={contexts!r} and far={far!r}: give both or neither")
+        if far is not None:
+            far_table = grid(far, "far", [1] + sorted(by_rows or ()))
+            contexts = np.asarray(contexts, np.float64)
         return cls(branch=branch, measured=np.asarray([ts, [ratios[t] for t in ts]],
-                                                      np.float64), rows=rows, by_rows=table)
+                                                      np.float64), rows=rows, by_rows=table,
+                   contexts=contexts, far=far_table)
 
-    def __call__(self, tokens):
+    def _tables(self, context=None):
+        """[A+1, P] cost(T) / cost(1) per measured batch (1, then `rows`) at `context`
+        cached tokens (None, or no `far` table: as measured)."""
+        near = jnp.asarray(self.measured[1], jnp.float32)[None]
+        if self.by_rows is not None:
+            near = jnp.concatenate([near, jnp.asarray(self.by_rows, jnp.float32)])
+        if context is None or self.far is None:
+            return near
+        c0, c1 = jnp.asarray(self.contexts[0], jnp.float32), jnp.asarray(self.contexts[1],
+                                                                          jnp.float32)
+        x = (jnp.maximum(jnp.asarray(context, jnp.float32), 0.0) - c0) / (c1 - c0)
+        far = jnp.asarray(self.far, jnp.float32)
+        # both costs in units of cost(1) at the near context, then their ratio
+        cost = jnp.maximum(near + x * (far - near), 1e-3)
+        return cost / cost[:, :1]
+
+    def __call__(self, tokens, context=None):
         """v at `tokens` inputs in one forward at batch 1 (numpy or jax arrays, or a
-        float >= 1)."""
+        float >= 1), after `context` cached tokens (None: the tables' own)."""
         t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
         if self.measured is not None:
-            return _interpolate(t, jnp.asarray(self.measured[0]), jnp.asarray(self.measured[1]))
+            return _interpolate(t, jnp.asarray(self.measured[0]), self._tables(context)[0])
         return jnp.maximum(1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t),
                            self.per_token * t)
 
-    def relative(self, tokens_per_row, rows):
+    def relative(self, tokens_per_row, rows, context=None):
         """Cost of verifying `tokens_per_row` for each of `rows` rows (a scalar) relative to
-        their plain step: v(rows · T) / v(rows), or from the tables measured at batches
-        (`by_rows`), blended in log2(rows) between two and scaled past the largest."""
+        their plain step after `context` cached tokens (None: the tables' own): v(rows · T)
+        / v(rows), or from the tables measured at batches (`by_rows`), blended in
+        log2(rows) between two and scaled past the largest."""
         rows = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
         t = jnp.asarray(tokens_per_row, jnp.float32)
         if self.by_rows is None:
-            return self(rows * t) / self(rows)
+            return self(rows * t, context) / self(rows, context)
         if rows.ndim:
             raise ValueError(f"rows has shape {rows.shape}; one batch size (a scalar) "
                              "is what picks the measured tables")
         anchors = jnp.concatenate([jnp.ones((1,), jnp.float32),
                                    jnp.asarray(self.rows, jnp.float32)])  # [A+1]
-        tables = jnp.concatenate([jnp.asarray(self.measured[1], jnp.float32)[None],
-                                  jnp.asarray(self.by_rows, jnp.float32)])  # [A+1, P]
+        tables = self._tables(context)  # [A+1, P]
         ts = jnp.asarray(self.measured[0], jnp.float32)
         t = jnp.maximum(t, 1.0)
         i = jnp.sum(anchors <= rows) - 1  # the largest measured batch <= rows
@@ -88,10 +124,10 @@ class VerifyCost:
         past = _interpolate(scale * t, ts, tables[i]) / _interpolate(scale, ts, tables[i])
         return jnp.where(i == j, past, between)
 
-    def speculative(self, tokens_per_row, rows):
+    def speculative(self, tokens_per_row, rows, context=None):
         """`relative` for a forward the speculative step runs (inside its verify
         switch): times 1 + branch."""
-        return self.relative(tokens_per_row, rows) * (1.0 + self.branch)
+        return self.relative(tokens_per_row, rows, context) * (1.0 + self.branch)
 
     def describe(self) -> str:
         log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
@@ -105,6 +141,10 @@ class VerifyCost:
                     points = ", ".join(f"{int(t)}: {float(v):.2f}" for t, v in
                                        zip(np.asarray(self.measured)[0], vs))
                     out += f"; at batch {int(r)} {{{points}}}"
+            if self.far is not None:
+                near, far = (int(c) for c in np.asarray(self.contexts))
+                out += (f"; after {near} cached tokens, each cost affine in the context "
+                        f"through the same tables measured after {far}")
         elif float(self.per_token) > 0:
             out = f"v(T) = max({log}, {float(self.per_token):.3g}·T)"
         if float(self.branch) > 0:
@@ -129,9 +169,28 @@ class VerifyCost:
                     "cost) with T rising from 1, cost(1) = 1 and every cost finite and > 0")
             table = table.astype(np.float32)
         rows, by_rows = self._validated_rows(table)
+        contexts, far = self._validated_far(table, rows)
         return VerifyCost(np.float32(self.jump), np.float32(self.slope),
                           np.float32(self.per_token), np.float32(self.branch), table,
-                          rows, by_rows)
+                          rows, by_rows, contexts, far)
+
+    def _validated_far(self, table, rows):
+        """(contexts, far) as float32, checked against the near tables."""
+        if self.contexts is None and self.far is None:
+            return None, None
+        contexts = np.asarray(self.contexts, np.float64)
+        if (table is None or contexts.shape != (2,) or not np.all(np.isfinite(contexts))
+                or contexts[0] < 0 or contexts[1] <= contexts[0]):
+            raise ValueError(f"VerifyCost contexts={self.contexts!r} must be two context "
+                             "lengths (near, far), 0 <= near < far, beside a measured table")
+        far = np.asarray(self.far, np.float64)
+        shape = (1 + (0 if rows is None else rows.size), table.shape[1])
+        if far.shape != shape or not np.all(np.isfinite(far)) or np.any(far <= 0):
+            raise ValueError(
+                f"VerifyCost far={self.far!r} must be {list(shape)} costs at the far context "
+                "(batch 1, then one row per batch size of by_rows, on measured's T), each "
+                "finite and > 0")
+        return contexts.astype(np.float32), far.astype(np.float32)
 
     def _validated_rows(self, table):
         """(rows, by_rows) as float32, checked against the batch-1 `table`."""

@@ -51,6 +51,7 @@ generate's arguments:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Any, Sequence
 
@@ -110,7 +111,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
                  step_overhead, proposal_prior)
     depth = speculator.shape.max_depth if speculator is not None else 0
-    if speculator is not None and not may_draft(speculator, rule, len(rows)):
+    if speculator is not None and not may_draft(
+            speculator, rule, len(rows),
+            _first_context(rows, max_new_tokens, attention_backend)):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
         rule = _rule(0.0, adaptive, None, None, None, per_row, mesh)
@@ -269,17 +272,31 @@ def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
     return float(speculator.cost.ratio(cfg) if cost_ratio is None else cost_ratio)
 
 
+def _first_context(rows, max_new_tokens: int, backend) -> int:
+    """What the first step's attention reads per row (`policy.attended`): on the
+    reference backend the plain programs' table (prompt, budget and one token, in
+    multiples of 64; `_Sizes`), on a kernel the longest prompt."""
+    from specjax.attention import resolve_backend
+
+    reference = resolve_backend(backend) == "reference"
+    longest = max(map(len, rows))
+    return round_up(longest + max_new_tokens + 1, 64) if reference else longest
+
+
+def _is_number(x) -> bool:
+    """A real number, not a bool (True would otherwise pass as 1)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
 def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator,
           per_row: bool, mesh, step_overhead=None, proposal_prior=None) -> Rule:
     """The adaptive rule's traced settings, replicated on the mesh."""
-    if proposal_prior is not None and not (
-            isinstance(proposal_prior, (int, float, np.floating, np.integer))
-            and 0 <= proposal_prior <= 1):
+    if proposal_prior is not None and not (_is_number(proposal_prior)
+                                           and 0 <= proposal_prior <= 1):
         raise ValueError(f"proposal_prior={proposal_prior!r} must be a rate in [0, 1] "
                          "(None: 1)")
     if step_overhead is not None and not (
-            isinstance(step_overhead, (int, float, np.floating, np.integer))
-            and np.isfinite(step_overhead) and step_overhead >= 0):
+            _is_number(step_overhead) and np.isfinite(step_overhead) and step_overhead >= 0):
         raise ValueError(f"step_overhead={step_overhead!r} must be a finite number >= 0")
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")

@@ -136,7 +136,7 @@ class DecodeLoop:
         if spec is None:
             st = self.plain_step(params, st)[0]
         else:  # plain steps leave α unchanged, so one decision serves both
-            decision = decide(spec, params.rule, self.buckets, st, params.max_new)
+            decision = decide(spec, params.rule, self.buckets, st, params.max_new, self.backend)
             st = self.plain_steps(params, st, decision)
             st = self.speculative_step(params, st, decision)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard

@@ -312,31 +312,46 @@ def remaining_tokens(st: LoopState, max_new) -> jax.Array:
     return max_new - (st.lengths - st.prompt_lens)
 
 
-def decide(spec: Speculator, rule: Rule, buckets, st: LoopState, max_new) -> Decision:
+def decide(spec: Speculator, rule: Rule, buckets, st: LoopState, max_new,
+           backend: str | None = None) -> Decision:
     """`decide_from` the loop's counters, for the rows still active and what they may
-    still emit (`max_new` [] the call's budget per row)."""
+    still emit (`max_new` [] the call's budget per row), the verify priced at the
+    context the attention `backend` reads (`attended`)."""
     return decide_from(spec, rule, buckets, st.counters, ~st.done,
-                       remaining_tokens(st, max_new), max_new)
+                       remaining_tokens(st, max_new), max_new, attended(st, backend))
 
 
-def may_draft(spec: Speculator, rule: Rule, batch: int) -> bool:
-    """Whether a `generate` call of `batch` rows that starts from the rule's prior could
-    ever draft. False when, with no tries yet, every row is at k = 0 and no probe could
-    pay: α moves only on drafting steps, so the speculator would never run, and the
-    call is plain decoding (no speculator prefill, no speculative machinery)."""
-    return bool(_may_draft(spec, rule, verify_buckets(spec.shape.depth_widths), batch))
+def attended(st: LoopState, backend: str | None = None) -> jax.Array:
+    """[] cached tokens a forward's attention reads per row: the reference backend (the
+    CPU default) reads every page of the table, whatever the rows hold; the kernels read
+    up to each row's length, so the longest active row's."""
+    from specjax.attention import resolve_backend
+
+    if resolve_backend(backend) == "reference":
+        return jnp.float32(st.cache.capacity)
+    return jnp.max(jnp.where(~st.done, st.lengths, 0)).astype(jnp.float32)
+
+
+def may_draft(spec: Speculator, rule: Rule, batch: int, context: int = 0) -> bool:
+    """Whether a `generate` call of `batch` rows whose attention reads `context` cached
+    tokens at first (`attended`) that starts from the rule's prior could ever draft.
+    False when, with no tries yet, every row is at k = 0 and no probe could pay: α moves
+    only on drafting steps, so the speculator would never run, and the call is plain
+    decoding (no speculator prefill, no speculative machinery)."""
+    return bool(_may_draft(spec, rule, verify_buckets(spec.shape.depth_widths), batch,
+                           jnp.float32(context)))
 
 
 @functools.partial(jax.jit, static_argnames=("buckets", "batch"))
-def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int) -> jax.Array:
+def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int, context) -> jax.Array:
     ones = jnp.ones((batch,), jnp.int32)  # every row alike: the batch rule is the row's
     d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
-                    ones > 0, ones, jnp.int32(1))
+                    ones > 0, ones, jnp.int32(1), context)
     return ~rule.adaptive | jnp.any(d.limit > 0) | d.probes_could_pay(ones > 0)
 
 
 def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, active,
-                remaining, max_new) -> Decision:
+                remaining, max_new, context=None) -> Decision:
     """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
     call, the verify forward's cost growing with its width, plus the step's measured
     overhead), and whether a probe pays; then, at batch > 1, whether the batch as a
@@ -344,13 +359,14 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     row kept at k = 0 if not.
 
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
-    accepted probes in a row would make the rule draft. active, remaining: [B].
+    accepted probes in a row would make the rule draft. active, remaining: [B];
+    context: [] cached tokens the verify attends over (None: the cost tables' own).
     """
     b = counters.hist.shape[0]
     rows = jnp.where(rule.per_row, 1.0, float(b))  # the batch the rule prices
     inputs = np.asarray([w + 1 for _, w in buckets])  # verified tokens per bucket
-    cost = rule.vcost.speculative(inputs, rows) + rule.overhead
-    spent = rule.vcost.speculative(np.append(inputs, 1), b) + rule.overhead
+    cost = rule.vcost.speculative(inputs, rows, context) + rule.overhead
+    spent = rule.vcost.speculative(np.append(inputs, 1), b, context) + rule.overhead
     per_k = np.asarray(bucket_per_depth(buckets))
     calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch

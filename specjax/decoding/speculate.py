@@ -64,7 +64,8 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     """Propose, then one target forward over the tree's verified prefix and verification
     (decision None: the policy's for `st`, as `specjax.inspect` asks)."""
     if decision is None:
-        decision = decide(params.speculator, params.rule, loop.buckets, st, params.max_new)
+        decision = decide(params.speculator, params.rule, loop.buckets, st, params.max_new,
+                          loop.backend)
     active = ~st.done
     tree, spec_state, limit, probed = _propose(params, st, decision)
     depths = [d for d, _ in loop.buckets]
