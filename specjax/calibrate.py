@@ -152,11 +152,17 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
                 fn(*args).block_until_ready()  # first run
                 fns[variant if c == context else "far", t] = (fn, args)
     times = {key: [] for key in fns}
-    for _ in range(repeats):  # interleaved: every T sees the same machine load
-        for key, (fn, args) in fns.items():
+    keys = list(fns)
+    for r in range(repeats):  # interleaved: every T sees the same machine load
+        # in a new order each round, each program run once untimed before its timed run:
+        # a program timed right after another's larger forward measured up to 1.5x
+        # slower (its buffers faulted in anew), as generate's loop never runs it
+        for i in round_order(len(keys), r):
+            fn, args = fns[keys[i]]
+            fn(*args).block_until_ready()
             t0 = time.perf_counter()
             fn(*args).block_until_ready()
-            times[key].append(time.perf_counter() - t0)
+            times[keys[i]].append(time.perf_counter() - t0)
     med = {key: statistics.median(v) for key, v in times.items()}
     out = dict(params=model.num_params(), capacity=tuple(capacity),
                name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
@@ -185,6 +191,11 @@ def fit_per_token(ratio: dict[int, float]) -> float:
         return 0.0
     y = np.asarray([ratio[int(t)] for t in ts], np.float64)
     return float(ts @ y / (ts @ ts))
+
+
+def round_order(n: int, r: int) -> np.ndarray:
+    """[n] round `r`'s order of n interleaved timings: a permutation seeded by r."""
+    return np.random.default_rng(r).permutation(n)
 
 
 def fit_verify_cost(ratio: dict[int, float]) -> tuple[float, float]:

@@ -198,3 +198,20 @@ def test_bad_context_fields_are_refused_by_name(contexts, far, match):
     vc = VerifyCost(measured=[[1, 2], [1.0, 1.2]], contexts=contexts, far=far)
     with pytest.raises(ValueError, match=match):
         vc.validated()
+
+
+def test_timed_rounds_shuffle_the_program_order(monkeypatch):
+    """Every round times each program once, in an order of its own (a program timed
+    right after a large forward measured slower), the same order for the same round."""
+    rounds, order = [], calibrate.round_order
+
+    def recorded(n, r):
+        rounds.append(list(order(n, r)))
+        return rounds[-1]
+
+    monkeypatch.setattr(calibrate, "round_order", recorded)
+    calibrate.measure_verify_cost([1, 3], batch=1, repeats=4, context=8, far=24,
+                                  config=tiny_llama(vocab_size=64))
+    assert len(rounds) == 4 and all(sorted(r) == list(range(6)) for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # 6 programs: 2 T x (options, no YNN, far)
+    assert rounds == [list(order(6, r)) for r in range(4)]

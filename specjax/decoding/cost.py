@@ -211,18 +211,27 @@ class VerifyCost:
         return rows.astype(np.float32), by_rows.astype(np.float32)
 
 
-# Per backend. CPU: the ratios `python -m specjax.bench.verify_cost` measured on
+# Per backend. CPU: the ratios `python -m specjax.bench.verify_cost --far 1024` measured on
 # SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batch`), compiled as generate
-# compiles; branch from `python -m specjax.bench.branching` (docs/benchmarks.md).
-# GPU/TPU: not measured yet; set to the memory-bound regime the Pallas kernels aim for.
+# compiles, after 128 and 1,024 cached tokens (tables of 272 and 1,168 tokens, what the
+# reference attention reads); branch from `python -m specjax.bench.branching`
+# (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime the
+# Pallas kernels aim for.
 VERIFY_COST = {"cpu": VerifyCost.from_table(
-                   {1: 1.0, 2: 1.16, 3: 1.19, 5: 1.28, 9: 1.54, 17: 2.04, 33: 2.65, 65: 4.60,
-                    129: 7.64},
+                   {1: 1.0, 2: 1.32, 3: 1.39, 5: 1.41, 9: 1.71, 17: 2.39, 33: 3.32, 65: 5.68,
+                    129: 10.34},
                    branch=0.08,
-                   by_rows={4: {1: 1.0, 2: 1.11, 3: 1.22, 5: 1.37, 9: 1.82, 17: 2.65,
-                                33: 3.60, 65: 6.54, 129: 12.02},
-                            16: {1: 1.0, 2: 1.15, 3: 1.31, 5: 1.61, 9: 2.07, 17: 3.29,
-                                 33: 5.11, 65: 9.60, 129: 17.99}}),
+                   by_rows={4: {1: 1.0, 2: 1.13, 3: 1.27, 5: 1.51, 9: 2.06, 17: 3.19,
+                                33: 4.88, 65: 9.27, 129: 18.92},
+                            16: {1: 1.0, 2: 1.18, 3: 1.37, 5: 1.81, 9: 2.55, 17: 4.31,
+                                 33: 7.38, 65: 14.47, 129: 30.3}},
+                   contexts=(272, 1168),
+                   far={1: {1: 2.0, 2: 2.24, 3: 2.3, 5: 2.51, 9: 2.87, 17: 3.94, 33: 4.89,
+                            65: 9.0, 129: 14.29},
+                        4: {1: 2.42, 2: 2.57, 3: 2.82, 5: 3.14, 9: 3.91, 17: 5.58, 33: 7.63,
+                            65: 15.26, 129: 26.21},
+                        16: {1: 3.34, 2: 3.63, 3: 3.83, 5: 4.4, 9: 5.67, 17: 8.51,
+                             33: 12.34, 65: 25.06, 129: 43.86}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 
