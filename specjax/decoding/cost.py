@@ -47,8 +47,9 @@ class VerifyCost:
         """From measured {T: cost(T) / cost(1)} at batch 1 (`python -m
         specjax.bench.verify_cost`), optionally {batch: {T: ratio}} measured at larger
         batches (`--batch N`) over the same T, and optionally, with `contexts` = (near,
-        far) (`--context near --far far`; the tables above at near), `far` = {batch: {T:
-        cost(T) at far / cost(1) at near}} for batch 1 and every batch of by_rows."""
+        far) cached tokens the attention reads (the tables above at near; `--far N`
+        prints both), `far` = {batch: {T: cost(T) at far / cost(1) at near}} for batch 1
+        and every batch of by_rows."""
         ts = sorted(ratios)
 
         def grid(tables: dict, what: str, batches) -> np.ndarray:
