@@ -46,7 +46,8 @@ def markdown(result: dict, batch: int, repeats: int, command: str) -> str:
              f"- model: {result['name']}, random weights, {result['params']:,} params, float32, "
              f"batch {batch}, "
              f"{result.get('context', 128)}-token context; median of {repeats} interleaved "
-             "rounds",
+             "rounds, every program timed once a round in a seeded order, right after an "
+             "untimed run of itself",
              "- generate's options: `specjax.xla_options.DECODE_OPTIONS`; the other columns: "
              "without YNNPACK fusions (`xla_cpu_experimental_ynn_fusion_type=''`), the "
              "option generate used before", "",
