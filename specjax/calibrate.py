@@ -155,8 +155,8 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
     keys = list(fns)
     for r in range(repeats):  # interleaved: every T sees the same machine load
         # in a new order each round, each program run once untimed before its timed run:
-        # a program timed right after another's larger forward measured up to 1.5x
-        # slower (its buffers faulted in anew), as generate's loop never runs it
+        # a program timed right after another's larger forward measured up to 1.6x
+        # slower, and generate's loop runs one program step after step
         for i in round_order(len(keys), r):
             fn, args = fns[keys[i]]
             fn(*args).block_until_ready()
