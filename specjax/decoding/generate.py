@@ -64,7 +64,7 @@ from specjax.cache import PagePool
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.loop import DecodeLoop
-from specjax.decoding.policy import Rule, may_draft
+from specjax.decoding.policy import Rule, attended_tokens, may_draft
 from specjax.decoding.programs import LayoutCache, ProgramCache
 from specjax.decoding.state import Params, Prompt
 from specjax.model import Model, validate_tokens
@@ -111,9 +111,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
                  step_overhead, proposal_prior)
     depth = speculator.shape.max_depth if speculator is not None else 0
-    if speculator is not None and not may_draft(
-            speculator, rule, len(rows),
-            _first_context(rows, max_new_tokens, attention_backend)):
+    lens = [len(r) for r in rows]
+    # what the first step's attention reads: plain decoding's table, or the prompts
+    first = attended_tokens(attention_backend, _Sizes.table_tokens(
+        lens, max_new_tokens, prefill_chunk, page_size, page_slack=1), lens)
+    if speculator is not None and not may_draft(speculator, rule, len(rows), first):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
         rule = _rule(0.0, adaptive, None, None, None, per_row, mesh)
@@ -121,7 +123,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
                                  commit=commit_lib.resolve(kv_commit, attention_backend),
                                  verification=method)
-    sizes = _Sizes.of([len(r) for r in rows], max_new_tokens, speculator, prefill_chunk,
+    sizes = _Sizes.of(lens, max_new_tokens, speculator, prefill_chunk,
                       page_size, num_pages, mesh, tree_in_cache=loop.commit.write_in_verify)
     prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
     sampling, max_new, eos_arr = shard.replicate(
@@ -208,6 +210,20 @@ class _Sizes:
     pool: PagePool
     table: Any
 
+    @staticmethod
+    def bucketed(lens, max_new_tokens: int, prefill_chunk: int, extra: int) -> int:
+        """The padded prompt chunks (and the token after them), or every row's prompt, new
+        tokens and `extra`, in multiples of 64."""
+        chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
+        return round_up(max(num_chunks * chunk + 1, max(lens) + max_new_tokens + extra), 64)
+
+    @classmethod
+    def table_tokens(cls, lens, max_new_tokens: int, prefill_chunk: int, page_size: int,
+                     page_slack: int) -> int:
+        """Tokens one row's page table holds (what the reference attention reads)."""
+        pages = -(-cls.bucketed(lens, max_new_tokens, prefill_chunk, page_slack) // page_size)
+        return pages * page_size
+
     @classmethod
     def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh,
            *, tree_in_cache: bool):
@@ -217,18 +233,13 @@ class _Sizes:
         b = len(lens)
         slack = speculator.shape.num_nodes + 1 if speculator is not None else 1
         chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
-
-        def bucketed(extra: int) -> int:
-            """The padded prompt chunks (and the token after them), or every row's
-            prompt, new tokens and `extra`, in multiples of 64."""
-            return round_up(max(num_chunks * chunk + 1, max(lens) + max_new_tokens + extra), 64)
-
-        width = bucketed(slack)  # token buffer S: the draft's slack too
+        width = cls.bucketed(lens, max_new_tokens, prefill_chunk, slack)  # the draft's too
         # Attention reads every page of the table, so the pages take the slack only where
         # the tree is written there: a speculative program's plain steps then cost what
         # plain decoding's do, also when the slack would cross a multiple of 64.
         page_slack = slack if tree_in_cache else 1
-        pages_per_row = -(-bucketed(page_slack) // page_size)
+        pages_per_row = cls.table_tokens(lens, max_new_tokens, prefill_chunk, page_size,
+                                         page_slack) // page_size
         # Default pool: a full table per row, so the cache shape (and the compiled program)
         # depends only on the bucketed buffer width, not on the exact prompt lengths. On a
         # mesh each data shard owns the pages of its rows (shard-local ids).
@@ -270,17 +281,6 @@ def _cost_ratio(cost_ratio, speculator: Speculator | None, cfg) -> float:
     if speculator is None:
         return 0.0
     return float(speculator.cost.ratio(cfg) if cost_ratio is None else cost_ratio)
-
-
-def _first_context(rows, max_new_tokens: int, backend) -> int:
-    """What the first step's attention reads per row (`policy.attended`): on the
-    reference backend the plain programs' table (prompt, budget and one token, in
-    multiples of 64; `_Sizes`), on a kernel the longest prompt."""
-    from specjax.attention import resolve_backend
-
-    reference = resolve_backend(backend) == "reference"
-    longest = max(map(len, rows))
-    return round_up(longest + max_new_tokens + 1, 64) if reference else longest
 
 
 def _is_number(x) -> bool:

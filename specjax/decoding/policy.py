@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.attention import resolve_backend
 from specjax.decoding.cost import VerifyCost
 from specjax.decoding.state import Counters, LoopState, Probes
 from specjax.speculators.base import Speculator
@@ -322,14 +323,18 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState, max_new,
 
 
 def attended(st: LoopState, backend: str | None = None) -> jax.Array:
-    """[] cached tokens a forward's attention reads per row: the reference backend (the
-    CPU default) reads every page of the table, whatever the rows hold; the kernels read
-    up to each row's length, so the longest active row's."""
-    from specjax.attention import resolve_backend
+    """[] cached tokens a forward's attention reads per row in the loop's state
+    (`attended_tokens` over the active rows)."""
+    return attended_tokens(backend, st.cache.capacity, jnp.where(~st.done, st.lengths, 0))
 
+
+def attended_tokens(backend: str | None, capacity: int, lengths) -> jax.Array:
+    """[] cached tokens a forward's attention reads per row: the reference backend (the
+    CPU default) reads every page of the table (`capacity` tokens a row), whatever the
+    rows hold; the kernels read up to each row's length, so the longest of `lengths`."""
     if resolve_backend(backend) == "reference":
-        return jnp.float32(st.cache.capacity)
-    return jnp.max(jnp.where(~st.done, st.lengths, 0)).astype(jnp.float32)
+        return jnp.float32(capacity)
+    return jnp.max(jnp.asarray(lengths)).astype(jnp.float32)
 
 
 def may_draft(spec: Speculator, rule: Rule, batch: int, context: int = 0) -> bool:
