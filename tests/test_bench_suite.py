@@ -261,7 +261,8 @@ def test_loop_kind_names_the_loop_the_calls_ran():
 
 def test_timed_rounds_rotate_the_method_order(monkeypatch):
     """No method runs first in every round (the first measured slower on the same
-    programs), and autoregressive stays the reference whatever its position."""
+    programs), autoregressive stays the reference whatever its position, and the peers
+    (transformers, llama.cpp) at batch 1 are timed in the same rounds."""
     from specjax.bench import speculative
 
     order = []
@@ -276,15 +277,26 @@ def test_timed_rounds_rotate_the_method_order(monkeypatch):
 
     monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
     names = ["autoregressive", "ngram", "draft"]
+    # a peer at batch 1 runs in the same rounds: one warm-up, then one pass a round
+    peer = suite._Peer(warm=lambda: order.append("peer warm-up"),
+                       timed=lambda: order.append("peer") or ([[9] * 4], 0.2, 2))
     rows = suite._specjax_rows(None, {n: n for n in names}, [[1, 2]], "docstring", 0.0, 1,
-                               {}, {n: {} for n in names}, 4, 3, {}, lambda _: None)
-    timed = order[len(names):]  # after one warm-up pass each
-    rounds = [timed[i:i + len(names)] for i in range(0, len(timed), len(names))]
-    assert [r[0] for r in rounds] == names  # each method first once
-    assert all(sorted(r) == sorted(names) for r in rounds)
+                               {}, {n: {} for n in names}, 4, 4, {}, lambda _: None,
+                               peers={"peer": peer})
+    methods = names + ["peer"]
+    assert sorted(order[:len(methods)]) == sorted(names + ["peer warm-up"])
+    timed = order[len(methods):]  # after one warm-up pass each
+    rounds = [timed[i:i + len(methods)] for i in range(0, len(timed), len(methods))]
+    assert [r[0] for r in rounds] == methods  # each method first once
+    assert all(sorted(r) == sorted(methods) for r in rounds)
     assert [r["method"] for r in rows] == names
     # the reference is autoregressive's last pass: its tokens are identical to themselves
     assert rows[0]["identical"] is True and rows[1]["identical"] is False
+    assert len(peer.results) == 4
+    peer_row = suite._peer_row("peer", peer, [[1, 2]], "docstring", dict(new=4, temperature=0.0),
+                               ([[4] * 4], 40.0, 1.0), lambda _: None)
+    assert peer_row["tokens_per_s"] == 4 / 0.2 and peer_row["tau"] == 4 * 4 / 8
+    assert peer_row["speedup"] == 20.0 / 40.0 and peer_row["identical"] is False
 
 
 def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypatch):

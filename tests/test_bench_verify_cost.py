@@ -23,7 +23,7 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     assert result["ratio_no_ynn"][1] == 1.0
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nkeep me\n")
-    text = verify_cost.markdown(result, 2, 2, "python -m specjax.bench.verify_cost")
+    text = verify_cost.markdown({1: result}, {1: 2}, "python -m specjax.bench.verify_cost")
     from specjax.bench.decode import write_section
 
     write_section(doc, text, verify_cost.START, verify_cost.END)
@@ -32,6 +32,7 @@ def test_measure_fits_the_log2_model_to_its_own_ratios(tmp_path):
     assert f"slope {result['slope']:.3f}, per_token" in out and "| 5 |" in out
     assert "no YNNPACK" in out
     assert "- command: `python -m specjax.bench.verify_cost`" in out
+    assert verify_cost.from_table_call({1: result}) in out
 
 
 def test_fit_recovers_jump_and_slope():
@@ -122,7 +123,11 @@ def test_tables_at_larger_batches_anchor_the_batch_scaling():
 
 @pytest.mark.parametrize("argv, match", [(["--tokens", "2,5"], "--tokens must start at 1"),
                                          (["--tokens", "1,x"], "--tokens='1,x'"),
-                                         (["--repeats", "0"], "--repeats=0")])
+                                         (["--repeats", "0"], "--repeats='0'"),
+                                         (["--batches", "4,1"], "--batches='4,1'"),
+                                         (["--batches", "2"], "--batches='2'"),
+                                         (["--batches", "1,4", "--repeats", "3,2,1"],
+                                          "--repeats='3,2,1'")])
 def test_bad_arguments_exit_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         verify_cost.main(argv + ["--out", ""])
@@ -138,10 +143,59 @@ def test_measure_times_a_far_context_beside_the_near_one():
     assert result["far"][3] == result["far_seconds"][3] / result["seconds"][1]
     assert result["capacity"] == (16, 80)  # 16-token pages holding context + 3
     result.update(context=8, far_context=72)
-    text = verify_cost.markdown(result, 1, 2, "python -m specjax.bench.verify_cost --far 72")
-    assert "| ms after 72 tokens | cost / cost(T=1) after 8 |" in text
+    text = verify_cost.markdown({1: result}, {1: 2},
+                                "python -m specjax.bench.verify_cost --far 72")
+    assert "| ms after 72 | that / cost(T=1) after 8 (`far`) | that / cost(T=1) after 72 |" in text
     row = next(line for line in text.splitlines() if line.startswith("| 3 |"))
-    assert row.endswith(f"| {result['far_seconds'][3] * 1e3:.2f} | {result['far'][3]:.2f} |")
+    fs = result["far_seconds"]
+    assert row.endswith(f"| {fs[3] * 1e3:.2f} | {result['far'][3]:.2f} | {fs[3] / fs[1]:.2f} |")
+    assert "contexts=(16, 80), far={1: {1: " in text
+
+
+def _fake_result(ratio: dict, far: dict | None = None) -> dict:
+    out = dict(ratio=ratio, capacity=(272, 1168))
+    return out if far is None else dict(out, far=far)
+
+
+def test_the_printed_table_is_the_verify_cost_it_measured():
+    """`from_table_call`: the one `VerifyCost.from_table(...)` for every batch timed,
+    which evaluates to the model built from the results themselves."""
+    from specjax.decoding.cost import VerifyCost
+
+    one = {1: 1.0, 2: 1.3, 5: 1.5}
+    four = {1: 1.0, 2: 1.2, 5: 1.9}
+    results = {1: _fake_result(one, {1: 2.0, 2: 2.2, 5: 2.5}),
+               4: _fake_result(four, {1: 2.4, 2: 2.6, 5: 3.1})}
+    call = verify_cost.from_table_call(results)
+    got = eval(call, {"VerifyCost": VerifyCost})
+    want = VerifyCost.from_table(one, by_rows={4: four}, contexts=(272, 1168),
+                                 far={1: results[1]["far"], 4: results[4]["far"]})
+    for b in (1, 4):
+        for ctx in (272, 700, 5000):
+            np.testing.assert_allclose(got.speculative(np.asarray([1, 2, 3, 5]), b, ctx),
+                                       want.speculative(np.asarray([1, 2, 3, 5]), b, ctx))
+    assert "far=" not in verify_cost.from_table_call({1: _fake_result(one)})
+    with pytest.raises(ValueError, match="batches=\\[4\\]"):
+        verify_cost.from_table_call({4: _fake_result(four)})
+
+
+def test_one_command_writes_every_batch_table(tmp_path):
+    """`--batches 1,2 --far N --out FILE` on a saved tiny checkpoint: one section with a
+    table per batch and the from_table call holding both."""
+    import specjax
+
+    ckpt = tmp_path / "tiny"
+    specjax.save_hf(specjax.init_model(tiny_llama(vocab_size=64), seed=0), ckpt)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nkeep me\n")
+    assert verify_cost.main(["--target", str(ckpt), "--tokens", "1,3", "--batches", "1,2",
+                             "--repeats", "2,1", "--context", "8", "--far", "40",
+                             "--out", str(doc)]) == 0
+    out = doc.read_text()
+    assert "keep me" in out and out.count(verify_cost.START) == 1
+    assert "Batch 1:" in out and "Batch 2 (T tokens per row):" in out
+    assert "batch 1: 2, batch 2: 1" in out
+    assert "by_rows={2: {1: 1.00, 3: " in out and "contexts=(16, 48), far={1: {1: " in out
 
 
 @pytest.mark.parametrize("argv", [["--far", "64", "--context", "128"],

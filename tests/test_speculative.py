@@ -537,11 +537,13 @@ def test_both_kv_commit_paths_are_lossless():
             assert out.tokens == want, (defer, type(spec).__name__)
 
 
-def test_pages_take_the_draft_slack_only_where_the_tree_is_written():
+def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
     """The page table takes a draft tree's slack only where the verify forward writes the
     tree (compact), so a speculative program's plain steps attend over what plain
-    decoding's do; at the edge (prompt + new + 1 = 64, the slack past it) both commit
-    paths stay lossless with drafts accepted up to the last token of the budget."""
+    decoding's do, and generate prices its first step at that table; at the edge (prompt
+    + new + 1 = 64, the slack past it) both commit paths stay lossless with drafts
+    accepted up to the last token of the budget."""
+    from specjax.decoding import generate as generate_module
     from specjax.decoding.generate import _Sizes
     from specjax.speculators import Medusa
     from tests.conftest import greedy_reference
@@ -564,6 +566,14 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written():
             out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
                                    speculator=s, adaptive=False, kv_commit=kv_commit)
             assert out.tokens == [want], (kv_commit, type(s).__name__)
+    # the first step's price: the reference attention reads the whole table, slack included
+    seen = []
+    monkeypatch.setattr(generate_module, "may_draft",
+                        lambda spec, rule, batch, context: seen.append(int(context)) or True)
+    for kv_commit in ("write-kept", "compact"):
+        specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                         speculator=spec, kv_commit=kv_commit, attention_backend="reference")
+    assert seen == [4 * 16, 8 * 16]
 
 
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):

@@ -324,35 +324,93 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 
 
 def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_kw: dict,
-                  per: dict, new: int, repeats: int, reference: dict, log) -> list[dict]:
+                  per: dict, new: int, repeats: int, reference: dict, log,
+                  peers: dict | None = None) -> list[dict]:
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
     length compiles its programs), then `repeats` interleaved timed rounds in
-    `round_order`; the first method (autoregressive) becomes the batch's `reference`."""
-    from specjax.bench.speculative import specjax_pass
+    `round_order`; the first method (autoregressive) becomes the batch's `reference`.
+    peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load);
+    their results are left in each `_Peer.results`."""
+    from specjax.bench import speculative
 
-    for name, spec in speculators.items():
-        specjax_pass(target, spec, ids, batch=b, **spec_kw, **per[name])
-    walls = {name: [] for name in speculators}
-    tpots = {name: [] for name in speculators}
-    last = {}
-    for r in range(repeats):
-        for name in round_order(list(speculators), r):
-            tokens, stats, wall = specjax_pass(
-                target, speculators[name], ids, batch=b, **spec_kw, **per[name])
-            walls[name].append(wall)
-            tpots[name].append(stats.tpot_s)
-            last[name] = tokens, stats
+    passes = {name: (lambda s=spec, kw=per[name]: speculative.specjax_pass(
+        target, s, ids, batch=b, **spec_kw, **kw)) for name, spec in speculators.items()}
+    warm = dict(passes)
+    for name, peer in (peers or {}).items():
+        passes[name], warm[name] = peer.timed, peer.warm
+    results = _interleaved(passes, warm, repeats)
+    for name, peer in (peers or {}).items():
+        peer.results = results[name]
     rows = []
     calls = -(-len(ids) // b)
     for name in speculators:
-        tokens, stats = last[name]
+        tokens, stats, _ = results[name][-1]
         row = _row(category, temp, b, name,
-                   len(ids) * new / statistics.median(walls[name]), stats,
-                   tpot_s=statistics.median(tpots[name]))
+                   len(ids) * new / statistics.median(r[2] for r in results[name]), stats,
+                   tpot_s=statistics.median(r[1].tpot_s for r in results[name]))
         row["loop"] = loop_kind(stats.speculative_calls, calls)
         reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
         rows.append(_finish(row, tokens, reference[b], log))
     return rows
+
+
+def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
+    """{name: each timed round's result}: every `warm` call once, then `repeats` rounds
+    running each of `passes` once in `round_order`, so that methods timed side by side
+    see the same machine load."""
+    for fn in warm.values():
+        fn()
+    results = {name: [] for name in passes}
+    for r in range(repeats):
+        for name in round_order(list(passes), r):
+            results[name].append(passes[name]())
+    return results
+
+
+@dataclasses.dataclass
+class _Peer:
+    """A peer method at batch 1: `warm()` once, then `timed()` -> (tokens per prompt, wall
+    seconds, target forward calls or None) per round; `results` holds the rounds."""
+    warm: object
+    timed: object
+    compare: bool = True  # its tokens are comparable with specjax's (the same weights)
+    results: list = dataclasses.field(default_factory=list)
+
+
+def _peers(hf, hf_methods: dict, llamacpp: dict, ids, run_kw: dict) -> dict[str, _Peer]:
+    """transformers' and llama.cpp's methods over `ids` prompt by prompt, each with a
+    short warm-up (4 new tokens on the first prompt)."""
+    from specjax.bench.llamacpp import llamacpp_pass
+    from specjax.bench.speculative import hf_pass
+
+    short = dict(run_kw, new=min(run_kw["new"], 4))
+    peers = {}
+    for name, extra in (hf_methods or {}).items():
+        peers[name] = _Peer(
+            warm=lambda e=extra: hf_pass(hf, ids[:1], **short, **e),
+            timed=lambda e=extra: (*hf_pass(hf, ids, **run_kw, **e), None))
+
+    def llama_timed(runner):
+        tokens, wall = llamacpp_pass(runner, ids, **run_kw)
+        return tokens, wall, runner.calls
+
+    for name, runner in (llamacpp or {}).items():
+        peers[name] = _Peer(warm=lambda r=runner: llamacpp_pass(r, ids[:1], **short),
+                            timed=lambda r=runner: llama_timed(r),
+                            compare=name != "llamacpp_q4_1")
+    return peers
+
+
+def _peer_row(name: str, peer: _Peer, ids, category, run_kw: dict, reference, log) -> dict:
+    """A peer's row at batch 1 from its timed rounds; llama.cpp's τ from its target
+    forward calls (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
+    new = run_kw["new"]
+    row = _row(category, run_kw["temperature"], 1, name,
+               len(ids) * new / statistics.median(r[1] for r in peer.results))
+    calls = [r[2] for r in peer.results]
+    if None not in calls:
+        row["tau"] = len(ids) * new * len(calls) / sum(calls)  # tokens per target forward
+    return _finish(row, peer.results[-1][0], reference, log, compare=peer.compare)
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -373,42 +431,6 @@ def loop_kind(speculative_calls: int, calls: int) -> str:
     return f"{speculative_calls}/{calls} speculative"
 
 
-def _hf_row(hf, name: str, extra: dict, ids, category, run_kw: dict, repeats: int, reference,
-            log) -> dict:
-    """One transformers method at batch 1: a short warm-up, then `repeats` timed rounds
-    prompt by prompt."""
-    from specjax.bench.speculative import hf_pass
-
-    new = run_kw["new"]
-    hf_pass(hf, ids[:1], **dict(run_kw, new=min(new, 4)), **extra)  # warm-up
-    walls, tokens = [], None
-    for _ in range(repeats):
-        tokens, wall = hf_pass(hf, ids, **run_kw, **extra)
-        walls.append(wall)
-    row = _row(category, run_kw["temperature"], 1, name,
-               len(ids) * new / statistics.median(walls))
-    return _finish(row, tokens, reference, log)
-
-
-def _llamacpp_row(runner, name: str, ids, category, run_kw: dict, repeats: int, reference,
-                  log) -> dict:
-    """One llama.cpp method at batch 1, like `_hf_row`, with τ from the runner's target
-    calls (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
-    from specjax.bench.llamacpp import llamacpp_pass
-
-    new = run_kw["new"]
-    llamacpp_pass(runner, ids[:1], **dict(run_kw, new=min(new, 4)))  # warm-up
-    walls, tokens, calls = [], None, 0
-    for _ in range(repeats):
-        tokens, wall = llamacpp_pass(runner, ids, **run_kw)
-        walls.append(wall)
-        calls += runner.calls
-    row = _row(category, run_kw["temperature"], 1, name,
-               len(ids) * new / statistics.median(walls))
-    row["tau"] = len(ids) * new * repeats / calls  # tokens per target forward
-    return _finish(row, tokens, reference, log, compare=name != "llamacpp_q4_1")
-
-
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
@@ -418,7 +440,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     then `repeats` interleaved timed rounds over all the category's prompts.
 
     hf: transformers' target model, hf_methods: {name: generate arguments}; they run
-    prompt by prompt and are reported at batch 1. cost_ratios: {batch: {temperature:
+    prompt by prompt and are reported at batch 1, timed in the rounds of specjax's batch
+    1 (methods side by side see the same machine load). cost_ratios: {batch: {temperature:
     {method: measured cost of a draft call}}} (`generate(cost_ratio=)`, measured at each
     batch), else the parameter-count estimate.
     priors: {(category, temperature, batch, method): `Calibration`} (`calibrate`) for
@@ -427,9 +450,9 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     target cache (`generate(kv_cache_dtype=)`; transformers keeps its own); verification:
     `generate(verification=)` for every speculator (None: each one's default).
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
-    (`llamacpp_q4_1` runs other weights: its tokens are not compared). on_part: called
-    with the rows so far (peer ratios included) after each (category, temperature), so
-    that a run that dies later keeps what it measured."""
+    in the same rounds (`llamacpp_q4_1` runs other weights: its tokens are not
+    compared). on_part: called with the rows so far (peer ratios included) after each
+    (category, temperature), so that a run that dies later keeps what it measured."""
     from specjax.calibrate import cost_ratio_of
 
     rows = []
@@ -440,19 +463,23 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             spec_kw = dict(run_kw, adaptive=adaptive, kv_cache_dtype=kv_cache_dtype,
                            verification=verification)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
+            peers = _peers(hf, hf_methods, llamacpp, ids, run_kw)
             for b in batches:
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
                                                            name),
                                   calibration=(priors or {}).get((category, temp, b, name)))
                        for name in speculators}
+                # the peers run at batch 1, in the same rounds as specjax's batch 1
                 rows += _specjax_rows(target, speculators, ids, category, temp, b, spec_kw, per,
-                                      new, repeats, reference, log)
-            for name, extra in (hf_methods or {}).items():
-                rows.append(_hf_row(hf, name, extra, ids, category, run_kw, repeats,
-                                    reference.get(1), log))
-            for name, runner in (llamacpp or {}).items():
-                rows.append(_llamacpp_row(runner, name, ids, category, run_kw, repeats,
-                                          reference.get(1), log))
+                                      new, repeats, reference, log,
+                                      peers=peers if b == 1 else None)
+            if peers and 1 not in batches:  # no batch 1 to time them beside
+                alone = _interleaved({n: p.timed for n, p in peers.items()},
+                                     {n: p.warm for n, p in peers.items()}, repeats)
+                for name, peer in peers.items():
+                    peer.results = alone[name]
+            rows += [_peer_row(name, peer, ids, category, run_kw, reference.get(1), log)
+                     for name, peer in peers.items()]
             if on_part is not None:
                 on_part(peer_ratios([dict(r) for r in rows]))
     return peer_ratios(rows)
@@ -592,7 +619,8 @@ def _markdown_method_notes(s: dict) -> list[str]:
         "- vs transformers' best, vs llama.cpp's best = tokens/s / the fastest of that "
         "peer's methods on the same weights (llama.cpp: plain, prompt lookup, draft) at "
         "the same category and temperature in this run; the peers run prompt by prompt "
-        "(batch 1), so at batch > 1 this is a throughput ratio",
+        "(batch 1), in the same interleaved rounds as specjax's batch 1, so at batch > 1 "
+        "this is a throughput ratio",
         "- speedup (analytical) = `GenerationStats.expected_speedup`: Leviathan et al.'s "
         "E[tokens per step] / (n·c + v) with α per draft position (E = 1 + accepted drafts "
         "per target call), n the draft calls per target call (the adaptive rule picks the "

@@ -46,7 +46,7 @@ class VerifyCost:
                    far: dict | None = None) -> "VerifyCost":
         """From measured {T: cost(T) / cost(1)} at batch 1 (`python -m
         specjax.bench.verify_cost`), optionally {batch: {T: ratio}} measured at larger
-        batches (`--batch N`) over the same T, and optionally, with `contexts` = (near,
+        batches (`--batches 1,4,16`) over the same T, and optionally, with `contexts` = (near,
         far) cached tokens the attention reads (the tables above at near; `--far N`
         prints both), `far` = {batch: {T: cost(T) at far / cost(1) at near}} for batch 1
         and every batch of by_rows."""
@@ -213,7 +213,7 @@ class VerifyCost:
 
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost --far 1024` measured on
-# SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batch`), compiled as generate
+# SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batches 1,4,16`), compiled as generate
 # compiles, after 128 and 1,024 cached tokens (tables of 272 and 1,168 tokens, what the
 # reference attention reads); branch from `python -m specjax.bench.branching`
 # (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime the

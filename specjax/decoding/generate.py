@@ -112,16 +112,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
                  step_overhead, proposal_prior)
     depth = speculator.shape.max_depth if speculator is not None else 0
     lens = [len(r) for r in rows]
-    # what the first step's attention reads: plain decoding's table, or the prompts
+    with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
+        commit = commit_lib.resolve(kv_commit, attention_backend)
+    # what the speculative program's first step reads: its page table, or the prompts
     first = attended_tokens(attention_backend, _Sizes.table_tokens(
-        lens, max_new_tokens, prefill_chunk, page_size, page_slack=1), lens)
+        lens, max_new_tokens, prefill_chunk, page_size,
+        _Sizes.page_slack(speculator, commit.write_in_verify)), lens)
     if speculator is not None and not may_draft(speculator, rule, len(rows), first):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
         rule = _rule(0.0, adaptive, None, None, None, per_row, mesh)
-    with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
-        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend,
-                                 commit=commit_lib.resolve(kv_commit, attention_backend),
+    with shard.use_mesh(mesh):
+        loop = DecodeLoop.create(cfg, speculator, backend=attention_backend, commit=commit,
                                  verification=method)
     sizes = _Sizes.of(lens, max_new_tokens, speculator, prefill_chunk,
                       page_size, num_pages, mesh, tree_in_cache=loop.commit.write_in_verify)
@@ -224,6 +226,14 @@ class _Sizes:
         pages = -(-cls.bucketed(lens, max_new_tokens, prefill_chunk, page_slack) // page_size)
         return pages * page_size
 
+    @staticmethod
+    def page_slack(speculator, tree_in_cache: bool) -> int:
+        """Pages' room past a row's budget: the whole draft tree where the verify writes it
+        there (`Commit.write_in_verify`), else one token. Attention reads every page of the
+        table, so elsewhere a speculative program's plain steps cost what plain decoding's
+        do, also when the tree's slack would cross a multiple of 64."""
+        return speculator.shape.num_nodes + 1 if speculator is not None and tree_in_cache else 1
+
     @classmethod
     def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh,
            *, tree_in_cache: bool):
@@ -234,10 +244,7 @@ class _Sizes:
         slack = speculator.shape.num_nodes + 1 if speculator is not None else 1
         chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
         width = cls.bucketed(lens, max_new_tokens, prefill_chunk, slack)  # the draft's too
-        # Attention reads every page of the table, so the pages take the slack only where
-        # the tree is written there: a speculative program's plain steps then cost what
-        # plain decoding's do, also when the slack would cross a multiple of 64.
-        page_slack = slack if tree_in_cache else 1
+        page_slack = cls.page_slack(speculator, tree_in_cache)
         pages_per_row = cls.table_tokens(lens, max_new_tokens, prefill_chunk, page_size,
                                          page_slack) // page_size
         # Default pool: a full table per row, so the cache shape (and the compiled program)
