@@ -118,3 +118,21 @@ def test_run_config_end_to_end(tmp_path):
     assert draft.train.finished and specjax.load(draft.export_dir).config == DRAFT
     saved = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert saved["identity"]["method"]["divergence"] == "tvd"
+
+
+def test_includes_resolve_beside_a_runs_workdir(tmp_path, monkeypatch):
+    """A `runs/` folder in the working directory (where the README's commands put their
+    workdirs) imports as a namespace package named like the `runs/` includes; the
+    includes still resolve against configs/."""
+    import importlib
+    import sys
+
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert importlib.util.find_spec("runs").origin is None  # the case gin trips over
+    sys.modules.pop("runs", None)
+    run.parse([CONFIGS / "models" / "tiny.gin", CONFIGS / "runs" / "defaults.gin"],
+              ["trainer.TrainConfig.steps = 3"])
+    assert built(TrainConfig).steps == 3

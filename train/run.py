@@ -60,14 +60,30 @@ class _QuietIncludeLookups(logging.Filter):
         return not record.getMessage().startswith("Path not found:")
 
 
+def _module_file_exists(check: Callable[[str], bool]) -> Callable[[str], bool]:
+    """gin's check for an include inside an importable package, False where it would
+    crash: a folder on sys.path named like an include's first part (a `runs/` workdir
+    in the current directory beside `include 'runs/data.gin'`) imports as a namespace
+    package without a file, which gin 0.5 passes to os.path and fails on."""
+    def exists(path: str) -> bool:
+        try:
+            return check(path)
+        except TypeError:
+            return False
+    return exists
+
+
 @contextlib.contextmanager
 def _quiet_gin_lookups():
     flt = _QuietIncludeLookups()
     root = logging.getLogger()
     root.addFilter(flt)
+    readers = list(gin.config._FILE_READERS)  # no public API wraps a registered reader
+    gin.config._FILE_READERS[:] = [(read, _module_file_exists(check)) for read, check in readers]
     try:
         yield
     finally:
+        gin.config._FILE_READERS[:] = readers
         root.removeFilter(flt)
 
 
