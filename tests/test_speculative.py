@@ -568,11 +568,17 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
             assert out.tokens == [want], (kv_commit, type(s).__name__)
     # the first step's price: the reference attention reads the whole table, slack included
     seen = []
-    monkeypatch.setattr(generate_module, "may_draft",
-                        lambda spec, rule, batch, context: seen.append(int(context)) or True)
+
+    def priced(spec, rule, batch, context):  # records the price, then stops generate
+        seen.append(int(context))
+        raise StopIteration
+
+    monkeypatch.setattr(generate_module, "may_draft", priced)
     for kv_commit in ("write-kept", "compact"):
-        specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
-                         speculator=spec, kv_commit=kv_commit, attention_backend="reference")
+        with pytest.raises(StopIteration):
+            specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                             speculator=spec, kv_commit=kv_commit,
+                             attention_backend="reference")
     assert seen == [4 * 16, 8 * 16]
 
 
