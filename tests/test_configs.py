@@ -124,7 +124,7 @@ def test_includes_resolve_beside_a_runs_workdir(tmp_path, monkeypatch):
     """A `runs/` folder in the working directory (where the README's commands put their
     workdirs) imports as a namespace package named like the `runs/` includes; the
     includes still resolve against configs/."""
-    import importlib
+    import importlib.util
     import sys
 
     (tmp_path / "runs" / "quickstart").mkdir(parents=True)

@@ -75,6 +75,8 @@ def _module_file_exists(check: Callable[[str], bool]) -> Callable[[str], bool]:
 
 @contextlib.contextmanager
 def _quiet_gin_lookups():
+    """gin's include lookups without its ERROR per search-path miss, and without its
+    crash on a namespace package (`_module_file_exists`)."""
     flt = _QuietIncludeLookups()
     root = logging.getLogger()
     root.addFilter(flt)

@@ -132,7 +132,8 @@ class Workdir:
         return list(load_corpus(config).eval), repr(config)
 
 
-def _ints(text: str, flag: str, ap) -> tuple[int, ...]:
+def ints(text: str, flag: str, ap) -> tuple[int, ...]:
+    """A comma-separated flag of integers >= 1, or `ap.error` naming it."""
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -229,7 +230,7 @@ def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
 def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """Parses the comma-separated batches and temperatures and refuses sizes, counts, the KV
     cache dtype or a prompt count the run cannot use."""
-    args.batches = tuple(sorted(set(_ints(args.batches, "--batches", ap))))
+    args.batches = tuple(sorted(set(ints(args.batches, "--batches", ap))))
     try:
         args.temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",")))
     except ValueError:

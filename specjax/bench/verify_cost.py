@@ -35,6 +35,7 @@ import datetime
 import sys
 from pathlib import Path
 
+from specjax.bench.suite import ints
 from specjax.calibrate import LINEAR_FROM, measure_verify_cost
 
 START, END = "<!-- bench:verify_cost:start -->", "<!-- bench:verify_cost:end -->"
@@ -129,13 +130,6 @@ def target_config(target: str | None):
     return specjax.load(str(packaged.smollm2() if target is None else target)).config
 
 
-def _int_list(text: str, flag: str, ap) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        ap.error(f"{flag}={text!r} must be comma-separated integers")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specjax.bench.verify_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,9 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/benchmarks.md",
                     help="markdown file to write the tables into ('' = don't write)")
     args = ap.parse_args(argv)
-    tokens = sorted(set(_int_list(args.tokens, "--tokens", ap)))
-    batches = _int_list(args.batches, "--batches", ap)
-    repeats = _int_list(args.repeats, "--repeats", ap)
+    tokens = sorted(set(ints(args.tokens, "--tokens", ap)))
+    batches = list(ints(args.batches, "--batches", ap))
+    repeats = list(ints(args.repeats, "--repeats", ap))
     if len(repeats) == 1:
         repeats *= len(batches)
     if tokens[0] != 1:

@@ -227,12 +227,18 @@ class _Sizes:
         return pages * page_size
 
     @staticmethod
-    def page_slack(speculator, tree_in_cache: bool) -> int:
-        """Pages' room past a row's budget: the whole draft tree where the verify writes it
-        there (`Commit.write_in_verify`), else one token. Attention reads every page of the
+    def tree_slack(speculator) -> int:
+        """Room past a row's budget for a verify's whole draft tree (one token without
+        a speculator)."""
+        return speculator.shape.num_nodes + 1 if speculator is not None else 1
+
+    @classmethod
+    def page_slack(cls, speculator, tree_in_cache: bool) -> int:
+        """Pages' room past a row's budget: the tree's where the verify writes it there
+        (`Commit.write_in_verify`), else one token. Attention reads every page of the
         table, so elsewhere a speculative program's plain steps cost what plain decoding's
         do, also when the tree's slack would cross a multiple of 64."""
-        return speculator.shape.num_nodes + 1 if speculator is not None and tree_in_cache else 1
+        return cls.tree_slack(speculator) if tree_in_cache else 1
 
     @classmethod
     def of(cls, lens, max_new_tokens, speculator, prefill_chunk, page_size, num_pages, mesh,
@@ -241,9 +247,9 @@ class _Sizes:
         (`Commit.write_in_verify`), so they need its slack; otherwise only what is kept
         is written, never past a row's budget."""
         b = len(lens)
-        slack = speculator.shape.num_nodes + 1 if speculator is not None else 1
         chunk, num_chunks = prefill_chunks(max(lens), prefill_chunk)
-        width = cls.bucketed(lens, max_new_tokens, prefill_chunk, slack)  # the draft's too
+        # the token buffer takes the tree's slack (the draft's too)
+        width = cls.bucketed(lens, max_new_tokens, prefill_chunk, cls.tree_slack(speculator))
         page_slack = cls.page_slack(speculator, tree_in_cache)
         pages_per_row = cls.table_tokens(lens, max_new_tokens, prefill_chunk, page_size,
                                          page_slack) // page_size
