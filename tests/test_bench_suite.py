@@ -280,9 +280,9 @@ def test_timed_rounds_rotate_the_method_order(monkeypatch):
     # a peer at batch 1 runs in the same rounds: one warm-up, then one pass a round
     peer = suite._Peer(warm=lambda: order.append("peer warm-up"),
                        timed=lambda: order.append("peer") or ([[9] * 4], 0.2, 2))
-    rows = suite._specjax_rows(None, {n: n for n in names}, [[1, 2]], "docstring", 0.0, 1,
-                               {}, {n: {} for n in names}, 4, 4, {}, lambda _: None,
-                               peers={"peer": peer})
+    rows, peer_results = suite._specjax_rows(
+        None, {n: n for n in names}, [[1, 2]], "docstring", 0.0, 1, {},
+        {n: {} for n in names}, 4, 4, {}, lambda _: None, peers={"peer": peer})
     methods = names + ["peer"]
     assert sorted(order[:len(methods)]) == sorted(names + ["peer warm-up"])
     timed = order[len(methods):]  # after one warm-up pass each
@@ -292,9 +292,10 @@ def test_timed_rounds_rotate_the_method_order(monkeypatch):
     assert [r["method"] for r in rows] == names
     # the reference is autoregressive's last pass: its tokens are identical to themselves
     assert rows[0]["identical"] is True and rows[1]["identical"] is False
-    assert len(peer.results) == 4
-    peer_row = suite._peer_row("peer", peer, [[1, 2]], "docstring", dict(new=4, temperature=0.0),
-                               ([[4] * 4], 40.0, 1.0), lambda _: None)
+    assert len(peer_results["peer"]) == 4
+    peer_row = suite._peer_row("peer", peer, peer_results["peer"], [[1, 2]], "docstring",
+                               dict(new=4, temperature=0.0), ([[4] * 4], 40.0, 1.0),
+                               lambda _: None)
     assert peer_row["tokens_per_s"] == 4 / 0.2 and peer_row["tau"] == 4 * 4 / 8
     assert peer_row["speedup"] == 20.0 / 40.0 and peer_row["identical"] is False
 

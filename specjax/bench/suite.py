@@ -326,12 +326,12 @@ def _row(category, temperature, batch, method, tokens_per_s, stats=None,
 
 def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_kw: dict,
                   per: dict, new: int, repeats: int, reference: dict, log,
-                  peers: dict | None = None) -> list[dict]:
+                  peers: dict | None = None) -> tuple[list[dict], dict[str, list]]:
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
     length compiles its programs), then `repeats` interleaved timed rounds in
     `round_order`; the first method (autoregressive) becomes the batch's `reference`.
-    peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load);
-    their results are left in each `_Peer.results`."""
+    peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
+    Returns the specjax rows and {peer: its timed rounds' results}."""
     from specjax.bench import speculative
 
     passes = {name: (lambda s=spec, kw=per[name]: speculative.specjax_pass(
@@ -340,8 +340,6 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     for name, peer in (peers or {}).items():
         passes[name], warm[name] = peer.timed, peer.warm
     results = _interleaved(passes, warm, repeats)
-    for name, peer in (peers or {}).items():
-        peer.results = results[name]
     rows = []
     calls = -(-len(ids) // b)
     for name in speculators:
@@ -352,7 +350,7 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
         row["loop"] = loop_kind(stats.speculative_calls, calls)
         reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
         rows.append(_finish(row, tokens, reference[b], log))
-    return rows
+    return rows, {name: results[name] for name in peers or {}}
 
 
 def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
@@ -371,11 +369,10 @@ def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
 @dataclasses.dataclass
 class _Peer:
     """A peer method at batch 1: `warm()` once, then `timed()` -> (tokens per prompt, wall
-    seconds, target forward calls or None) per round; `results` holds the rounds."""
+    seconds, target forward calls or None) per round."""
     warm: object
     timed: object
     compare: bool = True  # its tokens are comparable with specjax's (the same weights)
-    results: list = dataclasses.field(default_factory=list)
 
 
 def _peers(hf, hf_methods: dict, llamacpp: dict, ids, run_kw: dict) -> dict[str, _Peer]:
@@ -402,16 +399,17 @@ def _peers(hf, hf_methods: dict, llamacpp: dict, ids, run_kw: dict) -> dict[str,
     return peers
 
 
-def _peer_row(name: str, peer: _Peer, ids, category, run_kw: dict, reference, log) -> dict:
-    """A peer's row at batch 1 from its timed rounds; llama.cpp's τ from its target
+def _peer_row(name: str, peer: _Peer, results: list, ids, category, run_kw: dict, reference,
+              log) -> dict:
+    """A peer's row at batch 1 from its timed rounds' `results`; llama.cpp's τ from its target
     forward calls (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
     new = run_kw["new"]
     row = _row(category, run_kw["temperature"], 1, name,
-               len(ids) * new / statistics.median(r[1] for r in peer.results))
-    calls = [r[2] for r in peer.results]
+               len(ids) * new / statistics.median(r[1] for r in results))
+    calls = [r[2] for r in results]
     if None not in calls:
         row["tau"] = len(ids) * new * len(calls) / sum(calls)  # tokens per target forward
-    return _finish(row, peer.results[-1][0], reference, log, compare=peer.compare)
+    return _finish(row, results[-1][0], reference, log, compare=peer.compare)
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -465,22 +463,23 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
                            verification=verification)
             reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
             peers = _peers(hf, hf_methods, llamacpp, ids, run_kw)
+            peer_results = {}  # name -> its timed rounds' results
             for b in batches:
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
                                                            name),
                                   calibration=(priors or {}).get((category, temp, b, name)))
                        for name in speculators}
                 # the peers run at batch 1, in the same rounds as specjax's batch 1
-                rows += _specjax_rows(target, speculators, ids, category, temp, b, spec_kw, per,
-                                      new, repeats, reference, log,
-                                      peers=peers if b == 1 else None)
+                got, timed = _specjax_rows(target, speculators, ids, category, temp, b,
+                                           spec_kw, per, new, repeats, reference, log,
+                                           peers=peers if b == 1 else None)
+                rows += got
+                peer_results.update(timed)
             if peers and 1 not in batches:  # no batch 1 to time them beside
-                alone = _interleaved({n: p.timed for n, p in peers.items()},
-                                     {n: p.warm for n, p in peers.items()}, repeats)
-                for name, peer in peers.items():
-                    peer.results = alone[name]
-            rows += [_peer_row(name, peer, ids, category, run_kw, reference.get(1), log)
-                     for name, peer in peers.items()]
+                peer_results = _interleaved({n: p.timed for n, p in peers.items()},
+                                            {n: p.warm for n, p in peers.items()}, repeats)
+            rows += [_peer_row(name, peer, peer_results[name], ids, category, run_kw,
+                               reference.get(1), log) for name, peer in peers.items()]
             if on_part is not None:
                 on_part(peer_ratios([dict(r) for r in rows]))
     return peer_ratios(rows)
