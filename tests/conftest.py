@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random models, built locally and seeded (no downloads)."""
 
 import os
+import shutil
+import tempfile
 
 # The suite's time is almost all XLA:CPU compilation of tiny programs; cheaper backend
 # passes compile them ~2.5x faster (numerics are unchanged: the same HLO ops run).
@@ -8,9 +10,17 @@ import os
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
-# Tests call the CLI in-process, which turns jax's persistent compilation cache on; keep
-# the suite from writing to ~/.cache (set the variable to a directory to opt in).
-os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "off")
+# Many tests compile the same programs (the same tiny models at the same shapes, in other
+# modules after each module's caches are dropped, and in the other xdist worker): jax's
+# persistent compilation cache, in one temporary directory per run, compiles each once.
+# The process that creates the directory removes it at the end; xdist workers, notebook
+# kernels and subprocesses inherit the variable. The CLI, called in-process, reads the
+# same variable, so nothing is written to ~/.cache. Set it to a directory to keep the
+# cache, or to `off`.
+_RUN_CACHE = None
+if not os.environ.get("SPECJAX_COMPILATION_CACHE"):
+    _RUN_CACHE = tempfile.mkdtemp(prefix="specjax-tests-jax-cache-")
+    os.environ["SPECJAX_COMPILATION_CACHE"] = _RUN_CACHE
 
 import numpy as np
 import pytest
@@ -27,6 +37,13 @@ except ModuleNotFoundError as e:  # a source checkout that is not installed
         "pallas_kernels/, mapped by the install: run `pip install -e '.[test]'` first "
         f"({e})") from e
 from specjax.config import tiny_llama
+
+specjax.compile_cache.enable()
+
+
+def pytest_unconfigure(config):
+    if _RUN_CACHE is not None:
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
