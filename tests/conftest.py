@@ -13,10 +13,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # Many tests compile the same programs (the same tiny models at the same shapes, in other
 # modules after each module's caches are dropped, and in the other xdist worker): jax's
 # persistent compilation cache, in one temporary directory per run, compiles each once.
-# The process that creates the directory removes it at the end; xdist workers, notebook
-# kernels and subprocesses inherit the variable. The CLI, called in-process, reads the
-# same variable, so nothing is written to ~/.cache. Set it to a directory to keep the
-# cache, or to `off`.
+# The process that creates the directory removes it at the end; xdist workers and
+# subprocesses inherit the variable, and every process that imports this conftest or
+# runs the CLI (which reads the same variable, so nothing is written to ~/.cache)
+# turns the cache on there. Set it to a directory to keep the cache, or to `off`.
 _RUN_CACHE = None
 if not os.environ.get("SPECJAX_COMPILATION_CACHE"):
     _RUN_CACHE = tempfile.mkdtemp(prefix="specjax-tests-jax-cache-")
@@ -42,6 +42,7 @@ specjax.compile_cache.enable()
 
 
 def pytest_unconfigure(config):
+    """Removes the run's cache directory, in the process that created it."""
     if _RUN_CACHE is not None:
         shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
