@@ -581,3 +581,11 @@ def test_missing_workdir_files_are_named(workdir, tmp_path, capsys):
     with pytest.raises(FileNotFoundError) as e:
         suite.Workdir.check(tmp_path, ("autoregressive", "medusa"))
     assert "medusa" in str(e.value) and "draft" not in str(e.value)
+
+
+def test_a_merge_of_one_part_says_one_part():
+    """The section's command line counts the parts in words a reader expects."""
+    one = suite._command_lines({"parts": [{"date": "d", "command": "c"}]}, "merge")
+    assert one[0] == "- commands: one run in one part, merged by `merge`:"
+    two = suite._command_lines({"parts": [{"date": "d", "command": "c"}] * 2}, "merge")
+    assert two[0].startswith("- commands: one run in 2 parts")

@@ -571,7 +571,8 @@ def _command_lines(result: dict, command: str) -> list[str]:
     parts = result.get("parts")
     if not parts:
         return [f"- command: `{command}`"]
-    return ([f"- commands: one run in {len(parts)} parts, merged by `{command}`:"]
+    taken = f"{len(parts)} parts" if len(parts) > 1 else "one part"
+    return ([f"- commands: one run in {taken}, merged by `{command}`:"]
             + [f"  - {p['date']}: `{p['command']}`" for p in parts])
 
 
