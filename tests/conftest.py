@@ -5,9 +5,13 @@ import shutil
 import tempfile
 
 # The suite's time is almost all XLA:CPU compilation of tiny programs; cheaper backend
-# passes compile them ~2.5x faster (numerics are unchanged: the same HLO ops run).
-# Set before jax is imported; subprocesses and notebook kernels inherit it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# passes compile them ~2.5x faster (numerics are unchanged: the same HLO ops run), and at
+# that level XLA:CPU's older elemental emitters compile the decode loops faster than its
+# MLIR fusion emitters (at the default level they are slower: users keep XLA's
+# defaults). Set before jax is imported; subprocesses and notebook kernels
+# inherit it (tests/multidevice.py adds its device count to it).
+_FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                 " --xla_cpu_use_fusion_emitters=false")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 # Many tests compile the same programs (the same tiny models at the same shapes, in other
