@@ -192,6 +192,24 @@ def quickstart_workdir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+def test_prompts_longer_than_a_batch_run_every_method(tmp_path):
+    """A prompt longer than llama.cpp's batch (long prompts: 2,048 tokens, n_batch 512)
+    through every method: llama-cpp-python keeps all logits when it drafts, in a buffer
+    that must hold the whole context."""
+    pytest.importorskip("llama_cpp", reason=INSTALL)
+    target = tiny_model("llama")
+    path = specjax.save_gguf(target, tmp_path / "target.gguf")
+    block = np.random.default_rng(1).integers(3, 300, 10).tolist()
+    prompts = [block * 5]  # 50 tokens, over three batches of 16
+    ours = specjax.generate(target, prompts, max_new_tokens=8, ignore_eos=True).tokens
+    for method in lc.METHODS:
+        runner = lc.Runner(path, method, k=4, draft=path, n_ctx=lc.context_size(prompts, 8, 4),
+                           threads=1, n_batch=16)
+        assert lc.llamacpp_pass(runner, prompts, new=8)[0] == ours, method
+        runner.close()
+
+
+@pytest.mark.slow
 def test_suite_runs_llama_cpp_at_batch_one(quickstart_workdir, tmp_path):
     pytest.importorskip("llama_cpp", reason=INSTALL)
     w = quickstart_workdir

@@ -79,8 +79,12 @@ def _llama(path: str | Path, *, n_ctx: int, threads: int, n_batch: int, seed: in
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    # with a draft model llama-cpp-python keeps every position's logits, but sizes their
+    # buffer by the logits_all argument: False gives n_batch rows, and a prompt longer
+    # than n_batch fails with a numpy broadcast error. True gives n_ctx rows.
     return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                           n_threads=threads, n_threads_batch=threads, logits_all=False,
+                           n_threads=threads, n_threads_batch=threads,
+                           logits_all=draft_model is not None,
                            verbose=False, seed=seed, draft_model=draft_model)
 
 
