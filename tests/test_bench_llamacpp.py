@@ -9,6 +9,7 @@ inside `specjax bench suite`."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -131,10 +132,13 @@ def test_llama_cpp_greedy_tokens_are_specjaxs(tmp_path):
     prompts = [block * 3, rng.integers(3, 300, 20).tolist()]  # the first repeats: lookup hits
     ours = specjax.generate(target, prompts, max_new_tokens=16, ignore_eos=True).tokens
     n_ctx = lc.context_size(prompts, 16, 4)
-    for method in lc.METHODS:
-        runner = lc.Runner(path, method, k=4, draft=draft_path, n_ctx=n_ctx, threads=1)
+    # n_batch 16: the 36-token prompt spans three of llama.cpp's batches (long prompts:
+    # 2,048 tokens, n_batch 512), where a drafting Llama must keep every position's logits
+    for method, n_batch in itertools.product(lc.METHODS, (512, 16)):
+        runner = lc.Runner(path, method, k=4, draft=draft_path, n_ctx=n_ctx, threads=1,
+                           n_batch=n_batch)
         tokens, wall = lc.llamacpp_pass(runner, prompts, new=16)
-        assert tokens == ours, (method, lc.agreement(ours, tokens))
+        assert tokens == ours, (method, n_batch, lc.agreement(ours, tokens))
         assert wall > 0 and runner.calls <= 32
         runner.close()
     step_ms, step_tokens = lc.decode_step_ms(path, prompts, new=16, threads=1)
@@ -189,24 +193,6 @@ def quickstart_workdir(tmp_path_factory) -> Path:
                 "target": {"source": str(source)}}
     (w / "target" / "DONE.json").write_text(json.dumps({"settings": settings}))
     return w
-
-
-@pytest.mark.slow
-def test_prompts_longer_than_a_batch_run_every_method(tmp_path):
-    """A prompt longer than llama.cpp's batch (long prompts: 2,048 tokens, n_batch 512)
-    through every method: llama-cpp-python keeps all logits when it drafts, in a buffer
-    that must hold the whole context."""
-    pytest.importorskip("llama_cpp", reason=INSTALL)
-    target = tiny_model("llama")
-    path = specjax.save_gguf(target, tmp_path / "target.gguf")
-    block = np.random.default_rng(1).integers(3, 300, 10).tolist()
-    prompts = [block * 5]  # 50 tokens, over three batches of 16
-    ours = specjax.generate(target, prompts, max_new_tokens=8, ignore_eos=True).tokens
-    for method in lc.METHODS:
-        runner = lc.Runner(path, method, k=4, draft=path, n_ctx=lc.context_size(prompts, 8, 4),
-                           threads=1, n_batch=16)
-        assert lc.llamacpp_pass(runner, prompts, new=8)[0] == ours, method
-        runner.close()
 
 
 @pytest.mark.slow
