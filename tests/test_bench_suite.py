@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.bench import prompts as P, suite
+from specjax.bench import prompts as P, suite, suite_report
 from specjax.cli import main as cli
 from specjax.config import tiny_llama
 from specjax.corpus import CorpusConfig, load_corpus
@@ -242,7 +242,7 @@ def test_suite_compares_every_method_on_every_category(finished):
     # a method that drafted ran the speculative loop in at least one call
     assert all(r["loop"] != "plain" for r in rows if r.get("k"))
     assert all("loop" not in r for r in rows if r["method"] in suite.HF_METHODS)
-    assert "| loop |" in suite.table(rows)
+    assert "| loop |" in suite_report.table(rows)
     # every cell against the fastest transformers method of its category and temperature
     for c in P.CATEGORIES:
         for t in (0.0, 1.0):
@@ -328,8 +328,8 @@ def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypa
 def test_suite_writes_its_section_and_plots(finished):
     _, out, _ = finished
     text = (out / "benchmarks.md").read_text()
-    assert "keep me" in text and text.count(suite.START) == text.count(suite.END) == 1
-    section = text[text.index(suite.START):]
+    assert "keep me" in text and text.count(suite_report.START) == text.count(suite_report.END) == 1
+    section = text[text.index(suite_report.START):]
     for needle in ("- date: ", "- machine: ", "- versions: jax ", "transformers ",
                    "- command: `python -m specjax.bench.suite --workdir ", "--new 4",
                    "- note: a tiny test run", "![suite_speedup](figures/suite_speedup.png)"):
@@ -341,7 +341,7 @@ def test_suite_writes_its_section_and_plots(finished):
     assert re.search(r"\| 0 \| 1 \| eagle \| (plain|speculative) \| 0\.", section)
     # no loop, α, τ or k for transformers
     assert "| 1 | 1 | hf_prompt_lookup | – | – | – | – |" in section
-    for name in suite.FIGURES:
+    for name in suite_report.FIGURES:
         assert (out / "figures" / name).stat().st_size > 1000
 
 
@@ -373,7 +373,7 @@ def test_a_run_in_parts_merges_into_one_section(finished, tmp_path, capsys):
             in section)
     assert "`part 0 command`" in section and "`part 1 command`" in section
     assert all(f"### {c}" in section for c in P.CATEGORIES)
-    assert (tmp_path / "fig" / suite.FIGURES[0]).stat().st_size > 1000
+    assert (tmp_path / "fig" / suite_report.FIGURES[0]).stat().st_size > 1000
     capsys.readouterr()
     assert suite_merge.main([str(parts[0]), str(parts[0]), "--out", ""]) == 2
     assert "both time" in capsys.readouterr().err
@@ -585,7 +585,7 @@ def test_missing_workdir_files_are_named(workdir, tmp_path, capsys):
 
 def test_a_merge_of_one_part_says_one_part():
     """The section's command line counts the parts in words a reader expects."""
-    one = suite._command_lines({"parts": [{"date": "d", "command": "c"}]}, "merge")
+    one = suite_report._command_lines({"parts": [{"date": "d", "command": "c"}]}, "merge")
     assert one[0] == "- commands: one run in one part, merged by `merge`:"
-    two = suite._command_lines({"parts": [{"date": "d", "command": "c"}] * 2}, "merge")
+    two = suite_report._command_lines({"parts": [{"date": "d", "command": "c"}] * 2}, "merge")
     assert two[0].startswith("- commands: one run in 2 parts")

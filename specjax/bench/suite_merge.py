@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from specjax.bench import suite
+from specjax.bench import suite_report
 
 # settings every part must share for their rows to sit in one table
 SAME = ("workdir", "new", "repeats", "prompts", "k", "seed", "adaptive", "calibrate",
@@ -65,7 +65,7 @@ def merge_results(parts: list[dict], names: list[str] | None = None) -> dict:
                 prompts=[x for p in parts for x in p["prompts"]],
                 priors=[x for p in parts for x in p.get("priors", [])],
                 parts=[dict(date=p["date"], command=p["command"]) for p in parts],
-                rows=suite.peer_ratios(rows))
+                rows=suite_report.peer_ratios(rows))
 
 
 def main(argv=None) -> int:
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         print(f"specjax bench suite_merge: error: {e!r}", file=sys.stderr)
         return 2
     command = shlex.join(["python", "-m", "specjax.bench.suite_merge", *argv])
-    suite.report(result, command, out=args.out, figures=args.figures, json_path=args.json)
+    suite_report.report(result, command, out=args.out, figures=args.figures, json_path=args.json)
     return 0
 
 

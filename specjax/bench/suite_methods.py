@@ -1,0 +1,18 @@
+"""The benchmark suite's method names by family, and which of them count as each peer's.
+
+Shared by the suite's runner (`specjax.bench.suite`) and its report
+(`specjax.bench.suite_report`), so neither imports the other's names.
+"""
+
+SPECJAX_METHODS = ("autoregressive", "ngram", "draft", "medusa", "eagle")
+HF_METHODS = ("hf_generate", "hf_assistant", "hf_prompt_lookup")
+# llama.cpp (llama-cpp-python, the bench extra): batch 1, named in --methods to run.
+LLAMACPP_METHODS = ("llamacpp", "llamacpp_prompt_lookup", "llamacpp_draft", "llamacpp_q4_1")
+# each llama.cpp method's `llamacpp.Runner` mode
+LLAMACPP_MODES = {"llamacpp": "plain", "llamacpp_prompt_lookup": "prompt_lookup",
+                  "llamacpp_draft": "draft", "llamacpp_q4_1": "plain"}
+
+# The peers each row is compared with: their methods on the same weights (llamacpp_q4_1
+# runs other weights, so it is no peer's best)
+PEERS = {"transformers": HF_METHODS,
+         "llamacpp": ("llamacpp", "llamacpp_prompt_lookup", "llamacpp_draft")}
