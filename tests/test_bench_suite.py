@@ -259,7 +259,29 @@ def test_loop_kind_names_the_loop_the_calls_ran():
     assert suite.loop_kind(1, 4) == "1/4 speculative"
 
 
-def test_timed_rounds_rotate_the_method_order(monkeypatch):
+@pytest.mark.parametrize("n", [2, 4, 5, 8, 9])
+def test_round_order_moves_every_method_and_its_predecessor(n):
+    """Over n rounds every method runs once at every position (a Latin square); from one
+    round to the next no method keeps its predecessor; for an even n every ordered pair
+    of methods is adjacent exactly once (Williams' balance)."""
+    names = [f"m{i}" for i in range(n)]
+    rounds = [suite.round_order(names, r) for r in range(n)]
+    assert all(sorted(r) == names for r in rounds)
+    assert all(sorted(col) == names for col in zip(*rounds))
+
+    def before(order):
+        return {b: a for a, b in zip(order, order[1:])}
+
+    for this, nxt in zip(rounds, rounds[1:]):
+        p, q = before(this), before(nxt)
+        assert not [m for m in p.keys() & q.keys() if p[m] == q[m]]
+    pairs = [pair for r in rounds for pair in zip(r, r[1:])]
+    if n % 2 == 0:
+        assert len(set(pairs)) == len(pairs) == n * (n - 1)
+    assert suite.round_order(names, n + 1) == rounds[1]
+
+
+def test_timed_rounds_vary_the_method_order(monkeypatch):
     """No method runs first in every round (the first measured slower on the same
     programs), autoregressive stays the reference whatever its position, and the peers
     (transformers, llama.cpp) at batch 1 are timed in the same rounds."""
