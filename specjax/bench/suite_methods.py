@@ -1,7 +1,7 @@
 """The benchmark suite's method names by family, and which of them count as each peer's.
 
 Shared by the suite's runner (`specjax.bench.suite`) and its report
-(`specjax.bench.suite_report`), so neither imports the other's names.
+(`specjax.bench.suite_report`), so the report needs nothing from the runner.
 """
 
 SPECJAX_METHODS = ("autoregressive", "ngram", "draft", "medusa", "eagle")
