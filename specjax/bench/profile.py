@@ -7,10 +7,13 @@ projections, the attention over the KV cache, the MLP, the LM head, norms and th
 (sampling, stopping, loop bookkeeping). Weights are read once per step, so the matmul
 rows also show the bandwidth they reach.
 
-  python -m specjax.bench.profile [--target CKPT] [--batch 1] [--new 64] [--speculator ngram]
-      [--llamacpp GGUF]
+  python -m specjax.bench.profile [--target CKPT] [--batch 1] [--new 64]
+      [--speculator ngram|draft|eagle] [--workdir RUN] [--llamacpp GGUF]
 
-Plain decoding by default; `--speculator ngram` profiles the n-gram loop at full depth.
+Plain decoding by default; `--speculator` profiles that method's loop at full depth (the
+draft and the EAGLE head a quickstart run in `--workdir` trained). A speculative step's
+phases (the adaptive rule, the draft calls and tree, the verification, the commit) are
+parts of their own: the decode loop runs each in a `jax.named_scope`.
 `--llamacpp` times llama.cpp's decode step beside specjax's, untraced, one row at a time
 on 4 HumanEval prompts.
 It compiles afresh (no persistent cache: a cache hit would skip XLA's dump).
@@ -30,15 +33,28 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specjax.decoding.speculate import SCOPE_ACCEPT, SCOPE_COMMIT, SCOPE_DECIDE, SCOPE_PROPOSE
+
 LOOP_MODULE = "jit_run"  # the decode loop's program (`DecodeLoop.run`)
 PARTS = ("attention projections (q, k, v, o)", "attention over the KV cache", "MLP",
-         "LM head", "norms and residuals", "sampling and loop bookkeeping")
+         "LM head", "norms and residuals", "sampling and loop bookkeeping",
+         "adaptive rule", "speculator: draft calls and tree", "verification",
+         "commit (tokens, KV, speculator state)")
+MODEL_PARTS = PARTS[:6]  # every loop has them; a speculative loop adds the phases after
+# a speculative step's phases, by the `jax.named_scope` the decode loop runs them in
+SCOPES = {SCOPE_DECIDE: PARTS[6], SCOPE_PROPOSE: PARTS[7], SCOPE_ACCEPT: PARTS[8],
+          SCOPE_COMMIT: PARTS[9]}
 _CONTAINERS = ("while", "conditional", "call")
 _INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*?)\)(.*)$")
 
 
 def part_of(op_name: str) -> str:
-    """The model part an op's `op_name` metadata (the jax call path) belongs to."""
+    """The part an op's `op_name` metadata (the jax call path) belongs to: a speculative
+    step's phase (its named scope, whatever model code runs in it: a draft model's
+    layers are the draft's), else the target's model part."""
+    for scope in op_name.split("/"):
+        if scope in SCOPES:
+            return SCOPES[scope]
     if "_proj/" in op_name and "/self_attn/" in op_name:
         return PARTS[0]
     if "/self_attn/" in op_name:
@@ -71,41 +87,67 @@ def _dot_part(out: list[int], lhs: list[int], config) -> str:
     return PARTS[1]
 
 
-def hlo_ops(hlo_text: str, config) -> dict[str, tuple[str, str]]:
-    """{instruction name: (opcode, part)} of an optimized HLO module's text."""
-    shapes, found = {}, {}
+def hlo_ops(hlo_text: str, config) -> dict[str, tuple[str, str, str]]:
+    """{instruction name: (opcode, part, computation)} of an optimized HLO module's text
+    (the computation: the one the instruction is in). An op without metadata takes its
+    computation's phase when every op there that has metadata is in that one phase (a
+    draft's matmuls inside its own branch), else its part by shapes: a plain dot's, or
+    that of the dot a fusion computes (XLA:CPU's YNNPACK fusions carry no metadata)."""
+    shapes, found, untagged, comp = {}, {}, [], None
+    dots = {}  # computation -> (out dims, lhs dims) of its root, where that is a dot
+    phases = collections.defaultdict(set)  # computation -> the parts its tagged ops are in
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if not m:
+            head = re.match(r"\s*(?:ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+            comp = head.group(1) if head else comp
             continue
         name, shape, opcode, operands, rest = m.groups()
         shapes[name] = shape
+        lhs = operands.split(",")[0].strip().lstrip("%")
+        if opcode == "dot" and line.lstrip().startswith("ROOT "):
+            dots[comp] = (_dims(shape), _dims(shapes.get(lhs, "")))
         op_name = re.search(r'op_name="([^"]*)"', rest)
         if op_name:
-            found[name] = (opcode, part_of(op_name.group(1)))
-        elif opcode == "dot":
-            lhs = operands.split(",")[0].strip().lstrip("%")
-            found[name] = (opcode, _dot_part(_dims(shape), _dims(shapes.get(lhs, "")), config))
+            found[name] = (opcode, part_of(op_name.group(1)), comp)
+            phases[comp].add(found[name][1])
         else:
-            found[name] = (opcode, PARTS[5])
+            untagged.append((name, opcode, comp, (_dims(shape), _dims(shapes.get(lhs, ""))),
+                             re.search(r"calls=%([\w.\-]+)", rest)))
+    for name, opcode, comp, dims, calls in untagged:
+        (only,) = phases[comp] if len(phases[comp]) == 1 else (None,)
+        if only in SCOPES.values():
+            part = only
+        elif opcode == "dot":
+            part = _dot_part(*dims, config)
+        elif opcode == "fusion" and calls and calls.group(1) in dots:
+            part = _dot_part(*dots[calls.group(1)], config)
+        else:
+            part = PARTS[5]
+        found[name] = (opcode, part, comp)
     return found
 
 
-def breakdown(events: list[dict], ops: dict[str, tuple[str, str]]) -> dict:
+def breakdown(events: list[dict], ops: dict[str, tuple[str, str, str]]) -> dict:
     """Per-step milliseconds by part from the loop's trace events ({'name', 'ts', 'dur'}
-    in microseconds): steps are counted by the LM head's matmul (its costliest op), wall
-    per step is the median gap between its starts, and ops that contain others (loops,
-    conds) are left out of the sums."""
+    in microseconds): steps are counted by the target's LM head matmuls (in each
+    computation its costliest LM-head op: a speculative loop has one target forward per
+    verify width, each in its own branch), wall per step is the median gap between their
+    starts, and ops that contain others (loops, conds) are left out of the sums."""
     by_part, head_ops = collections.Counter(), collections.Counter()
     for e in events:
-        opcode, part = ops.get(e["name"], ("", PARTS[5]))
+        opcode, part, _ = ops.get(e["name"], ("", PARTS[5], ""))
         if opcode in _CONTAINERS:
             continue
         by_part[part] += e["dur"]
         if part == PARTS[3]:
             head_ops[e["name"]] += e["dur"]
-    head = max(head_ops, key=head_ops.get) if head_ops else None  # the matmul itself
-    head_starts = sorted(e["ts"] for e in events if e["name"] == head)
+    heads = {}  # computation -> its costliest LM-head op: the matmul itself
+    for name, dur in head_ops.items():
+        comp = ops[name][2]
+        if comp not in heads or dur > head_ops[heads[comp]]:
+            heads[comp] = name
+    head_starts = sorted(e["ts"] for e in events if e["name"] in set(heads.values()))
     if len(head_starts) < 2:
         raise ValueError(f"found {len(head_starts)} LM head matmuls in the trace: cannot "
                          "count decode steps (is the loop module named "
@@ -165,12 +207,15 @@ def step_ms(model, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def markdown(result: dict, config, batch: int) -> str:
-    """The per-part table: ms per step, share of the op time and, for matmuls, GB/s."""
+    """The per-part table: ms per step, share of the op time and, for matmuls, GB/s (a
+    speculative step's phases only where the loop has them)."""
     total = sum(result["ms"].values())
     wb = weight_bytes(config)
     lines = ["| part | ms / step | share | weights read, GB/s |", "|---|---:|---:|---:|"]
     for p in PARTS:
         ms = result["ms"][p]
+        if p not in MODEL_PARTS and ms == 0:
+            continue
         gbs = f"{wb[p] / (ms / 1e3) / 1e9:.1f}" if p in wb and ms > 0 else "–"
         lines.append(f"| {p} | {ms:.2f} | {ms / total:.0%} | {gbs} |")
     lines += [f"| **sum of op times** | **{total:.2f}** | | |",
@@ -188,7 +233,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="new tokens per row")
     ap.add_argument("--prompt-tokens", type=int, default=256,
                     help="HumanEval prompts of at most this many tokens")
-    ap.add_argument("--speculator", choices=("none", "ngram"), default="none")
+    ap.add_argument("--speculator", choices=("none", "ngram", "draft", "eagle"),
+                    default="none", help="profile this method's loop at full depth (draft, "
+                    "eagle: the trained ones of --workdir)")
+    ap.add_argument("--workdir", default=None,
+                    help="a quickstart run directory: its target (unless --target) and its "
+                    "draft or EAGLE head")
     ap.add_argument("--llamacpp", default=None, metavar="GGUF",
                     help="also time llama.cpp's decode step on this GGUF (same weights; "
                     "batch 1 only)")
@@ -200,6 +250,16 @@ def main(argv=None) -> int:
                  f"--new={args.new} >= 2 and --prompt-tokens={args.prompt_tokens} >= 8")
     if args.llamacpp and args.batch != 1:
         ap.error(f"--llamacpp times one sequence: it needs --batch 1 (got {args.batch})")
+    if args.speculator in ("draft", "eagle") and args.workdir is None:
+        ap.error(f"--speculator {args.speculator} needs --workdir (a quickstart run that "
+                 "trained it)")
+    from specjax.bench.speculative import build_speculators, workdir_paths
+
+    paths = workdir_paths(args.workdir) if args.workdir else {}
+    need = {"draft": "config.json", "eagle": "heads.json"}.get(args.speculator)
+    if need and not (paths[args.speculator] / need).is_file():
+        ap.error(f"--workdir {args.workdir!r} has no trained {args.speculator} (no "
+                 f"{paths[args.speculator] / need})")
     dump_dir = tempfile.mkdtemp(prefix="specjax_hlo_")
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                         f"--xla_dump_to={dump_dir}",
@@ -212,14 +272,16 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
     from specjax.checkpoint import packaged
 
-    model = specjax.load(str(packaged.smollm2() if args.target is None else args.target),
-                         dtype="float32")
+    source = args.target or paths.get("target") or packaged.smollm2()
+    model = specjax.load(str(source), dtype="float32")
     prompts = [p.ids for p in build_prompts("humaneval", [], model.tokenizer,
                                             max(args.batch, 4), args.prompt_tokens, 0)]
     spec = None
-    if args.speculator == "ngram":
-        from specjax.speculators.ngram import NGram
-        spec = NGram()
+    if args.speculator != "none":
+        draft = (specjax.load(str(paths["draft"]), dtype="float32")
+                 if args.speculator == "draft" else None)
+        eagle = str(paths["eagle"]) if args.speculator == "eagle" else None
+        spec = build_speculators(model, draft=draft, eagle=eagle)[args.speculator]
     result = profile(model, prompts[:args.batch], args.new, dump_dir,
                      tempfile.mkdtemp(prefix="specjax_trace_"), spec)
     print(markdown(result, model.config, args.batch))

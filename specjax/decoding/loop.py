@@ -20,6 +20,8 @@ from specjax.config import ModelConfig
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.policy import Decision, decide, initial_probes, verify_buckets
 from specjax.decoding.speculate import (
+    SCOPE_COMMIT,
+    SCOPE_DECIDE,
     gather_hidden,
     is_eos,
     speculate,
@@ -136,7 +138,9 @@ class DecodeLoop:
         if spec is None:
             st = self.plain_step(params, st)[0]
         else:  # plain steps leave α unchanged, so one decision serves both
-            decision = decide(spec, params.rule, self.buckets, st, params.max_new, self.backend)
+            with jax.named_scope(SCOPE_DECIDE):
+                decision = decide(spec, params.rule, self.buckets, st, params.max_new,
+                                  self.backend)
             st = self.plain_steps(params, st, decision)
             st = self.speculative_step(params, st, decision)
         return shard.constrain_caches(st)  # the carried pools stay split per data shard
@@ -184,11 +188,13 @@ class DecodeLoop:
         def plain(s: LoopState) -> LoopState:
             new, root, nxt, hidden = self.plain_step(params, s, spec.hidden_layers)
             emit = (~s.done).astype(jnp.int32)
-            spec_state = jax.lax.cond(settled, lambda: s.spec_state, lambda: spec.commit(
-                spec.skip(s.spec_state), CommitContext(
-                    tokens=root, next_tokens=nxt[:, None], positions=(s.lengths - 1)[:, None],
-                    num_pairs=emit, hidden=hidden, num_accepted=jnp.zeros_like(emit),
-                    lengths=new.lengths), params.target))
+            with jax.named_scope(SCOPE_COMMIT):
+                spec_state = jax.lax.cond(settled, lambda: s.spec_state, lambda: spec.commit(
+                    spec.skip(s.spec_state), CommitContext(
+                        tokens=root, next_tokens=nxt[:, None],
+                        positions=(s.lengths - 1)[:, None], num_pairs=emit, hidden=hidden,
+                        num_accepted=jnp.zeros_like(emit), lengths=new.lengths),
+                    params.target))
             return shard.constrain_caches(new.replace(spec_state=spec_state))
 
         return jax.lax.while_loop(go_on, plain, st)

@@ -21,6 +21,13 @@ from specjax.verify import verify, verify_no_draft
 if TYPE_CHECKING:
     from specjax.decoding.loop import DecodeLoop
 
+# `jax.named_scope`s around a speculative step's phases: they only name the ops (XLA's
+# op_name metadata), so that a profile can tell the phases apart (`specjax.bench.profile`)
+SCOPE_DECIDE = "spec_decide"  # the adaptive rule (`policy.decide`)
+SCOPE_PROPOSE = "spec_propose"  # the speculator's draft calls and tree
+SCOPE_ACCEPT = "spec_accept"  # the verifier over the target's logits
+SCOPE_COMMIT = "spec_commit"  # tokens, KV and the speculator's state after a step
+
 
 def gather_hidden(hidden: Hidden, idx: jax.Array) -> Hidden:
     """Hidden [B, T, ...] at per-row indices idx [B, J] -> Hidden [B, J, ...]."""
@@ -67,7 +74,8 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
         decision = decide(params.speculator, params.rule, loop.buckets, st, params.max_new,
                           loop.backend)
     active = ~st.done
-    tree, spec_state, limit, probed = _propose(params, st, decision)
+    with jax.named_scope(SCOPE_PROPOSE):
+        tree, spec_state, limit, probed = _propose(params, st, decision)
     depths = [d for d, _ in loop.buckets]
     proposed = tree.row_depths > 0  # before the batch's bucket cuts the tree
     which = decision.bucket(tree.row_depths, active, probed)
@@ -118,11 +126,13 @@ def _verify_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState
     # the token after the accepted path is drawn with the key a plain step at this length
     # samples with: a row that drafts nothing draws what the plain-step loop would draw
     bonus_keys = rng.step_keys(st.keys, st.lengths, rng.SAMPLE)
-    if width == 0:  # a plain decode step's sampling, no verifier
-        res = verify_no_draft(logits[:, 0], sub, params.sampling, key, bonus_keys)
-    else:
-        verification = spec.verification if loop.verification is None else loop.verification
-        res = verify(logits, sub, params.sampling, key, verification, bonus_keys)
+    with jax.named_scope(SCOPE_ACCEPT):
+        if width == 0:  # a plain decode step's sampling, no verifier
+            res = verify_no_draft(logits[:, 0], sub, params.sampling, key, bonus_keys)
+        else:
+            verification = (spec.verification if loop.verification is None
+                            else loop.verification)
+            res = verify(logits, sub, params.sampling, key, verification, bonus_keys)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
     return (res, kept, gather_hidden(hidden, res.path_inputs),
             loop.commit.kept(out, res.path_inputs))
@@ -132,9 +142,17 @@ def speculative_step(loop: "DecodeLoop", params: Params, st: LoopState,
                      decision: Decision) -> LoopState:
     """Propose and verify, then emit the accepted tokens and the bonus (up to the row's
     budget and its first EOS), commit their KV and hand the speculator its pairs."""
+    sp = speculate(loop, params, st, decision)
+    with jax.named_scope(SCOPE_COMMIT):
+        return _commit(loop, params, st, sp, decision)
+
+
+def _commit(loop: "DecodeLoop", params: Params, st: LoopState, sp: Speculation,
+            decision: Decision) -> LoopState:
+    """The state after emitting `sp`'s accepted tokens and bonus: KV committed, tokens
+    written, counters and probes advanced, the speculator handed its pairs."""
     spec, dm = params.speculator, params.speculator.shape.max_depth
     active = ~st.done
-    sp = speculate(loop, params, st, decision)
     res, lens = sp.result, st.lengths
     # How many of [accepted..., bonus] to emit: the row's budget, and stop after an EOS.
     budget = remaining_tokens(st, params.max_new)
