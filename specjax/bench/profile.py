@@ -36,14 +36,13 @@ from pathlib import Path
 from specjax.decoding.speculate import SCOPE_ACCEPT, SCOPE_COMMIT, SCOPE_DECIDE, SCOPE_PROPOSE
 
 LOOP_MODULE = "jit_run"  # the decode loop's program (`DecodeLoop.run`)
-PARTS = ("attention projections (q, k, v, o)", "attention over the KV cache", "MLP",
-         "LM head", "norms and residuals", "sampling and loop bookkeeping",
-         "adaptive rule", "speculator: draft calls and tree", "verification",
-         "commit (tokens, KV, speculator state)")
-MODEL_PARTS = PARTS[:6]  # every loop has them; a speculative loop adds the phases after
+MODEL_PARTS = ("attention projections (q, k, v, o)", "attention over the KV cache", "MLP",
+               "LM head", "norms and residuals", "sampling and loop bookkeeping")
 # a speculative step's phases, by the `jax.named_scope` the decode loop runs them in
-SCOPES = {SCOPE_DECIDE: PARTS[6], SCOPE_PROPOSE: PARTS[7], SCOPE_ACCEPT: PARTS[8],
-          SCOPE_COMMIT: PARTS[9]}
+SCOPES = {SCOPE_DECIDE: "adaptive rule", SCOPE_PROPOSE: "speculator: draft calls and tree",
+          SCOPE_ACCEPT: "verification", SCOPE_COMMIT: "commit (tokens, KV, speculator state)"}
+PARTS = MODEL_PARTS + tuple(SCOPES.values())  # every loop has the model's; a speculative
+# loop adds its phases
 _CONTAINERS = ("while", "conditional", "call")
 _INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*?)\)(.*)$")
 
