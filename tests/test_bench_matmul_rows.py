@@ -1,0 +1,43 @@
+"""`specjax.bench.matmul_rows`: its three forms compute the same MLP, its table, and its
+argument checks, on tiny shapes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.bench import matmul_rows
+
+
+def test_forms_compute_the_same_mlp():
+    weights = matmul_rows.mlp_weights(hidden=8, intermediate=16, layers=2, seed=3)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 8), np.float32))
+    outs = [np.asarray(matmul_rows.compiled(f, x, weights)(x, weights))
+            for f in matmul_rows.FORMS]
+    ref = x
+    for layer in weights:  # the MLP in numpy
+        h = np.asarray(ref) @ np.asarray(layer["gate"])
+        h = h / (1 + np.exp(-h)) * (np.asarray(ref) @ np.asarray(layer["up"]))
+        ref = np.asarray(ref) + h @ np.asarray(layer["down"])
+    assert not np.allclose(ref, np.asarray(x))  # the layers change x
+    for out in outs:
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_main_prints_every_form_and_row(capsys):
+    assert matmul_rows.main(["--hidden", "8", "--intermediate", "16", "--layers", "2",
+                             "--rows", "1,2", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert all(f in out for f in matmul_rows.FORMS)
+    one = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    assert one.split("|")[3].strip() == "1.00"  # the base: the one-row GEMM
+    assert "| 2 |" in out and "GB/s" in out
+
+
+@pytest.mark.parametrize("argv, name", [(["--rows", "0,2"], "--rows"),
+                                        (["--layers", "0"], "--layers")])
+def test_bad_arguments_name_the_flag(argv, name, capsys):
+    with pytest.raises(SystemExit) as e:
+        matmul_rows.main(argv)
+    assert e.value.code == 2 and name in capsys.readouterr().err
