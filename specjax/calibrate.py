@@ -151,19 +151,7 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
             for variant, fn in variants:
                 fn(*args).block_until_ready()  # first run
                 fns[variant if c == context else "far", t] = (fn, args)
-    times = {key: [] for key in fns}
-    keys = list(fns)
-    for r in range(repeats):  # interleaved: every T sees the same machine load
-        # in a new order each round, each program run once untimed before its timed run:
-        # a program timed right after another's larger forward measured up to 1.6x
-        # slower, and generate's loop runs one program step after step
-        for i in round_order(len(keys), r):
-            fn, args = fns[keys[i]]
-            fn(*args).block_until_ready()
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            times[keys[i]].append(time.perf_counter() - t0)
-    med = {key: statistics.median(v) for key, v in times.items()}
+    med = interleaved_medians(fns, repeats)
     out = dict(params=model.num_params(), capacity=tuple(capacity),
                name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
     for variant, suffix in (("generate", ""), ("no_ynn", "_no_ynn")):
@@ -191,6 +179,24 @@ def fit_per_token(ratio: dict[int, float]) -> float:
         return 0.0
     y = np.asarray([ratio[int(t)] for t in ts], np.float64)
     return float(ts @ y / (ts @ ts))
+
+
+def interleaved_medians(programs: dict, repeats: int) -> dict:
+    """{key: median seconds} of compiled programs {key: (fn, args)}, timed in `repeats`
+    interleaved rounds, so every program sees the same machine load: in a new order
+    each round (`round_order`), each run once untimed right before its timed run (a
+    program timed right after another's larger forward measured up to 1.6x slower, and
+    generate's loop runs one program step after step)."""
+    times = {key: [] for key in programs}
+    keys = list(programs)
+    for r in range(repeats):
+        for i in round_order(len(keys), r):
+            fn, args = programs[keys[i]]
+            fn(*args).block_until_ready()
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times[keys[i]].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def round_order(n: int, r: int) -> np.ndarray:

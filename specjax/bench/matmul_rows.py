@@ -17,8 +17,6 @@ XLA:CPU backends are tried by setting `XLA_FLAGS` for the whole run.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import jax
@@ -26,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.bench.suite import ints
-from specjax.calibrate import round_order
+from specjax.calibrate import NO_YNN, interleaved_medians
 
-NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
 FORMS = ("gemm", "gemm, no YNNPACK", "per-row GEMVs")
 
 
@@ -67,8 +64,7 @@ def compiled(form: str, x, weights):
     """`form`'s program for x's row count, compiled."""
     fn = mlp_stack(_per_row if form == "per-row GEMVs" else _gemm)
     lowered = jax.jit(fn).lower(x, weights)
-    return lowered.compile(compiler_options=NO_YNNPACK) if "no YNNPACK" in form else \
-        lowered.compile()
+    return lowered.compile(compiler_options=NO_YNN if "no YNNPACK" in form else None)
 
 
 def measure(weights: list[dict], rows: tuple[int, ...], repeats: int,
@@ -82,17 +78,8 @@ def measure(weights: list[dict], rows: tuple[int, ...], repeats: int,
         for form in FORMS:
             fn = compiled(form, x, weights)
             fn(x, weights).block_until_ready()
-            programs[form, t] = (fn, x)
-    keys = list(programs)
-    times: dict = {k: [] for k in keys}
-    for r in range(repeats):
-        for i in round_order(len(keys), r):
-            fn, x = programs[keys[i]]
-            fn(x, weights).block_until_ready()  # untimed: the same caches for every program
-            t0 = time.perf_counter()
-            fn(x, weights).block_until_ready()
-            times[keys[i]].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+            programs[form, t] = (fn, (x, weights))
+    return interleaved_medians(programs, repeats)
 
 
 def markdown(seconds: dict[tuple[str, int], float], rows: tuple[int, ...],
