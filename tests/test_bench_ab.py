@@ -13,14 +13,20 @@ def _fake_checkout(root, tag):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(f"TAG = {tag!r}\n")
     (pkg / "compile_cache.py").write_text("def enable(path):\n    return path\n")
+    kernels = root / "pallas_kernels"  # pyproject maps it to specjax.pallas_kernels
+    kernels.mkdir()
+    (kernels / "__init__.py").write_text(f"TAG = {tag!r}\n")
     return root
 
 
 def test_a_round_imports_the_checkout_it_is_given(tmp_path):
-    """PYTHONPATH puts the checkout ahead of the installed (editable) specjax."""
+    """PYTHONPATH puts the checkout ahead of the installed (editable) specjax, and its
+    own root folders stand for the mapped subpackages (the kernels), which the editable
+    install would otherwise resolve to its own checkout."""
     root = _fake_checkout(tmp_path / "old", "old")
     res = ab._one(root.resolve(), [], str(tmp_path / "cache"))
-    assert res == {"_specjax": str((root / "specjax" / "__init__.py").resolve())}
+    assert res == {"_specjax": str((root / "specjax" / "__init__.py").resolve()),
+                   "_kernels": str((root / "pallas_kernels" / "__init__.py").resolve())}
 
 
 def test_rounds_alternate_and_rows_compare_medians(monkeypatch, tmp_path):
@@ -31,7 +37,8 @@ def test_rounds_alternate_and_rows_compare_medians(monkeypatch, tmp_path):
     def fake_one(root, workloads, cache_dir):
         calls.append(root)
         digest = "x" if root == before or len(calls) < 6 else "y"
-        return {"_specjax": str(root), "toy/b1/plain": (next(times[root]), digest)}
+        return {"_specjax": str(root), "_kernels": str(root),
+                "toy/b1/plain": (next(times[root]), digest)}
 
     monkeypatch.setattr(ab, "_one", fake_one)
     rows = ab.compare(before, after, ["toy"], 3, "unused")
@@ -49,4 +56,11 @@ def test_bad_arguments_name_the_value(tmp_path, capsys):
         ab.main(["--before", str(tmp_path)])
     with pytest.raises(SystemExit):
         ab.main(["--before", ".", "--workloads", "toy,nope"])
-    assert "'toy,nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'toy,nope'" in err and "choose from toy,smollm2,long" in err
+
+
+def test_every_workload_has_a_round():
+    """Each name `--workloads` accepts runs a round of its own."""
+    assert set(ab.ROUNDS) == set(ab.WORKLOADS)
+    assert len(set(ab.ROUNDS.values())) == len(ab.WORKLOADS)

