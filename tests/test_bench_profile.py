@@ -139,10 +139,13 @@ def test_breakdown_sums_per_step_and_leaves_out_containers():
     assert f"| MLP | 5.00 | 70% | {mlp_gbs:.1f} |" in table
     with pytest.raises(ValueError, match="found 1 LM head"):
         profile.breakdown(events[:3], ops)
+    kinds = profile.markdown_kinds(r, 2)  # one row per op kind, costliest first
+    assert kinds.splitlines()[2:] == ["| dot | MLP | 5.000 | 1 |", "| dot | LM head | 2.000 | 1 |"]
 
 
 @pytest.mark.parametrize("args", [["--batch", "0"], ["--new", "1"], ["--speculator", "x"],
                                   ["--repeats", "0"], ["--llamacpp", "x.gguf", "--batch", "2"],
+                                  ["--top", "-1"],
                                   ["--speculator", "eagle"]])
 def test_bad_arguments_exit_with_a_message(args, capsys):
     with pytest.raises(SystemExit) as e:

@@ -134,11 +134,15 @@ def breakdown(events: list[dict], ops: dict[str, tuple[str, str, str]]) -> dict:
     verify width, each in its own branch), wall per step is the median gap between their
     starts, and ops that contain others (loops, conds) are left out of the sums."""
     by_part, head_ops = collections.Counter(), collections.Counter()
+    by_kind, runs = collections.Counter(), collections.Counter()
     for e in events:
         opcode, part, _ = ops.get(e["name"], ("", PARTS[5], ""))
         if opcode in _CONTAINERS:
             continue
         by_part[part] += e["dur"]
+        kind = (part, e["name"].rstrip("0123456789."))  # fusion.12, fusion.40 -> fusion
+        by_kind[kind] += e["dur"]
+        runs[kind] += 1
         if part == PARTS[3]:
             head_ops[e["name"]] += e["dur"]
     heads = {}  # computation -> its costliest LM-head op: the matmul itself
@@ -154,7 +158,18 @@ def breakdown(events: list[dict], ops: dict[str, tuple[str, str, str]]) -> dict:
     steps = len(head_starts)
     wall = statistics.median(b - a for a, b in zip(head_starts, head_starts[1:]))
     return {"steps": steps, "wall_ms": wall / 1e3,
-            "ms": {p: by_part[p] / steps / 1e3 for p in PARTS}}
+            "ms": {p: by_part[p] / steps / 1e3 for p in PARTS},
+            # [(part, op kind, ms per step, runs per step)], costliest first
+            "kinds": [(*k, d / steps / 1e3, runs[k] / steps) for k, d in by_kind.most_common()]}
+
+
+def markdown_kinds(result: dict, top: int) -> str:
+    """The `top` costliest kinds of op (XLA's op name without its number: one fusion
+    kind run by every layer is one row), per step, with the part they belong to."""
+    lines = ["| op | part | ms / step | runs / step |", "|---|---|---:|---:|"]
+    lines += [f"| {kind} | {part} | {ms:.3f} | {n:.0f} |"
+              for part, kind, ms, n in result["kinds"][:top]]
+    return "\n".join(lines)
 
 
 def weight_bytes(config, itemsize: int = 4) -> dict[str, int]:
@@ -243,10 +258,15 @@ def main(argv=None) -> int:
                     "batch 1 only)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="interleaved rounds of the untraced specjax / llama.cpp steps")
+    ap.add_argument("--top", type=int, default=0,
+                    help="also list this many costliest kinds of op (which fusion a part's "
+                    "time goes to)")
     args = ap.parse_args(argv)
-    if args.batch < 1 or args.new < 2 or args.prompt_tokens < 8 or args.repeats < 1:
+    if (args.batch < 1 or args.new < 2 or args.prompt_tokens < 8 or args.repeats < 1
+            or args.top < 0):
         ap.error(f"--batch={args.batch} and --repeats={args.repeats} must be >= 1, "
-                 f"--new={args.new} >= 2 and --prompt-tokens={args.prompt_tokens} >= 8")
+                 f"--new={args.new} >= 2, --prompt-tokens={args.prompt_tokens} >= 8 and "
+                 f"--top={args.top} >= 0")
     if args.llamacpp and args.batch != 1:
         ap.error(f"--llamacpp times one sequence: it needs --batch 1 (got {args.batch})")
     if args.speculator in ("draft", "eagle") and args.workdir is None:
@@ -284,6 +304,8 @@ def main(argv=None) -> int:
     result = profile(model, prompts[:args.batch], args.new, dump_dir,
                      tempfile.mkdtemp(prefix="specjax_trace_"), spec)
     print(markdown(result, model.config, args.batch))
+    if args.top:
+        print("\n" + markdown_kinds(result, args.top))
     if args.llamacpp:
         from specjax.bench import llamacpp
 
