@@ -25,6 +25,7 @@ def _generate(args) -> int:
     import specjax
     from specjax.config import tiny_llama
     from specjax.speculators import DraftModel, NGram
+    from specjax.speculators.draft_model import load_vocab
 
     if args.model:
         model = specjax.load(args.model)
@@ -46,7 +47,8 @@ def _generate(args) -> int:
     elif args.speculator == "draft":
         if not args.draft:
             raise ValueError("--speculator draft needs --draft DIR")
-        spec = DraftModel.create(specjax.load(args.draft), k=args.k, target=model)
+        vocab = load_vocab(args.draft_vocab) if args.draft_vocab else None
+        spec = DraftModel.create(specjax.load(args.draft), k=args.k, target=model, vocab=vocab)
     print(f"model: {source}")
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
@@ -134,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculator", choices=["none", "ngram", "draft"], default="ngram")
     g.add_argument("--draft", help="draft model directory for --speculator draft")
+    g.add_argument("--draft-vocab", help="trim the draft's LM head to these target ids (a "
+                   ".npy file, as the quickstart writes to <workdir>/draft_vocab/vocab.npy)")
     g.add_argument("--k", type=int, default=4)
     g.add_argument("--kv-cache-dtype", default=None,
                    help="the KV caches (target, draft): a float dtype, or int8 (per-token scales)")

@@ -7,6 +7,7 @@ import json
 import math
 import time
 
+import numpy as np
 import pytest
 
 from specjax.cli import main as cli
@@ -88,6 +89,7 @@ def _tiny_real(target) -> list[str]:
             "draft/trainer.TrainConfig.progress = False",
             "heads/trainer.TrainConfig.progress = False",
             "quickstart.real_head_stages.draft_vocab_size = 96",
+            "quickstart.quickstart.draft_vocab_size = 96",
             "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
             "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
             "quickstart.quickstart.prompt_len = 24", "quickstart.quickstart.sweep_k = (2,)",
@@ -107,6 +109,10 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     target = specjax.load(workdir / "target" / "export")
     assert draft.config.num_layers == 1
     assert draft.config.replace(num_layers=target.config.num_layers) == target.config
+    # the comparison's draft proposed from the corpus's 96 most frequent ids
+    vocab = np.load(tmp_path / "draft_vocab" / "vocab.npy")
+    assert vocab.shape == (96,) and len(set(vocab.tolist())) == 96
+    assert res["settings"]["stages"]["draft_vocab"]["size"] == 96
     summary = json.loads((tmp_path / "eagle3" / "summary.json").read_text())
     assert summary["features"] == "online" and "speculative" not in summary  # the table's
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]

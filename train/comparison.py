@@ -150,14 +150,15 @@ def _calibrated_priors(target, specs: dict, prompt_corpus: CorpusConfig, prompts
 
 def _k_sweep(target, draft, prompts, sweep_k, *, new_tokens: int, seed: int, costs,
              batch: int | None, adaptive: bool, repeats: int) -> list[dict]:
-    """Greedy n-gram (and draft-model) speedup, α and τ at every draft length in `sweep_k`."""
-    from specjax.speculators import DraftModel, NGram
+    """Greedy n-gram (and draft-model) speedup, α and τ at every draft length in `sweep_k`;
+    `draft` is the comparison's `DraftModel` speculator (or None), re-made at each k."""
+    from specjax.speculators import NGram
 
     sweep = []
     for kk in sweep_k:
         sub = {"autoregressive": None, "ngram": NGram(k=kk)}
-        if draft is not None:
-            sub["draft"] = DraftModel.create(draft, k=kk)
+        if draft is not None:  # the comparison's draft (its trimmed vocabulary kept)
+            sub["draft"] = draft.replace(k=kk)
         for r in compare(target, sub, prompts, new_tokens=new_tokens, temperatures=(0.0,),
                          seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
                          repeats=repeats):
@@ -216,7 +217,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
                    repeats=repeats, priors=priors)
-    sweep = _k_sweep(target, draft, prompts, sweep_k, new_tokens=new_tokens, seed=seed,
+    sweep = _k_sweep(target, specs.get("draft"), prompts, sweep_k, new_tokens=new_tokens, seed=seed,
                      costs=costs, batch=batch, adaptive=adaptive, repeats=repeats)
     greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
     text = table(rows)

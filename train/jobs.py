@@ -179,6 +179,26 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                      result)
 
 
+def corpus_vocab(data, vocab_size: int, size: int) -> np.ndarray:
+    """[size] int32: the `size` target ids most frequent in the training rows of `data`
+    (`build_data`), EAGLE-3's reduced draft vocabulary, and a trimmed draft model's."""
+    return build_vocab_map(np.bincount(data.train.reshape(-1), minlength=vocab_size), size)
+
+
+def draft_vocab(workdir: str | Path, target: Model, size: int,
+                data_config: DataConfig = DataConfig(), seed: int = 0) -> Path:
+    """Writes `workdir/vocab.npy`: the `size` target ids most frequent in the corpus
+    tokenized with `target`'s tokenizer, the vocabulary a draft trained on that corpus is
+    trimmed to (`DraftModel.create(vocab=)`)."""
+    from specjax.speculators.draft_model import VOCAB_FILE, save_vocab
+
+    data = build_data(data_config, target.tokenizer, seed)
+    out = Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_vocab(out / VOCAB_FILE, corpus_vocab(data, target.config.vocab_size, size))
+    return out / VOCAB_FILE
+
+
 HEADS_DIR = "heads"
 SERVING_DIRS = {"eagle": "speculators", "medusa": "medusa"}  # beside HEADS_DIR
 FEATURES_DIR = "features"
@@ -267,8 +287,7 @@ def _heads_method(head_config, target: Model, data, train_config: TrainConfig, f
         layers = method.hidden_layers
         vd = method.head.draft_vocab_size
         if vd is not None and vd < target.config.vocab_size:
-            counts = np.bincount(data.train.reshape(-1), minlength=target.config.vocab_size)
-            d2t = build_vocab_map(counts, vd)
+            d2t = corpus_vocab(data, target.config.vocab_size, vd)
         if method.init_from_target:
             init = method.initial_params(target.params, d2t, train_config.seed)
         frozen = {"target": target.params, "d2t": d2t}

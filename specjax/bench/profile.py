@@ -300,7 +300,8 @@ def main(argv=None) -> int:
         draft = (specjax.load(str(paths["draft"]), dtype="float32")
                  if args.speculator == "draft" else None)
         eagle = str(paths["eagle"]) if args.speculator == "eagle" else None
-        spec = build_speculators(model, draft=draft, eagle=eagle)[args.speculator]
+        spec = build_speculators(model, draft=draft, eagle=eagle,
+                                 draft_vocab=paths.get("draft_vocab"))[args.speculator]
     result = profile(model, prompts[:args.batch], args.new, dump_dir,
                      tempfile.mkdtemp(prefix="specjax_trace_"), spec)
     print(markdown(result, model.config, args.batch))

@@ -178,26 +178,32 @@ def run_transformers(target, draft, prompts, new, k: int, repeats: int) -> list[
 
 def workdir_paths(workdir: str | Path) -> dict[str, Path]:
     """Where a quickstart run directory keeps what the benchmarks load. `eagle` is
-    eagle/heads, or the quickstart's EAGLE-3 head in eagle3/heads when only that exists."""
+    eagle/heads, or the quickstart's EAGLE-3 head in eagle3/heads when only that exists;
+    `draft_vocab` the draft's trimmed vocabulary (absent where the draft keeps them all)."""
     w = Path(workdir)
     eagle = w / "eagle" / "heads"
     if not eagle.exists() and (w / "eagle3" / "heads").exists():
         eagle = w / "eagle3" / "heads"
     return {"target": w / "target" / "export", "draft": w / "draft" / "export",
+            "draft_vocab": w / "draft_vocab" / "vocab.npy",
             "medusa": w / "medusa" / "heads", "eagle": eagle}
 
 
 def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = None,
                       medusa=None, eagle=None, k: int = 4,
-                      eagle_tree: tuple[int, int, int] = (4, 4, 16)) -> dict:
+                      eagle_tree: tuple[int, int, int] = (4, 4, 16),
+                      draft_vocab=None) -> dict:
     """Every method that has what it needs, by name ("autoregressive" is None): n-gram and
     draft chains of k, Medusa's default tree cut to its heads, an EAGLE-2 dynamic tree
-    of `eagle_tree` (top_k, depth, total_tokens); heads are directories."""
+    of `eagle_tree` (top_k, depth, total_tokens); heads are directories. draft_vocab: a
+    `vocab.npy` the draft is trimmed to, used where that file exists."""
     from specjax.speculators import DraftModel, NGram, head_speculator
+    from specjax.speculators.draft_model import load_vocab
 
     specs = {"autoregressive": None, "ngram": NGram(k=k)}
     if draft is not None:
-        specs["draft"] = DraftModel.create(draft, k=k, target=target)
+        vocab = load_vocab(draft_vocab) if draft_vocab and Path(draft_vocab).exists() else None
+        specs["draft"] = DraftModel.create(draft, k=k, target=target, vocab=vocab)
     for name, heads in (("medusa", medusa), ("eagle", eagle)):
         if heads:
             specs[name] = head_speculator(heads, target, eagle_tree)
@@ -209,6 +215,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help="target model directory (default: random 25M Llama)")
     ap.add_argument("--draft", help="draft model directory")
+    ap.add_argument("--draft-vocab", help="the draft's trimmed vocabulary (vocab.npy)")
     ap.add_argument("--medusa", help="Medusa heads directory (specjax.train.jobs.heads output)")
     ap.add_argument("--eagle", help="EAGLE head directory (specjax.train.jobs.heads output)")
     ap.add_argument("--workdir", help="a quickstart run directory: all of the above")
@@ -227,7 +234,7 @@ def main(argv=None) -> int:
     draft = specjax.load(args.draft) if args.draft else None
     prompts = _prompts(args, target.config.vocab_size)
     specs = build_speculators(target, draft=draft, medusa=args.medusa, eagle=args.eagle,
-                              k=args.k)
+                              k=args.k, draft_vocab=args.draft_vocab)
     costs = measured_cost_ratios(target, specs)[0.0]  # run_specjax decodes greedily
     rows = run_specjax(target, prompts, args.new, specs, args.repeats, costs)
     ref = rows[0]["tokens"]

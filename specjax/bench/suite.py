@@ -75,6 +75,7 @@ class Workdir:
 
     target: Path
     draft: Path
+    draft_vocab: Path  # the draft's trimmed vocabulary, where the quickstart wrote one
     medusa: Path
     eagle: Path
     done: Path  # target/DONE.json: the stage settings, corpus included
@@ -516,6 +517,9 @@ def _models(target, draft, speculators) -> str:
     parts = [f"target {target.num_params():,} params"]
     if draft is not None:
         parts.append(f"draft {draft.num_params():,} params")
+        vocab = getattr(speculators.get("draft"), "vocab_ids", None)
+        if vocab is not None:
+            parts[-1] += f", its LM head trimmed to {vocab.shape[0]:,} ids"
     if "medusa" in speculators:
         parts.append(f"Medusa {speculators['medusa'].config.num_heads} heads")
     if "eagle" in speculators:
@@ -651,6 +655,7 @@ def suite(args, command: str, log=_log) -> dict:
     draft = specjax.load(paths.draft, dtype="float32") if need_draft else None
     speculators = {m: spec for m, spec in build_speculators(
         target, draft=draft if "draft" in args.methods else None, k=args.k,
+        draft_vocab=paths.draft_vocab,
         medusa=paths.medusa if "medusa" in args.methods else None,
         eagle=paths.eagle if "eagle" in args.methods else None).items()
         if m in args.methods}

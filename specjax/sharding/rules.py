@@ -84,6 +84,9 @@ PARAM_AXES: tuple[tuple[str, Logical], ...] = (
     ("input_norm/weight", (None,)),  # [3D] norm_before_fc
     *((f"fc_norm_{i}/weight", ("embed",)) for i in range(3)),  # [D] fc_norm
     ("d2t", (None,)),  # [Vd] EAGLE-3 draft index -> target id
+    # a draft model trimmed to a reduced vocabulary (specjax/speculators/draft_model.py)
+    ("vocab_ids", (None,)),  # [Vd] the target ids its LM head keeps
+    ("vocab_head", ("embed", "vocab")),  # [D, Vd] those rows of its LM head
 )
 
 # Cache field -> logical axes.

@@ -13,6 +13,13 @@ each frontier node, the best tree_top_k frontier nodes kept per depth, the best 
 overall by cumulative draft log-probability. Nodes are deterministic picks (point masses,
 no draft_probs), lossless under greedy and rejection-sampling verification alike. Still
 k draft calls per step (the queue call, then one per further depth).
+
+Trimmed vocabulary (`vocab=`): the draft's LM head keeps only the rows of `vocab`
+(target ids, e.g. the corpus's most frequent, as EAGLE-3 picks its draft vocabulary),
+so a draft call reads those rows instead of the whole head; on a small draft with a
+large vocabulary the head is most of a call's bytes. Its logits elsewhere are -inf, so
+it proposes only ids in `vocab` and its distribution is zero elsewhere: verification is
+unchanged and stays lossless.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax import rng, sampling as sampling_lib
@@ -57,15 +65,19 @@ class DraftModel(Speculator):
     page_size: int = struct.field(pytree_node=False, default=16)
     tree_top_k: int = struct.field(pytree_node=False, default=0)
     total_tokens: int = struct.field(pytree_node=False, default=0)
+    vocab_ids: jax.Array | None = None  # [Vd] int32 target ids a trimmed head keeps; None: all
+    vocab_head: jax.Array | None = None  # [D, Vd] the trimmed LM head (rows of vocab_ids)
 
     @classmethod
     def create(cls, model: Model, k: int = 4, *, target: Model | None = None,
                page_size: int = 16, tree_top_k: int = 0,
-               total_tokens: int | None = None) -> "DraftModel":
+               total_tokens: int | None = None, vocab=None) -> "DraftModel":
         """`DraftModel.create(draft, k=4)`; pass `target=` to check vocabularies up front.
 
         Tree mode: `tree_top_k=2` (branching), `total_tokens` nodes (default
         k * tree_top_k), depth k; `tree_top_k=0` is the chain of k drafts.
+        vocab: distinct target ids [Vd] the draft may propose (its LM head trimmed to
+        them, see the module docstring); None keeps the whole vocabulary.
         """
         if not isinstance(getattr(model, "config", None), ModelConfig):
             raise ValueError(f"DraftModel needs model=<specjax Model>; got {type(model).__name__}")
@@ -83,7 +95,12 @@ class DraftModel(Speculator):
                     f"{tree_top_k=}, {total_tokens=}")
         if target is not None:
             _check_tokenizers(model, target)
-        spec = cls(model.params, model.config, k, page_size, tree_top_k, total_tokens or 0)
+        head = None
+        if vocab is not None:
+            vocab = check_vocab(vocab, model.config.vocab_size, max(1, tree_top_k))
+            head = trimmed_head(model.config, model.params, vocab)
+        spec = cls(model.params, model.config, k, page_size, tree_top_k, total_tokens or 0,
+                   vocab, head)
         spec.shape  # validates the tree's shape once
         if target is not None:
             spec.check_target(target.config)
@@ -98,7 +115,10 @@ class DraftModel(Speculator):
 
     @property
     def cost(self) -> DraftCost:
-        return DraftCost(self.config.param_count(), self.k)
+        params = self.config.param_count()
+        if self.vocab_ids is not None:  # the head's rows not kept are never read
+            params -= (self.config.vocab_size - self.vocab_ids.shape[0]) * self.config.hidden_size
+        return DraftCost(params, self.k)
 
     def for_decoding(self, layout: str = "auto") -> "DraftModel":
         return self.replace(params=decode_params(self.config, self.params, layout))
@@ -174,11 +194,13 @@ class DraftModel(Speculator):
         def one(i, carry):
             cache, drafts, dprobs = carry
             row_act = act * (i < ctx.depth_limit)
-            logits, _, cache = step(self.config, self.params, cache, drafts[:, i - 1, None],
-                                    (ctx.lengths + i - 1)[:, None], q_lens=row_act)
-            nxt = sampling_lib.sample_rows(rng.fold(ctx.key, i), logits[:, 0], ctx.sampling)
+            _, hidden, cache = step(self.config, self.params, cache, drafts[:, i - 1, None],
+                                    (ctx.lengths + i - 1)[:, None], q_lens=row_act,
+                                    return_logits=False)
+            logits = self._logits(hidden.final[:, 0])
+            nxt = sampling_lib.sample_rows(rng.fold(ctx.key, i), logits, ctx.sampling)
             return (cache, drafts.at[:, i].set(nxt),
-                    dprobs.at[:, i].set(sampling_lib.probs(logits[:, 0], ctx.sampling)))
+                    dprobs.at[:, i].set(sampling_lib.probs(logits, ctx.sampling)))
 
         cache, drafts, dprobs = jax.lax.fori_loop(1, ctx.levels, one, (cache, drafts, dprobs))
         return chain(drafts, draft_probs=dprobs, sampled=True), state.replace(cache=cache)
@@ -202,13 +224,64 @@ class DraftModel(Speculator):
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def _logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed draft hidden [..., D] -> float32 logits [..., V]."""
-        return module_for(self.config).apply({"params": self.params}, h,
-                                             method=Transformer.logits)
+        """Final-normed draft hidden [..., D] -> float32 logits [..., V] (-inf outside a
+        trimmed vocabulary)."""
+        if self.vocab_head is None:
+            return module_for(self.config).apply({"params": self.params}, h,
+                                                 method=Transformer.logits)
+        kept = jnp.einsum("...D,DV->...V", h, self.vocab_head.astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+        full = jnp.full(h.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
+        return full.at[..., self.vocab_ids].set(kept)
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
         cache, queue = state.queue.push(ctx, state.cache, (ctx.tokens,))
         return DraftState(cache, queue)
+
+
+def check_vocab(vocab, vocab_size: int, at_least: int = 1) -> jax.Array:
+    """`vocab` as [Vd] int32 after checking it: 1-D, distinct ids in [0, vocab_size), at
+    least `at_least` of them (a tree's branching)."""
+    ids = np.asarray(vocab)
+    if ids.ndim != 1 or ids.shape[0] < at_least or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"DraftModel vocab must be a 1-D array of at least {at_least} integer "
+                         f"target ids; got shape {ids.shape}, dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"DraftModel vocab holds ids outside [0, {vocab_size}): "
+                         f"{bad[:5].tolist()}")
+    uniq, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"DraftModel vocab repeats ids: {uniq[counts > 1][:5].tolist()}")
+    return jnp.asarray(ids, jnp.int32)
+
+
+VOCAB_FILE = "vocab.npy"  # a trimmed draft vocabulary on disk: [Vd] int32 target ids
+
+
+def save_vocab(path, vocab) -> None:
+    """Writes the target ids a trimmed draft keeps (`DraftModel.create(vocab=)`) as .npy."""
+    np.save(path, np.asarray(vocab, np.int32), allow_pickle=False)
+
+
+def load_vocab(path) -> np.ndarray:
+    """The ids `save_vocab` wrote; a clear error for a missing or malformed file."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a draft vocabulary (.npy of target ids): {e}") from e
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{path}: a draft vocabulary is a 1-D array of integer ids; got "
+                         f"shape {ids.shape}, dtype {ids.dtype}")
+    return ids
+
+
+def trimmed_head(config: ModelConfig, params: Any, vocab: jax.Array) -> jax.Array:
+    """The LM head's columns [D, Vd] for target ids `vocab` (the embedding's rows when
+    tied), from params in the stored layout."""
+    if config.tie_word_embeddings:
+        return jnp.take(params["embed_tokens"]["embedding"], vocab, axis=0).T
+    return jnp.take(params["lm_head"]["kernel"], vocab, axis=1)
 
 
 def _check_tokenizers(draft: Model, target: Model) -> None:
