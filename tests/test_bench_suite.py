@@ -611,3 +611,25 @@ def test_a_merge_of_one_part_says_one_part():
     assert one[0] == "- commands: one run in one part, merged by `merge`:"
     two = suite_report._command_lines({"parts": [{"date": "d", "command": "c"}] * 2}, "merge")
     assert two[0].startswith("- commands: one run in 2 parts")
+
+
+def test_draft_vocab_bench_sweeps_the_trimmed_sizes(workdir, capsys):
+    """`python -m specjax.bench.draft_vocab`: a row per size, category and temperature;
+    the whole vocabulary covers every target token; bad flags exit 2 naming them."""
+    from specjax.bench import draft_vocab
+
+    argv = ["--workdir", str(workdir), "--sizes", "all,40", "--categories", "completion",
+            "--prompts", "2", "--prompt-tokens", "64", "--new", "6", "--k", "2"]
+    assert draft_vocab.main(argv) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| all", "| 40"))]
+    assert [(r[0], r[2]) for r in rows] == [("| all", "0"), ("| all", "1"), ("| 40", "0"),
+                                            ("| 40", "1")]
+    assert {r[4] for r in rows[:2]} == {"1.000"}  # the whole vocabulary holds every token
+    assert all(0.0 <= float(r[4]) <= 1.0 for r in rows[2:])
+    for bad, message in ((["--sizes", "all,x"], "'x' is neither 'all' nor an integer"),
+                         (["--sizes", "999"], "exceed the vocabulary"),
+                         (["--categories", "poems"], "poems unknown")):
+        with pytest.raises(SystemExit) as e:
+            draft_vocab.main(argv + bad)
+        assert e.value.code == 2 and message in capsys.readouterr().err
