@@ -44,15 +44,16 @@ def sizes_arg(text: str, ap) -> tuple:
 
 
 def training_counts(done_file: Path, tokenizer, vocab_size: int) -> np.ndarray:
-    """[V] counts of each target id in the run's training rows (its DONE.json's data
-    settings), the counts its draft vocabulary is picked from."""
-    from specjax.corpus import CorpusConfig
-    from specjax.train.data import DataConfig, build_data
+    """[V] counts of each target id in the run's training documents (its DONE.json's
+    corpus settings), the counts its draft vocabulary is picked from (the quickstart
+    counts the same documents packed into rows, framing tokens included)."""
+    from specjax.corpus import CorpusConfig, load_corpus
 
-    data = json.loads(Path(done_file).read_text())["settings"]["data"]
-    config = DataConfig(CorpusConfig(**data["corpus"]), data["seq_len"])
-    train = build_data(config, tokenizer, seed=0).train
-    return np.bincount(train.reshape(-1), minlength=vocab_size)
+    corpus = json.loads(Path(done_file).read_text())["settings"]["data"]["corpus"]
+    counts = np.zeros(vocab_size, np.int64)
+    for doc in load_corpus(CorpusConfig(**corpus)).train:
+        counts += np.bincount(tokenizer.encode(doc).ids, minlength=vocab_size)
+    return counts
 
 
 def measure(target, draft, vocabs: dict, prompts: dict, *, k: int, new: int) -> list[dict]:
