@@ -16,6 +16,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+
 STDLIB = "stdlib"
 # Directories of the standard library that are not library source: installed
 # packages, test suites, caches, and generated prose (pydoc's topic dump).
@@ -153,3 +155,18 @@ def load_corpus(config: CorpusConfig = CorpusConfig()) -> Corpus:
             f"{len(held)} held-out; raise max_files/max_chars or change eval_fraction="
             f"{config.eval_fraction} so both splits are non-empty")
     return Corpus(train, held, name)
+
+
+def token_counts(documents: Sequence[str], tokenizer, vocab_size: int) -> np.ndarray:
+    """[vocab_size] int64: how often each id occurs in `documents` encoded by `tokenizer`
+    (a `tokenizers.Tokenizer`, no special tokens added). A reduced vocabulary is the
+    most frequent of these (`specjax.heads.build_vocab_map`): EAGLE-3's draft vocabulary
+    and a trimmed draft model's LM head."""
+    counts = np.zeros(vocab_size, np.int64)
+    for enc in tokenizer.encode_batch(list(documents), add_special_tokens=False):
+        ids = np.asarray(enc.ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"the tokenizer gives ids up to {int(ids.max())}, outside a "
+                             f"vocabulary of vocab_size={vocab_size}")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts

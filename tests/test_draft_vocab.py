@@ -153,20 +153,33 @@ def test_cli_trims_the_draft_to_a_vocab_file(tiny_target, tiny_draft, tmp_path, 
 
 
 def test_the_corpus_vocab_is_its_most_frequent_training_ids(tmp_path):
-    from types import SimpleNamespace
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from specjax.bench.speculative import build_speculators
+    from specjax.corpus import CorpusConfig, token_counts
     from specjax.speculators.draft_model import load_vocab, save_vocab
     from specjax.train.jobs import corpus_vocab
 
-    rows = np.array([[5, 5, 5, 9], [9, 1, 5, 2]])
-    data = SimpleNamespace(train=rows)
-    np.testing.assert_array_equal(corpus_vocab(data, 16, 2), [5, 9])
+    words = {w: i for i, w in enumerate(["a", "b", "c", "d", "e", "f", "[UNK]"])}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    np.testing.assert_array_equal(token_counts(["c c c e", "e b c d"], tok, 16),
+                                  [0, 1, 4, 1, 2] + [0] * 11)
+    with pytest.raises(ValueError, match="ids up to 4, outside a vocabulary of vocab_size=4"):
+        token_counts(["e"], tok, 4)
+    # The split is by a hash of the text: distinct documents (an [UNK] word each, counted
+    # once per document, below b's count) so that both splits fill.
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(40):
+        (src / f"{i:02d}.txt").write_text(f"c c c e e b b x{i}")
+    corpus = CorpusConfig(source=str(src), eval_fraction=0.2)
+    np.testing.assert_array_equal(corpus_vocab(corpus, tok, 16, 2), [1, 2])  # b ties e: lower id
     model = specjax.init_model(tiny_llama(vocab_size=16), seed=0)
-    save_vocab(tmp_path / "vocab.npy", corpus_vocab(data, 16, 3))
-    assert load_vocab(tmp_path / "vocab.npy").tolist() == [1, 5, 9]
+    save_vocab(tmp_path / "vocab.npy", corpus_vocab(corpus, tok, 16, 3))
+    assert load_vocab(tmp_path / "vocab.npy").tolist() == [1, 2, 4]
     specs = build_speculators(model, draft=model, draft_vocab=tmp_path / "vocab.npy")
-    assert np.asarray(specs["draft"].vocab_ids).tolist() == [1, 5, 9]
+    assert np.asarray(specs["draft"].vocab_ids).tolist() == [1, 2, 4]
     assert build_speculators(model, draft=model, draft_vocab=tmp_path / "no.npy")[
         "draft"].vocab_ids is None
     (tmp_path / "junk.npy").write_text("not numpy")

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
 from specjax.config import ModelConfig
-from specjax.corpus import load_corpus
+from specjax.corpus import CorpusConfig, load_corpus, token_counts
 from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads, target_fingerprint
 from specjax.model import Model
 from specjax.sharding import make_mesh
@@ -179,23 +179,24 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                      result)
 
 
-def corpus_vocab(data, vocab_size: int, size: int) -> np.ndarray:
-    """[size] int32: the `size` target ids most frequent in the training rows of `data`
-    (`build_data`), EAGLE-3's reduced draft vocabulary, and a trimmed draft model's."""
-    return build_vocab_map(np.bincount(data.train.reshape(-1), minlength=vocab_size), size)
+def corpus_vocab(corpus: CorpusConfig, tokenizer, vocab_size: int, size: int) -> np.ndarray:
+    """[size] int32: the `size` target ids most frequent in the training documents of
+    `corpus`, EAGLE-3's reduced draft vocabulary, and a trimmed draft model's."""
+    counts = token_counts(load_corpus(corpus).train, tokenizer, vocab_size)
+    return build_vocab_map(counts, size)
 
 
 def draft_vocab(workdir: str | Path, target: Model, size: int,
-                data_config: DataConfig = DataConfig(), seed: int = 0) -> Path:
+                data_config: DataConfig = DataConfig()) -> Path:
     """Writes `workdir/vocab.npy`: the `size` target ids most frequent in the corpus
     tokenized with `target`'s tokenizer, the vocabulary a draft trained on that corpus is
     trimmed to (`DraftModel.create(vocab=)`)."""
     from specjax.speculators.draft_model import VOCAB_FILE, save_vocab
 
-    data = build_data(data_config, target.tokenizer, seed)
+    ids = corpus_vocab(data_config.corpus, target.tokenizer, target.config.vocab_size, size)
     out = Path(workdir)
     out.mkdir(parents=True, exist_ok=True)
-    save_vocab(out / VOCAB_FILE, corpus_vocab(data, target.config.vocab_size, size))
+    save_vocab(out / VOCAB_FILE, ids)
     return out / VOCAB_FILE
 
 
@@ -270,8 +271,8 @@ def _check_heads_args(features: str, head_config, method_kwargs: Mapping[str, An
                          f"take (its settings: {sorted(settings)})")
 
 
-def _heads_method(head_config, target: Model, data, train_config: TrainConfig, features: str,
-                  method_kwargs: Mapping[str, Any]):
+def _heads_method(head_config, target: Model, corpus: CorpusConfig, train_config: TrainConfig,
+                  features: str, method_kwargs: Mapping[str, Any]):
     """Builds the Medusa or EAGLE training method with its initial params, frozen inputs,
     EAGLE-3 draft vocabulary map and tapped layers: the per-kind half of `heads`."""
     d2t, init, layers = None, None, ()
@@ -287,7 +288,7 @@ def _heads_method(head_config, target: Model, data, train_config: TrainConfig, f
         layers = method.hidden_layers
         vd = method.head.draft_vocab_size
         if vd is not None and vd < target.config.vocab_size:
-            d2t = corpus_vocab(data, target.config.vocab_size, vd)
+            d2t = corpus_vocab(corpus, target.tokenizer, target.config.vocab_size, vd)
         if method.init_from_target:
             init = method.initial_params(target.params, d2t, train_config.seed)
         frozen = {"target": target.params, "d2t": d2t}
@@ -375,7 +376,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
     target = load_target(target_dir, "training heads", expect_target, mesh=mesh)
     data = build_data(data_config, target.tokenizer, train_config.seed)
     kind, method, init, frozen, d2t, layers = _heads_method(
-        head_config, target, data, train_config, features, method_kwargs)
+        head_config, target, data_config.corpus, train_config, features, method_kwargs)
     train_data = data
     if features == "offline":
         train_data, frozen = _offline_heads_data(workdir, features_dir, features_dtype, target,

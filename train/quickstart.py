@@ -197,7 +197,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
         vocab = None
         if draft_vocab_size is not None and draft_vocab_size < target_model.config.vocab_size:
             vdir = _stage(workdir, DRAFT_VOCAB_DIR, lambda d: jobs.draft_vocab(
-                d, target_model, draft_vocab_size, data_config, draft_train.seed),
+                d, target_model, draft_vocab_size, data_config),
                 dict(common, size=draft_vocab_size))
             vocab = load_vocab(vdir / VOCAB_FILE)
         specs["draft"] = DraftModel.create(draft, k=k, target=target_model, vocab=vocab)

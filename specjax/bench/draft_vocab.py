@@ -45,15 +45,11 @@ def sizes_arg(text: str, ap) -> tuple:
 
 def training_counts(done_file: Path, tokenizer, vocab_size: int) -> np.ndarray:
     """[V] counts of each target id in the run's training documents (its DONE.json's
-    corpus settings), the counts its draft vocabulary is picked from (the quickstart
-    counts the same documents packed into rows, framing tokens included)."""
-    from specjax.corpus import CorpusConfig, load_corpus
+    corpus settings), counted as the quickstart counts them for its draft vocabulary."""
+    from specjax.corpus import CorpusConfig, load_corpus, token_counts
 
     corpus = json.loads(Path(done_file).read_text())["settings"]["data"]["corpus"]
-    counts = np.zeros(vocab_size, np.int64)
-    for doc in load_corpus(CorpusConfig(**corpus)).train:
-        counts += np.bincount(tokenizer.encode(doc).ids, minlength=vocab_size)
-    return counts
+    return token_counts(load_corpus(CorpusConfig(**corpus)).train, tokenizer, vocab_size)
 
 
 def measure(target, draft, vocabs: dict, prompts: dict, *, k: int, new: int) -> list[dict]:
