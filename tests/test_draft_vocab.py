@@ -72,6 +72,11 @@ def test_proposals_come_from_the_kept_ids(tree_top_k, tied):
         tree, _ = jax.jit(lambda s, c: spec.propose(s, c, None))(state, ctx)
         drafted = np.asarray(tree.tokens)[np.asarray(tree.valid)]
         assert drafted.size and np.isin(drafted, vocab).all(), drafted
+        if not tree_top_k:  # the chain's distributions: over the kept ids, zero elsewhere
+            q = np.asarray(tree.draft_probs)[np.asarray(tree.valid)]  # [n, V]
+            np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+            assert (np.delete(q, vocab, axis=1) == 0).all()
+            assert (q[np.arange(len(drafted)), drafted] > 0).all()
 
 
 def test_the_trimmed_head_is_the_heads_kept_rows():
@@ -81,7 +86,10 @@ def test_the_trimmed_head_is_the_heads_kept_rows():
         spec = DraftModel.create(model, k=2, vocab=vocab)
         h = jnp.asarray(np.random.default_rng(1).standard_normal((3, 64)), jnp.float32)
         whole = np.asarray(DraftModel.create(model, k=2)._logits(h))
-        trimmed = np.asarray(spec._logits(h))
+        np.testing.assert_array_equal(spec.vocab_ids, np.sort(vocab))
+        np.testing.assert_allclose(spec._logits(h), whole[:, np.sort(vocab)], rtol=1e-5,
+                                   atol=1e-5)
+        trimmed = np.asarray(spec._full(spec._logits(h), -np.inf))
         np.testing.assert_allclose(trimmed[:, vocab], whole[:, vocab], rtol=1e-5, atol=1e-5)
         assert np.isneginf(np.delete(trimmed, vocab, axis=1)).all()
 

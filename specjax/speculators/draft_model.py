@@ -17,9 +17,11 @@ k draft calls per step (the queue call, then one per further depth).
 Trimmed vocabulary (`vocab=`): the draft's LM head keeps only the rows of `vocab`
 (target ids, e.g. the corpus's most frequent, as EAGLE-3 picks its draft vocabulary),
 so a draft call reads those rows instead of the whole head; on a small draft with a
-large vocabulary the head is most of a call's bytes. Its logits elsewhere are -inf, so
-it proposes only ids in `vocab` and its distribution is zero elsewhere: verification is
-unchanged and stays lossless.
+large vocabulary the head is most of a call's bytes. A chain samples over the kept ids
+only (the softmax and the sampling noise cover Vd entries, not V) and hands the verifier
+that distribution spread over the whole vocabulary, zero elsewhere; a tree ranks the
+kept logits with -inf elsewhere. Either way it proposes only ids in `vocab` and its
+distribution is zero elsewhere: verification is unchanged and stays lossless.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class DraftModel(Speculator):
     page_size: int = struct.field(pytree_node=False, default=16)
     tree_top_k: int = struct.field(pytree_node=False, default=0)
     total_tokens: int = struct.field(pytree_node=False, default=0)
-    vocab_ids: jax.Array | None = None  # [Vd] int32 target ids a trimmed head keeps; None: all
+    vocab_ids: jax.Array | None = None  # [Vd] int32 sorted target ids a trimmed head keeps
     vocab_head: jax.Array | None = None  # [D, Vd] the trimmed LM head (rows of vocab_ids)
 
     @classmethod
@@ -170,9 +172,9 @@ class DraftModel(Speculator):
                                 q_lens=(c + 1) * act, return_logits=False)
 
         def draft():
-            first = self._logits(hidden.final[rows, c])  # [B, V] draft logits after the root
+            first = self._logits(hidden.final[rows, c])  # [B, Vd] draft logits after the root
             if self.tree_top_k:
-                return self._tree(state, ctx, cache, first, act)
+                return self._tree(state, ctx, cache, self._full(first, -jnp.inf), act)
             return self._chain(state, ctx, cache, first, act)
 
         # No row drafts, but the queue was full: the call above consumed it, and the root's
@@ -182,11 +184,19 @@ class DraftModel(Speculator):
 
     def _chain(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
                first: jax.Array, act: jax.Array) -> tuple[DraftTree, DraftState]:
-        """Chain mode: k sampled draft tokens, one draft call each after the first."""
+        """Chain mode: k sampled draft tokens, one draft call each after the first; `first`
+        [B, Vd] the root's logits over the kept ids. Each token is drawn over the kept ids
+        and its distribution spread over the whole vocabulary for the verifier."""
         b = first.shape[0]
-        tok = sampling_lib.sample_rows(rng.fold(ctx.key, 0), first, ctx.sampling)
-        prob = sampling_lib.probs(first, ctx.sampling)
 
+        def draw(key, logits):  # [B, Vd] -> [B] target ids, [B, V] their distribution
+            tok = sampling_lib.sample_rows(key, logits, ctx.sampling)
+            prob = sampling_lib.probs(logits, ctx.sampling)
+            if self.vocab_ids is None:
+                return tok, prob
+            return self.vocab_ids[tok], self._full(prob, 0.0)
+
+        tok, prob = draw(rng.fold(ctx.key, 0), first)
         drafts = jnp.zeros((b, self.k), jnp.int32).at[:, 0].set(tok)
         dprobs = jnp.zeros((b, self.k, prob.shape[-1]), jnp.float32).at[:, 0].set(prob)
         # Further draft calls only up to the deepest depth the loop will keep this step.
@@ -197,10 +207,8 @@ class DraftModel(Speculator):
             _, hidden, cache = step(self.config, self.params, cache, drafts[:, i - 1, None],
                                     (ctx.lengths + i - 1)[:, None], q_lens=row_act,
                                     return_logits=False)
-            logits = self._logits(hidden.final[:, 0])
-            nxt = sampling_lib.sample_rows(rng.fold(ctx.key, i), logits, ctx.sampling)
-            return (cache, drafts.at[:, i].set(nxt),
-                    dprobs.at[:, i].set(sampling_lib.probs(logits, ctx.sampling)))
+            nxt, prob = draw(rng.fold(ctx.key, i), self._logits(hidden.final[:, 0]))
+            return cache, drafts.at[:, i].set(nxt), dprobs.at[:, i].set(prob)
 
         cache, drafts, dprobs = jax.lax.fori_loop(1, ctx.levels, one, (cache, drafts, dprobs))
         return chain(drafts, draft_probs=dprobs, sampled=True), state.replace(cache=cache)
@@ -216,7 +224,7 @@ class DraftModel(Speculator):
                                     nodes.tokens, pos, mask=nodes.mask,
                                     q_lens=nodes.count * act, return_logits=False)
             logits = self._logits(jnp.take(hidden.final, nodes.query, axis=1))
-            return jax.nn.log_softmax(logits, axis=-1), cache
+            return jax.nn.log_softmax(self._full(logits, -jnp.inf), axis=-1), cache
 
         tree, cache = dynamic_tree(jax.nn.log_softmax(first, axis=-1), expand, cache,
                                    top_k=self.tree_top_k, depth=self.k,
@@ -224,15 +232,20 @@ class DraftModel(Speculator):
         return tree, state.replace(cache=cache.replace(lengths=base))
 
     def _logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed draft hidden [..., D] -> float32 logits [..., V] (-inf outside a
-        trimmed vocabulary)."""
+        """Final-normed draft hidden [..., D] -> float32 logits [..., Vd] over the kept ids
+        (all V of them when the head is not trimmed)."""
         if self.vocab_head is None:
             return module_for(self.config).apply({"params": self.params}, h,
                                                  method=Transformer.logits)
-        kept = jnp.einsum("...D,DV->...V", h, self.vocab_head.astype(h.dtype),
+        return jnp.einsum("...D,DV->...V", h, self.vocab_head.astype(h.dtype),
                           preferred_element_type=jnp.float32)
-        full = jnp.full(h.shape[:-1] + (self.config.vocab_size,), -jnp.inf, jnp.float32)
-        return full.at[..., self.vocab_ids].set(kept)
+
+    def _full(self, x: jax.Array, fill: float) -> jax.Array:
+        """[..., Vd] over the kept ids -> [..., V] over target ids, `fill` elsewhere."""
+        if self.vocab_ids is None:
+            return x
+        full = jnp.full(x.shape[:-1] + (self.config.vocab_size,), fill, x.dtype)
+        return full.at[..., self.vocab_ids].set(x)
 
     def commit(self, state: DraftState, ctx: CommitContext, target_params) -> DraftState:
         cache, queue = state.queue.push(ctx, state.cache, (ctx.tokens,))
@@ -240,8 +253,9 @@ class DraftModel(Speculator):
 
 
 def check_vocab(vocab, vocab_size: int, at_least: int = 1) -> jax.Array:
-    """`vocab` as [Vd] int32 after checking it: 1-D, distinct ids in [0, vocab_size), at
-    least `at_least` of them (a tree's branching)."""
+    """`vocab` as sorted [Vd] int32 after checking it: 1-D, distinct ids in
+    [0, vocab_size), at least `at_least` of them (a tree's branching). Sorted, so the
+    draft's argmax breaks ties toward the lower id, as over the whole vocabulary."""
     ids = np.asarray(vocab)
     if ids.ndim != 1 or ids.shape[0] < at_least or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"DraftModel vocab must be a 1-D array of at least {at_least} integer "
@@ -253,7 +267,7 @@ def check_vocab(vocab, vocab_size: int, at_least: int = 1) -> jax.Array:
     uniq, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         raise ValueError(f"DraftModel vocab repeats ids: {uniq[counts > 1][:5].tolist()}")
-    return jnp.asarray(ids, jnp.int32)
+    return jnp.asarray(uniq, jnp.int32)
 
 
 VOCAB_FILE = "vocab.npy"  # a trimmed draft vocabulary on disk: [Vd] int32 target ids
