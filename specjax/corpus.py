@@ -165,7 +165,7 @@ def token_counts(documents: Sequence[str], tokenizer, vocab_size: int) -> np.nda
     counts = np.zeros(vocab_size, np.int64)
     for enc in tokenizer.encode_batch(list(documents), add_special_tokens=False):
         ids = np.asarray(enc.ids, np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        if ids.size and ids.max() >= vocab_size:  # tokenizers' ids are unsigned
             raise ValueError(f"the tokenizer gives ids up to {int(ids.max())}, outside a "
                              f"vocabulary of vocab_size={vocab_size}")
         counts += np.bincount(ids, minlength=vocab_size)
