@@ -276,6 +276,15 @@ def filled_batches(prompts, batch: int) -> list[list]:
     return [[prompts[j % len(prompts)] for j in range(i, i + batch)] for i in range(0, n, batch)]
 
 
+def warmup_calls(calls: list[list]) -> list[tuple[int, list]]:
+    """(index, rows) of the first call of each shape (its rows' lengths): the calls that
+    compile and first run every program all of `calls` use."""
+    first = {}
+    for i, rows in enumerate(calls):
+        first.setdefault(tuple(len(r) for r in rows), (i, rows))
+    return list(first.values())
+
+
 def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                  temperatures=(0.0,), seed: int = 0, cost_ratios: dict | None = None,
                  verification: str | None = None, batch: int = 1) -> dict:
@@ -289,9 +298,9 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     same machine load. The full-depth pass gives the acceptance per depth, so a good
     draft drafts deep from its first step, how often the speculator finds a draft, and,
     timed against the plain pass, the step's overhead (`step_overhead`), after one
-    untimed warm-up of every pass. cost_ratios: {temperature: {method: c}} as the timed
-    runs price draft calls (`measured_cost_ratios`, at this batch). Compilation is not
-    timed."""
+    untimed warm-up of every pass (on the first call of each shape, `warmup_calls`).
+    cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
+    (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
     from specjax.stats import merge_stats
 
@@ -311,8 +320,9 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
 
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:
-        # every program runs once before the timed pass.
-        for i, rows in enumerate(calls):
+        # every program runs once before the timed pass. A call's programs depend on its
+        # shapes only, so one call per shape runs them all.
+        for i, rows in warmup_calls(calls):
             for _ in passes(i, rows):
                 pass
         plain_s, plain_steps = 0.0, 0

@@ -157,14 +157,20 @@ def load_corpus(config: CorpusConfig = CorpusConfig()) -> Corpus:
     return Corpus(train, held, name)
 
 
+def encode_documents(tokenizer, documents: Sequence[str]) -> list[np.ndarray]:
+    """Each document's token ids by `tokenizer` (a `tokenizers.Tokenizer`, no special
+    tokens added), int32."""
+    return [np.asarray(e.ids, np.int32)
+            for e in tokenizer.encode_batch(list(documents), add_special_tokens=False)]
+
+
 def token_counts(documents: Sequence[str], tokenizer, vocab_size: int) -> np.ndarray:
     """[vocab_size] int64: how often each id occurs in `documents` encoded by `tokenizer`
     (a `tokenizers.Tokenizer`, no special tokens added). A reduced vocabulary is the
     most frequent of these (`specjax.heads.build_vocab_map`): EAGLE-3's draft vocabulary
     and a trimmed draft model's LM head."""
     counts = np.zeros(vocab_size, np.int64)
-    for enc in tokenizer.encode_batch(list(documents), add_special_tokens=False):
-        ids = np.asarray(enc.ids, np.int64)
+    for ids in encode_documents(tokenizer, documents):
         if ids.size and ids.max() >= vocab_size:  # tokenizers' ids are unsigned
             raise ValueError(f"the tokenizer gives ids up to {int(ids.max())}, outside a "
                              f"vocabulary of vocab_size={vocab_size}")

@@ -406,14 +406,20 @@ def test_a_run_in_parts_merges_into_one_section(finished, tmp_path, capsys):
     assert "settings.new = 8" in capsys.readouterr().err
 
 
+def one_method_run(workdir, json_path, method: str, *flags: str, temperature: str = "0"):
+    """The suite on completion prompts for `method` (and autoregressive) at one
+    temperature with extra `flags`, no docs written; its JSON results."""
+    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
+            method, "--temperatures", temperature, "--out", "", "--figures", "",
+            "--json", str(json_path), *flags]
+    assert suite.main(argv) == 0
+    return json.loads(json_path.read_text())
+
+
 def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
     """--no-adaptive turns generate's adaptive draft length off (no recompile: a flag)."""
     _, out, adaptive = finished
-    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
-            "draft", "--temperatures", "0", "--out", "", "--figures", "",
-            "--json", str(out / "fixed.json"), "--no-adaptive"]
-    assert suite.main(argv) == 0
-    fixed = json.loads((out / "fixed.json").read_text())
+    fixed = one_method_run(workdir, out / "fixed.json", "draft", "--no-adaptive")
     k = {r["method"]: r["k"] for r in fixed["rows"]}
     assert fixed["settings"]["adaptive"] is False and k == {"autoregressive": 0, "draft": 2}
     before = next(r for r in adaptive["rows"] if r["method"] == "draft" and
@@ -422,15 +428,24 @@ def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
     assert all(r["identical"] for r in fixed["rows"])
 
 
+def test_eagle_tree_sets_the_dynamic_tree_the_suite_verifies(workdir, finished):
+    """--eagle-tree TOP_K,DEPTH,NODES: the EAGLE speculator's dynamic tree (4,4,16 by
+    default), recorded in the settings and the models line."""
+    _, out, default = finished
+    res = one_method_run(workdir, out / "tree.json", "eagle", "--eagle-tree", "2,2,3",
+                         "--no-adaptive")
+    assert res["settings"]["eagle_tree"] == [2, 2, 3]
+    assert "dynamic tree top_k 2, depth 2, 3 nodes" in res["models"]
+    assert "dynamic tree top_k 4, depth 4, 16 nodes" in default["models"]
+    assert all(r["identical"] for r in res["rows"])
+
+
 def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
     """--kv-cache-dtype int8: specjax's target decodes over an int8 cache; the draft's
     greedy output equals the int8 target's own (the `identical` column), recorded."""
     _, out, _ = finished
-    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
-            "draft", "--temperatures", "0", "--out", "", "--figures", "",
-            "--json", str(out / "int8.json"), "--kv-cache-dtype", "int8", "--no-adaptive"]
-    assert suite.main(argv) == 0
-    res = json.loads((out / "int8.json").read_text())
+    res = one_method_run(workdir, out / "int8.json", "draft", "--kv-cache-dtype", "int8",
+                         "--no-adaptive")
     assert res["settings"]["kv_cache_dtype"] == "int8"
     assert [r["method"] for r in res["rows"]] == ["autoregressive", "draft"]
     assert all(r["identical"] for r in res["rows"])
@@ -446,11 +461,8 @@ def test_token_wise_verification_runs_beside_block(workdir, finished, monkeypatc
     generate = specjax.generate
     monkeypatch.setattr(specjax, "generate", lambda *a, **kw: asked.append(
         (kw["speculator"] is None, kw.get("verification"))) or generate(*a, **kw))
-    argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
-            "draft", "--temperatures", "1", "--out", "", "--figures", "",
-            "--json", str(out / "tokenwise.json"), "--verification", "rejection"]
-    assert suite.main(argv) == 0
-    res = json.loads((out / "tokenwise.json").read_text())
+    res = one_method_run(workdir, out / "tokenwise.json", "draft", "--verification",
+                         "rejection", temperature="1")
     assert res["settings"]["verification"] == "rejection"
     assert [r["method"] for r in res["rows"]] == ["autoregressive", "draft"]
     assert set(asked) == {(True, None), (False, "rejection")}
@@ -575,6 +587,8 @@ def test_timed_passes_leave_compilation_out():
     (["--calibrate", "-1"], "--calibrate=-1"),
     (["--kv-cache-dtype", "int3"], "--kv-cache-dtype='int3'"),
     (["--verification", "typical"], "invalid choice: 'typical'"),
+    (["--eagle-tree", "4,4"], "--eagle-tree='4,4' must be TOP_K,DEPTH,NODES"),
+    (["--eagle-tree", "4,4,100"], "total_tokens <= top_k + (depth-1)*top_k**2 = 52"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as err:

@@ -10,6 +10,28 @@ from specjax.train import comparison
 from specjax.train.comparison import compare, warmup_prompts
 
 
+def compiles_per_call(monkeypatch, module, name: str) -> list:
+    """Patches `module.name` to record how many decode programs each of its calls
+    compiled (with `specjax.decoding.programs.compile_decode` counted); the list."""
+    compiled, per_call = [0], []
+    real_compile, real = programs.compile_decode, getattr(module, name)
+
+    def counting_compile(lowered):
+        compiled[0] += 1
+        return real_compile(lowered)
+
+    def recording(*a, **kw):
+        before = compiled[0]
+        out = real(*a, **kw)
+        per_call.append((a, compiled[0] - before))
+        return out
+
+    monkeypatch.setattr(programs, "compile_decode", counting_compile)
+    monkeypatch.setattr(module, name, recording)
+    PROGRAMS.clear()
+    return per_call
+
+
 def test_warmup_prompts_are_one_calls_rows_when_lengths_match():
     same = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]]
     assert warmup_prompts(same, 1) == [[1, 2, 3]]
@@ -22,22 +44,7 @@ def test_warmup_prompts_are_one_calls_rows_when_lengths_match():
 def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
     """Counts compilations per `speculative_run` call: after each method's warm-up call
     (one prompt), the timed rounds over all four prompts compile nothing."""
-    compiled, per_call = [0], []
-    real_compile, real_run = programs.compile_decode, comparison.speculative_run
-
-    def counting_compile(lowered):
-        compiled[0] += 1
-        return real_compile(lowered)
-
-    def recording_run(target, spec, prompts, **kw):
-        before = compiled[0]
-        out = real_run(target, spec, prompts, **kw)
-        per_call.append((len(prompts), compiled[0] - before))
-        return out
-
-    monkeypatch.setattr(programs, "compile_decode", counting_compile)
-    monkeypatch.setattr(comparison, "speculative_run", recording_run)
-    PROGRAMS.clear()
+    per_call = compiles_per_call(monkeypatch, comparison, "speculative_run")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 128, 12).tolist() for _ in range(4)]
     specs = {"autoregressive": None, "ngram": NGram(k=3),
@@ -46,8 +53,27 @@ def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
                    batch=1, adaptive=True, repeats=2)
     assert len(rows) == 6 and all(r["identical_to_plain"] for r in rows
                                   if r["temperature"] == 0)
-    warm = [c for n, c in per_call if n == 1]
-    timed = [c for n, c in per_call if n == 4]
+    warm = [c for (_, _, p), c in per_call if len(p) == 1]
+    timed = [c for (_, _, p), c in per_call if len(p) == 4]
     assert len(warm) == 6 and len(timed) == 12
     assert sum(warm) > 0  # the warm-up compiled (the cache was empty) ...
     assert timed == [0] * 12  # ... and nothing was left for the timed rounds
+
+
+def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, monkeypatch):
+    """`specjax.calibrate.calibrations` warms up on the first call of each shape only; the
+    timed passes of the other calls, at both temperatures, compile nothing."""
+    import specjax.decoding.generate as generate_mod
+    from specjax.calibrate import calibrations
+
+    calls = compiles_per_call(monkeypatch, generate_mod, "generate")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 128, 12).tolist() for _ in range(3)]
+    specs = {"ngram": NGram(k=3), "draft": DraftModel.create(tiny_draft, k=3,
+                                                              target=tiny_target)}
+    calibrations(tiny_target, specs, prompts, new_tokens=8, temperatures=(0.0, 1.0))
+    # per temperature: one call's 3 warm-up passes, then 3 calls' 3 timed passes
+    per_call = [c for _, c in calls]
+    assert len(per_call) == 2 * (3 + 9)
+    warm, timed = per_call[:3] + per_call[12:15], per_call[3:12] + per_call[15:]
+    assert sum(warm) > 0 and timed == [0] * 18

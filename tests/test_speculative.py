@@ -820,17 +820,24 @@ def test_calibration_times_warm_programs(monkeypatch):
     """calibrations runs every pass once untimed: a program's first run after compiling
     (here 1 s slower) would otherwise move the step overhead. Timed warm: 16 plain steps
     in 1.6 s; 10 full-depth steps of 2 draft calls at c = 0.1 and a 1.2-step verify in
-    2 s leave 0.6 steps unmodelled (the first runs would give 0.45)."""
+    2 s leave 0.6 steps unmodelled (the first runs would give 0.45). A program is keyed
+    by the call's shapes, so the warm-up runs the first call of each shape: here the
+    two one-row calls of 2 tokens share a warm-up and the 3-token call has its own."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
-    from specjax.calibrate import calibrations
+    from specjax.calibrate import calibrations, warmup_calls
     from specjax.stats import build_stats
 
-    ones, seen = np.ones(1, np.int64), set()
+    assert warmup_calls([[[1, 2]], [[3, 4]], [[5, 6, 7]], [[8, 9, 1]]]) == [
+        (0, [[1, 2]]), (2, [[5, 6, 7]])]
+    assert warmup_calls([[[1], [2, 3]], [[4, 5], [6]]]) == [(0, [[1], [2, 3]]),
+                                                             (1, [[4, 5], [6]])]
+    ones, seen, ran = np.ones(1, np.int64), set(), []
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
-        key = (seed, speculator)
+        ran.append(seed)
+        key = (tuple(map(len, prompts)), speculator)
         cold = 1.0 if key not in seen else 0.0
         seen.add(key)
         if speculator is None:
@@ -845,8 +852,10 @@ def test_calibration_times_warm_programs(monkeypatch):
         return SimpleNamespace(stats=stats)
 
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
-    out = calibrations(None, {"spec": "a speculator"}, [[1, 2], [3, 4]], new_tokens=32)
+    out = calibrations(None, {"spec": "a speculator"}, [[1, 2], [3, 4], [5, 6, 7]],
+                       new_tokens=32)
     assert out[0.0]["spec"].overhead == pytest.approx(0.6)
+    assert ran == [0, 0, 2, 2] + [0, 0, 1, 1, 2, 2]  # warm-up passes, then timed ones
 
 
 def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
@@ -886,7 +895,8 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
                        batch=2)[0.0]["spec"]
     assert cal.overhead == pytest.approx(0.6) and cal.proposal == pytest.approx(0.75)
     assert cal.generate_kwargs()["proposal_prior"] == pytest.approx(0.75)
-    timed = calls[len(calls) // 2:]  # after the warm-up passes
+    assert [(s, seed) for s, seed, _ in calls[:2]] == [(None, 0), ("a speculator", 0)]
+    timed = calls[2:]  # after the warm-up passes of the first call (both have one shape)
     assert [(s, seed, p) for s, seed, p in timed] == [
         (None, 0, [[1], [2]]), ("a speculator", 0, [[1], [2]]),
         (None, 1, [[3], [1]]), ("a speculator", 1, [[3], [1]])]

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specjax.corpus import Corpus, CorpusConfig, load_corpus
+from specjax.corpus import Corpus, CorpusConfig, encode_documents, load_corpus
 from specjax.train import tokenizer as tok_lib
 
 
@@ -126,8 +126,8 @@ class TokenData:
 def tokenize_corpus(corpus: Corpus, tokenizer, seq_len: int, seed: int) -> TokenData:
     """Encodes and packs both splits of `corpus` with `tokenizer`."""
     ids = tok_lib.special_ids(tokenizer)
-    train = pack(tok_lib.encode_documents(tokenizer, corpus.train), seq_len, ids.bos, ids.eos)
-    held = pack(tok_lib.encode_documents(tokenizer, corpus.eval), seq_len, ids.bos, ids.eos)
+    train = pack(encode_documents(tokenizer, corpus.train), seq_len, ids.bos, ids.eos)
+    held = pack(encode_documents(tokenizer, corpus.eval), seq_len, ids.bos, ids.eos)
     return TokenData(train, held, ids.pad, seed, corpus.name, tok_lib.fingerprint(tokenizer))
 
 

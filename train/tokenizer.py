@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Iterable, Sequence
+from typing import Iterable
 
-import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -56,12 +55,6 @@ def special_ids(tok: Tokenizer) -> SpecialIds:
     if pad is None:
         pad = eos if eos is not None else 0
     return SpecialIds(bos, eos, pad)
-
-
-def encode_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
-    """Token ids of each document (no special tokens added), int32."""
-    return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(list(docs),
-                                                                  add_special_tokens=False)]
 
 
 def fingerprint(tok: Tokenizer) -> str:

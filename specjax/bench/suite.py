@@ -5,10 +5,10 @@ temperature and batch size, on a trained quickstart run, in one run.
   python -m specjax.bench.suite --workdir runs/quickstart
       [--categories completion,docstring,repetitive,long] [--batches 1,4,16]
       [--temperatures 0,1] [--new 64] [--repeats 3] [--prompts N] [--methods LIST]
-      [--k 4] [--short-tokens 128] [--edit-tokens 256] [--long-tokens 2048] [--seed 0]
-      [--torch-threads N] [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
-      [--no-adaptive] [--calibrate N] [--note TEXT] [--humaneval-tokens 256]
-      [--llamacpp-threads 2]
+      [--k 4] [--eagle-tree 4,4,16] [--short-tokens 128] [--edit-tokens 256]
+      [--long-tokens 2048] [--seed 0] [--torch-threads N] [--out docs/benchmarks.md]
+      [--figures docs/figures] [--json FILE] [--no-adaptive] [--calibrate N] [--note TEXT]
+      [--humaneval-tokens 256] [--llamacpp-threads 2]
 
 The workdir holds what the quickstart trained (`specjax run
 configs/experiments/quickstart.gin`): target/export (with its tokenizer), draft/export,
@@ -63,6 +63,7 @@ from specjax.bench.suite_methods import (
     SPECJAX_METHODS,
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
+from specjax.speculators.eagle import check_tree
 
 # Which workdir files each method needs (besides the target, always needed).
 _NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
@@ -162,6 +163,8 @@ def _parser() -> argparse.ArgumentParser:
                          f"with eagle3/ and no medusa/); also {','.join(LLAMACPP_METHODS)}")
     ap.add_argument("--k", type=int, default=4, help="draft length of n-gram, draft and "
                     "transformers' prompt lookup")
+    ap.add_argument("--eagle-tree", default="4,4,16", metavar="TOP_K,DEPTH,NODES",
+                    help="EAGLE's dynamic tree: branching, depth and nodes verified")
     ap.add_argument("--short-tokens", type=int, default=128,
                     help="completion and docstring prompts: (N/2, N] tokens")
     ap.add_argument("--edit-tokens", type=int, default=256,
@@ -240,6 +243,14 @@ def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
                  "humaneval_tokens", "llamacpp_threads"):
         if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
+    tree = ints(args.eagle_tree, "--eagle-tree", ap)
+    if len(tree) != 3:
+        ap.error(f"--eagle-tree={args.eagle_tree!r} must be TOP_K,DEPTH,NODES")
+    try:
+        check_tree(None, *tree)
+    except ValueError as e:
+        ap.error(f"--eagle-tree={args.eagle_tree!r}: {e}")
+    args.eagle_tree = tree
     if args.calibrate < 0:
         ap.error(f"--calibrate={args.calibrate} must be >= 0")
     try:
@@ -613,7 +624,7 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
-                                              "methods", "k", "seed", "adaptive",
+                                              "methods", "k", "eagle_tree", "seed", "adaptive",
                                               "calibrate", "kv_cache_dtype", "verification")}
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
@@ -657,7 +668,8 @@ def suite(args, command: str, log=_log) -> dict:
         target, draft=draft if "draft" in args.methods else None, k=args.k,
         draft_vocab=paths.draft_vocab,
         medusa=paths.medusa if "medusa" in args.methods else None,
-        eagle=paths.eagle if "eagle" in args.methods else None).items()
+        eagle=paths.eagle if "eagle" in args.methods else None,
+        eagle_tree=args.eagle_tree).items()
         if m in args.methods}
     hf, hf_methods, threads = _hf_setup(args, target, draft)
     llama, llama_info = {}, {}

@@ -110,7 +110,7 @@ class Eagle(Speculator):
         elif vocab_map is not None:
             raise ValueError("vocab_map (d2t) is an EAGLE-3 setting; these are version-1 heads")
         tree = None if tree is None else tuple(tuple(int(c) for c in p) for p in tree)
-        _check_tree(tree, top_k, depth, total_tokens)
+        check_tree(tree, top_k, depth, total_tokens)
         spec = cls(params, vocab_map, config, tcfg, tree, top_k, depth, total_tokens, page_size)
         spec.shape  # validates the tree's shape once
         spec.check_target(tcfg)
@@ -134,7 +134,7 @@ class Eagle(Speculator):
         config.check(target.config)
         config = config.resolved(target.config)
         tree = kwargs.get("tree")
-        _check_tree(tree, kwargs.get("top_k", 10), kwargs.get("depth", 6),
+        check_tree(tree, kwargs.get("top_k", 10), kwargs.get("depth", 6),
                     kwargs.get("total_tokens", 60), config.draft_vocab_size or
                     target.config.vocab_size)  # before the (slower) init
         params = init_eagle_params(config, target.config, seed)
@@ -180,7 +180,7 @@ class Eagle(Speculator):
                                    target_config, "this EAGLE head")
         self.config.check(target_config)
         vocab = target_config.vocab_size if self.config.version == 1 else len(self.d2t)
-        _check_tree(self.tree, self.top_k, self.depth, self.total_tokens, vocab)
+        check_tree(self.tree, self.top_k, self.depth, self.total_tokens, vocab)
         if self.d2t is not None and self.d2t.shape != (self.config.draft_vocab_size,):
             raise ValueError(f"d2t has shape {self.d2t.shape}; expected "
                              f"({self.config.draft_vocab_size},)")
@@ -286,7 +286,7 @@ class Eagle(Speculator):
         return EagleState(cache, queue)
 
 
-def _check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):
+def check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):
     """Static checks of the tree settings (and that the branching fits the vocabulary)."""
     if tree is None:
         n_cand = top_k + (depth - 1) * top_k * top_k
