@@ -16,7 +16,14 @@ import numpy as np
 
 from specjax.cache import PagedKVCache, StepKV, commit_step
 from specjax.config import ModelConfig
-from specjax.models.transformer import TIED_HEAD_T, Hidden, Transformer, module_for, param_shapes
+from specjax.models.transformer import (
+    FUSED_QKV,
+    TIED_HEAD_T,
+    Hidden,
+    Transformer,
+    module_for,
+    param_shapes,
+)
 from specjax.sharding.per_shard import MESH_OPS
 from specjax.sharding.rules import mesh_of
 
@@ -74,11 +81,25 @@ def unstack_layers(params: Any) -> Any:
     return out
 
 
+def fuse_qkv(attn: dict) -> dict:
+    """An attention's params with q_proj, k_proj and v_proj as one `FUSED_QKV` dense
+    (kernels, and biases if any, concatenated on the output axis): on XLA:CPU one
+    one-row matmul instead of three, whose fixed cost weighs most on these small
+    matrices."""
+    parts = [attn[n] for n in ("q_proj", "k_proj", "v_proj")]
+    fused = {name: jnp.concatenate([p[name] for p in parts], axis=-1) for name in parts[0]}
+    rest = {k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj")}
+    return dict(rest, **{FUSED_QKV: fused})
+
+
 def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
-    """Unrolled layers, plus the tied embedding transposed to [D, V] for the LM head
-    (`TIED_HEAD_T`): XLA:CPU runs the [V, D]-contracting matmul of 2-5 verify rows
-    ~15x slower than the same matmul on a [D, V] array; one extra V x D copy."""
+    """Unrolled layers with q/k/v fused (`fuse_qkv`), plus the tied embedding transposed
+    to [D, V] for the LM head (`TIED_HEAD_T`): XLA:CPU runs the [V, D]-contracting
+    matmul of 2-5 verify rows ~15x slower than the same matmul on a [D, V] array; one
+    extra V x D copy."""
     out = unstack_layers(params)
+    out = {k: dict(v, self_attn=fuse_qkv(v["self_attn"])) if k.startswith("layers_") else v
+           for k, v in out.items()}
     if config.tie_word_embeddings and "embed_tokens" in out:
         out = dict(out, **{TIED_HEAD_T: out["embed_tokens"]["embedding"].T})
     return out

@@ -201,6 +201,40 @@ def test_tied_decode_layout_carries_the_transposed_head():
     assert TIED_HEAD_T not in decode_params(untied, specjax.init_params(untied, 0), "unrolled")
 
 
+@pytest.mark.parametrize("extra", [{}, {"qkv_bias": True}, {"qk_norm": True}])
+def test_decode_layout_fuses_q_k_and_v(extra):
+    """The CPU decode layout holds each layer's q/k/v as one dense (`fuse_qkv`: kernels
+    and biases concatenated), and a cached step over it computes what the stored layout
+    does (Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
+    from specjax.cache import PagedKVCache
+    from specjax.model import decode_params
+    from specjax.models.transformer import FUSED_QKV
+
+    cfg = specjax.config.tiny_llama(num_layers=2, **extra)
+    params = specjax.init_params(cfg, 3)
+    leaves, tree = jax.tree.flatten(params)  # random biases and norms, not zeros and ones
+    keys = jax.random.split(jax.random.key(4), len(leaves))
+    params = jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
+                                       for x, k in zip(leaves, keys)])
+    dec = decode_params(cfg, params, "unrolled")
+    attn = dec["layers_1"]["self_attn"]
+    assert not {"q_proj", "k_proj", "v_proj"} & set(attn)
+    stored = {n: params["layers"]["self_attn"][n] for n in ("q_proj", "k_proj", "v_proj")}
+    for name in attn[FUSED_QKV]:
+        np.testing.assert_array_equal(attn[FUSED_QKV][name], jnp.concatenate(
+            [stored[n][name][1] for n in ("q_proj", "k_proj", "v_proj")], axis=-1))
+    assert ("bias" in attn[FUSED_QKV]) == bool(extra.get("qkv_bias"))
+    cache = PagedKVCache.create(cfg, jnp.array([[1, 0]]), num_pages=3, page_size=8,
+                                lengths=jnp.array([5]))
+    tokens = jax.random.randint(jax.random.key(5), (1, 3), 0, cfg.vocab_size)
+    positions = cache.lengths[:, None] + jnp.arange(3)[None]
+    (la, _, ca), (lb, _, cb) = (specjax.step(cfg, p, cache, tokens, positions)
+                                for p in (params, dec))
+    np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=1e-6)
+    np.testing.assert_allclose(ca.v_pages, cb.v_pages, atol=1e-6)
+
+
 def test_layer_layout_choice_is_checked():
     from specjax.model import decode_params
 

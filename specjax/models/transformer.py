@@ -61,6 +61,9 @@ SINGLE_DEVICE = CacheOps()
 
 # Decode-layout param: the tied embedding transposed, [D, V] (`Transformer.logits`).
 TIED_HEAD_T = "tied_lm_head_t"
+# Decode-layout attention param: q_proj, k_proj and v_proj concatenated on their output
+# axis, [D, (N + 2K)·H] (`Attention`).
+FUSED_QKV = "qkv_proj"
 
 
 @struct.dataclass
@@ -123,9 +126,14 @@ class Attention(nn.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         b, t, _ = x.shape
-        q = _dense(c.num_heads * c.head_dim, "q_proj", dt, c.qkv_bias)(x)
-        k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dt, c.qkv_bias)(x)
-        v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dt, c.qkv_bias)(x)
+        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if FUSED_QKV in self.variables.get("params", {}):  # the CPU decode layout
+            q, k, v = jnp.split(_dense(nq + 2 * nk, FUSED_QKV, dt, c.qkv_bias)(x),
+                                [nq, nq + nk], axis=-1)
+        else:
+            q = _dense(nq, "q_proj", dt, c.qkv_bias)(x)
+            k = _dense(nk, "k_proj", dt, c.qkv_bias)(x)
+            v = _dense(nk, "v_proj", dt, c.qkv_bias)(x)
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
