@@ -135,8 +135,8 @@ class Eagle(Speculator):
         config = config.resolved(target.config)
         tree = kwargs.get("tree")
         check_tree(tree, kwargs.get("top_k", 10), kwargs.get("depth", 6),
-                    kwargs.get("total_tokens", 60), config.draft_vocab_size or
-                    target.config.vocab_size)  # before the (slower) init
+                   kwargs.get("total_tokens", 60), config.draft_vocab_size or
+                   target.config.vocab_size)  # before the (slower) init
         params = init_eagle_params(config, target.config, seed)
         return cls.create(params, config, target, vocab_map=vocab_map, **kwargs)
 
