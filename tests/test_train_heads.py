@@ -12,10 +12,11 @@ from train_setup import DATA, GIN_BINDINGS, MODEL, tokenizer, train_config
 import specjax
 from specjax.checkpoint import save_hf
 from specjax.heads import EagleConfig, MedusaConfig, load_heads
+from specjax.heads.eagle import eagle_logits, eagle_step, fuse_features
 from specjax.model import Model, init_params
 from specjax.speculators import Eagle, Medusa
 from specjax.train import jobs
-from specjax.train.methods import TrainMedusa
+from specjax.train.methods import TrainEagle, TrainMedusa
 from specjax.train.methods.eagle import ttt_mask
 from specjax.train.run import CONFIGS_ROOT, run_config
 from specjax.train.speculation import SpeculativeEval
@@ -117,6 +118,56 @@ def test_ttt_mask_is_what_a_draft_node_sees():
     np.testing.assert_array_equal(row, [[1, 1, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]])
     np.testing.assert_array_equal(m[:4, :4], np.tril(np.ones((4, 4), bool)))  # step 0: causal
     assert not m[:4, 4:].any()
+
+
+def _ttt_all_blocks(method, params, frozen, batch):
+    """EAGLE-3's TTT loss written directly from `ttt_mask`: step j runs the head over the
+    concatenation of blocks 0..j under that mask and keeps its last block (every earlier
+    block recomputed), the form `TrainEagle` replaces by running each block once."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    logits, feats = method._target(frozen, batch)
+    p = jax.nn.softmax(logits, axis=-1)
+    b, n = tokens.shape[0], tokens.shape[1] - 1
+    pad = lambda x, j: jnp.pad(x[:, 1 + j:], ((0, 0), (0, j)) + ((0, 0),) * (x.ndim - 2))
+    prev = fuse_features(method.head, method.target, params, feats[:, :-1])
+    toks, fs, total = [], [], 0.0
+    for j in range(method.ttt_steps):
+        toks.append(pad(tokens, j)[:, :n])
+        fs.append(prev)
+        pos = (jnp.arange(n)[None, :] + jnp.arange(j + 1)[:, None]).reshape(1, -1)
+        m = jnp.broadcast_to(jnp.asarray(ttt_mask(j + 1, n)), (b, (j + 1) * n, (j + 1) * n))
+        out, _ = eagle_step(method.head, method.target, params, frozen["target"], None,
+                            jnp.concatenate(toks, 1), jnp.concatenate(fs, 1),
+                            jnp.broadcast_to(pos, (b, (j + 1) * n)), mask=m)
+        prev = out[:, j * n:]
+        q = eagle_logits(method.head, method.target, params, frozen["target"], prev)
+        valid = (jnp.arange(n)[None, :] < n - j) * pad(mask, j)[:, :n] * mask[:, :n]
+        ce = -jnp.sum(pad(p, j)[:, :n] * jax.nn.log_softmax(q, -1), -1)
+        total = total + 0.8 ** j * jnp.sum(ce * valid) / jnp.sum(valid)
+    return total
+
+
+def test_eagle3_ttt_runs_each_block_once_with_the_same_loss_and_grads(target_dir):
+    target = specjax.load(target_dir, dtype="float32")
+    method = TrainEagle(target.config, EagleConfig(3, draft_vocab_size=200), ttt_steps=3)
+    d2t = jnp.asarray(np.sort(np.random.default_rng(0).choice(
+        target.config.vocab_size, 200, replace=False)), jnp.int32)
+    params = jax.tree.map(  # random, so no block's output is trivial
+        lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype),
+        method.initial_params(target.params, np.asarray(d2t)))
+    frozen = {"target": target.params, "d2t": d2t}
+    mask = np.ones((2, 24), np.float32)
+    mask[1, 17:] = 0  # a padded row
+    batch = {"tokens": jnp.asarray(np.random.default_rng(1).integers(3, 300, (2, 24)),
+                                   jnp.int32), "mask": jnp.asarray(mask)}
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: method.loss_fn(p, frozen, batch, None)[0]))(params)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+        lambda p: _ttt_all_blocks(method, p, frozen, batch)))(params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+    assert float(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))) > 0
 
 
 def test_medusa2_joint_trains_the_target_too(target_dir):

@@ -271,6 +271,21 @@ def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_p
     return out, commit_step(StepKV(k[None], v[None], written, q_lens))
 
 
+def eagle_block(config: EagleConfig, target_config: ModelConfig, params, target_params,
+                tokens: jax.Array, features: jax.Array, positions: jax.Array, *,
+                mask: jax.Array | None = None, seen: tuple = ()):
+    """An uncached step over T pairs that also attends to keys/values earlier calls
+    returned (`seen`: ((k, v, ok [B,T,S] bool), ...)), so training-time test computes
+    each unrolled step once -> (features out [B,T,D], this call's (k, v) [B,T,K,H])."""
+    b, t = tokens.shape
+    emb = embed_tokens(target_config, params, target_params, tokens)
+    lc = layer_config(target_config)
+    ctx = step_context(lc, positions, jnp.full((b,), t, jnp.int32), mask, None, seen=seen)
+    out, _, new_kv = EagleHead(config, lc).apply({"params": layer_params(params)}, emb,
+                                                 features, ctx)
+    return out, new_kv
+
+
 def eagle_logits(config: EagleConfig, target_config: ModelConfig, params, target_params,
                  out: jax.Array) -> jax.Array:
     """Head output [..., D] -> float32 logits: [..., V] through the target's lm_head (v1)

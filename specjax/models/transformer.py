@@ -80,17 +80,25 @@ class StepContext:
     write_offset: jax.Array | None  # [B, T]
     backend: str = struct.field(pytree_node=False, default="reference")
     ops: CacheOps = struct.field(pytree_node=False, default=SINGLE_DEVICE)
+    # Uncached forwards only: keys/values of earlier calls the T queries also attend to,
+    # each with its own mask, ((k [B, S, K, H], v [B, S, K, H], ok [B, T, S] bool), ...)
+    seen: tuple = ()
 
 
 def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
                  mask: jax.Array | None, cache: PagedKVCache | None,
-                 backend: str | None = None, ops: CacheOps = SINGLE_DEVICE) -> StepContext:
+                 backend: str | None = None, ops: CacheOps = SINGLE_DEVICE,
+                 seen: tuple = ()) -> StepContext:
     """The `StepContext` of a call writing T = positions.shape[1] new tokens per row at
-    slots `cache.lengths + t` (t < q_lens); without a cache, a plain masked forward."""
+    slots `cache.lengths + t` (t < q_lens); without a cache, a plain masked forward, which
+    also attends to the `seen` keys/values (see `StepContext.seen`)."""
     cos, sin = rope_tables(config, positions)
     backend = attn_lib.resolve_backend(backend)
     if cache is None:
-        return StepContext(cos, sin, q_lens, mask, None, None, None, None, backend, ops=ops)
+        return StepContext(cos, sin, q_lens, mask, None, None, None, None, backend, ops=ops,
+                           seen=seen)
+    if seen:
+        raise ValueError("seen keys/values are for uncached forwards (cache=None)")
     t = positions.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < q_lens[:, None]
@@ -145,9 +153,10 @@ class Attention(nn.Module):
         scale = c.head_dim ** -0.5
         opts = dict(scale=scale, soft_cap=c.attn_logit_softcap,
                     sliding_window=c.sliding_window, backend=ctx.backend)
-        if kv is None:  # uncached causal forward over the T tokens
+        if kv is None:  # uncached causal forward over the T tokens (and any seen ones)
             ok = attn_lib.allowed_mask(t, t, ctx.q_lens, ctx.q_lens, ctx.mask, c.sliding_window)
-            out = attn_lib.attend(q, k, v, ok, scale=scale, soft_cap=c.attn_logit_softcap)
+            out = attn_lib.attend_parts(q, ctx.seen + ((k, v, ok),), scale=scale,
+                                        soft_cap=c.attn_logit_softcap)
         elif ctx.ops.write_layer_kv is None:  # pages untouched; the caller writes
             out = ctx.ops.attention(
                 q, page_table=ctx.page_table, kv_lens=ctx.kv_lens, q_lens=ctx.q_lens,

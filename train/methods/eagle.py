@@ -34,6 +34,7 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.heads.eagle import (
     EagleConfig,
+    eagle_block,
     eagle_logits,
     eagle_step,
     fuse_features,
@@ -186,18 +187,19 @@ class TrainEagle:
         p_d = p  # [B, T, Vd]: `_target` restricted the logits to the draft vocabulary
         pad = lambda x, j: jnp.pad(x[:, 1 + j:], ((0, 0), (0, j)) + ((0, 0),) * (x.ndim - 2))
         prev = fuse_features(self.head, self.target, params, feats[:, :-1])  # [B, n, D]
-        blocks_t, blocks_f, out, total = [], [], {}, 0.0
+        seen, out, total = (), {}, 0.0
         for j in range(self.ttt_steps):
-            # step j, index i: token x_{i+1+j}, target position i + 1 + j
-            blocks_t.append(pad(tokens, j)[:, :n])
-            blocks_f.append(prev)
-            k = j + 1
-            pos = (jnp.arange(n)[None, :] + jnp.arange(k)[:, None]).reshape(1, k * n)
-            o, q = self._step(params, frozen, jnp.concatenate(blocks_t, axis=1),
-                              jnp.concatenate(blocks_f, axis=1),
-                              jnp.broadcast_to(pos, (b, k * n)),
-                              mask=jnp.broadcast_to(jnp.asarray(ttt_mask(k, n)), (b, k * n, k * n)))
-            prev, q = o[:, j * n:], q[:, j * n:]  # this step's block
+            # step j, index i: token x_{i+1+j}, target position i + 1 + j. A block's
+            # queries see only earlier blocks (`ttt_mask`), so each block runs once and
+            # its keys/values are kept for the later steps to attend to.
+            oks = [jnp.broadcast_to(jnp.asarray(m), (b, n, n))
+                   for m in np.split(ttt_mask(j + 1, n)[j * n:], j + 1, axis=1)]
+            pos = jnp.broadcast_to(jnp.arange(n)[None, :] + j, (b, n))
+            prev, kv = eagle_block(self.head, self.target, params, frozen["target"],
+                                   pad(tokens, j)[:, :n], prev, pos, mask=oks[-1],
+                                   seen=tuple((k, v, ok) for (k, v), ok in zip(seen, oks)))
+            seen += (kv,)
+            q = eagle_logits(self.head, self.target, params, frozen["target"], prev)
             valid = (jnp.arange(n)[None, :] < n - j) * pad(mask, j)[:, :n] * mask[:, :n]
             target = pad(p_d, j)[:, :n]
             out[f"ce_{j}"] = losses.masked_mean(_soft_ce(target, q), valid)
