@@ -1,5 +1,6 @@
-"""`specjax.bench.matmul_rows`: its three forms compute the same MLP, its table, and its
-argument checks, on tiny shapes."""
+"""`specjax.bench.matmul_rows`: its three forms compute the same MLP, its two attention
+forms the same projections and MLP, its tables, and its argument checks, on tiny
+shapes."""
 
 from __future__ import annotations
 
@@ -25,6 +26,37 @@ def test_forms_compute_the_same_mlp():
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_forms_compute_the_same_layers():
+    weights = matmul_rows.mlp_weights(hidden=8, intermediate=16, layers=2, seed=3,
+                                      kv_width=4)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 8), np.float32))
+    fused = matmul_rows.form_weights("q/k/v fused", weights)
+    assert [sorted(layer) for layer in fused] == [["down", "gate", "o", "qkv", "up"]] * 2
+    assert fused[0]["qkv"].shape == (8, 16)
+    ref = np.asarray(x)
+    for layer in weights:  # the layers in numpy
+        w = {n: np.asarray(a) for n, a in layer.items()}
+        q, k, v = ref @ w["q"], ref @ w["k"], ref @ w["v"]
+        ref = ref + (q * np.sum(k * v, axis=-1, keepdims=True)) @ w["o"]
+        h = ref @ w["gate"]
+        ref = ref + (h / (1 + np.exp(-h)) * (ref @ w["up"])) @ w["down"]
+    for form in matmul_rows.ATTENTION_FORMS:
+        ws = matmul_rows.form_weights(form, weights)
+        out = np.asarray(matmul_rows.compiled(form, x, ws)(x, ws))
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_main_with_attention_compares_separate_and_fused(capsys):
+    assert matmul_rows.main(["--hidden", "8", "--intermediate", "16", "--layers", "2",
+                             "--rows", "1,2", "--repeats", "2", "--attention",
+                             "--kv-width", "4"]) == 0
+    out = capsys.readouterr().out
+    assert all(f in out for f in matmul_rows.ATTENTION_FORMS)
+    assert not any(f in out for f in matmul_rows.FORMS[1:])
+    one = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    assert one.split("|")[3].strip() == "1.00"  # the base: q/k/v separate at one row
+
+
 def test_main_prints_every_form_and_row(capsys):
     assert matmul_rows.main(["--hidden", "8", "--intermediate", "16", "--layers", "2",
                              "--rows", "1,2", "--repeats", "2"]) == 0
@@ -36,7 +68,8 @@ def test_main_prints_every_form_and_row(capsys):
 
 
 @pytest.mark.parametrize("argv, name", [(["--rows", "0,2"], "--rows"),
-                                        (["--layers", "0"], "--layers")])
+                                        (["--layers", "0"], "--layers"),
+                                        (["--attention", "--kv-width", "0"], "--kv-width")])
 def test_bad_arguments_name_the_flag(argv, name, capsys):
     with pytest.raises(SystemExit) as e:
         matmul_rows.main(argv)

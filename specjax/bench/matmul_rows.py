@@ -10,8 +10,13 @@ XLA:CPU's YNNPACK fusions, and T one-row GEMVs per matrix; interleaved rounds in
 seeded order, each program timed right after an untimed run of itself, medians. Other
 XLA:CPU backends are tried by setting `XLA_FLAGS` for the whole run.
 
+`--attention` puts each layer's attention projections before its MLP (q and o of
+[D, D], k and v of [D, KV]; their outputs mixed elementwise, no attention itself) and
+compares two GEMM forms instead: q, k and v as three matmuls, or as one over their
+concatenation (`specjax.model.fuse_qkv`, what the CPU decode layout holds).
+
   python -m specjax.bench.matmul_rows [--hidden 576] [--intermediate 1536] [--layers 30]
-      [--rows 1,2,3,5,9,17] [--repeats 15]
+      [--rows 1,2,3,5,9,17] [--repeats 15] [--attention [--kv-width 192]]
 """
 
 from __future__ import annotations
@@ -27,17 +32,35 @@ from specjax.bench.suite import ints
 from specjax.calibrate import NO_YNN, interleaved_medians
 
 FORMS = ("gemm", "gemm, no YNNPACK", "per-row GEMVs")
+ATTENTION_FORMS = ("q/k/v separate", "q/k/v fused")
 
 
-def mlp_weights(hidden: int, intermediate: int, layers: int, seed: int = 0) -> list[dict]:
-    """Per layer {gate, up: [D, F], down: [F, D]} float32, seeded; separate arrays."""
+def mlp_weights(hidden: int, intermediate: int, layers: int, seed: int = 0,
+                kv_width: int | None = None) -> list[dict]:
+    """Per layer {gate, up: [D, F], down: [F, D]} float32, seeded; separate arrays. With
+    `kv_width` also the attention projections {q, o: [D, D], k, v: [D, KV]}."""
     rng = np.random.default_rng(seed)
 
     def w(*shape):
         return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
 
-    return [{"gate": w(hidden, intermediate), "up": w(hidden, intermediate),
-             "down": w(intermediate, hidden)} for _ in range(layers)]
+    def layer():
+        out = {"gate": w(hidden, intermediate), "up": w(hidden, intermediate),
+               "down": w(intermediate, hidden)}
+        if kv_width is not None:
+            out.update(q=w(hidden, hidden), k=w(hidden, kv_width), v=w(hidden, kv_width),
+                       o=w(hidden, hidden))
+        return out
+
+    return [layer() for _ in range(layers)]
+
+
+def fused_qkv(weights: list[dict]) -> list[dict]:
+    """The same layers with q, k and v as one [D, D + 2·KV] matrix ("qkv"), concatenated
+    once, outside any timed program, as the decode layout holds them."""
+    return [{**{n: a for n, a in layer.items() if n not in ("q", "k", "v")},
+             "qkv": jnp.concatenate([layer["q"], layer["k"], layer["v"]], axis=1)}
+            for layer in weights]
 
 
 def _gemm(x, w):  # [T, I] @ [I, O] -> [T, O]
@@ -48,11 +71,26 @@ def _per_row(x, w):  # the same product as T one-row matmuls
     return jnp.concatenate([x[t:t + 1] @ w for t in range(x.shape[0])], axis=0)
 
 
+def _attention(matmul: Callable, x, layer):
+    """x [T, D] -> the layer's q/k/v products mixed elementwise, through o (no softmax:
+    the projections' matmuls are what is timed)."""
+    if "qkv" in layer:
+        d = layer["o"].shape[0]
+        kv = (layer["qkv"].shape[1] - d) // 2
+        q, k, v = jnp.split(matmul(x, layer["qkv"]), [d, d + kv], axis=-1)
+    else:
+        q, k, v = (matmul(x, layer[n]) for n in ("q", "k", "v"))
+    return matmul(q * jnp.sum(k * v, axis=-1, keepdims=True), layer["o"])
+
+
 def mlp_stack(matmul: Callable) -> Callable:
-    """x [T, D], weights -> x after every layer's residual MLP, each product by `matmul`."""
+    """x [T, D], weights -> x after every layer's residual MLP (after its residual
+    attention projections where the layer has them), each product by `matmul`."""
 
     def run(x, weights):
         for layer in weights:
+            if "o" in layer:
+                x = x + _attention(matmul, x, layer)
             h = jax.nn.silu(matmul(x, layer["gate"])) * matmul(x, layer["up"])
             x = x + matmul(h, layer["down"])
         return x
@@ -61,40 +99,47 @@ def mlp_stack(matmul: Callable) -> Callable:
 
 
 def compiled(form: str, x, weights):
-    """`form`'s program for x's row count, compiled."""
+    """`form`'s program for x's row count, compiled (an attention form takes the
+    weights `form_weights` gives it)."""
     fn = mlp_stack(_per_row if form == "per-row GEMVs" else _gemm)
     lowered = jax.jit(fn).lower(x, weights)
     return lowered.compile(compiler_options=NO_YNN if "no YNNPACK" in form else None)
 
 
-def measure(weights: list[dict], rows: tuple[int, ...], repeats: int,
-            seed: int = 0) -> dict[tuple[str, int], float]:
+def form_weights(form: str, weights: list[dict]) -> list[dict]:
+    """The weights `form` multiplies: q/k/v concatenated for "q/k/v fused"."""
+    return fused_qkv(weights) if form == "q/k/v fused" else weights
+
+
+def measure(weights: list[dict], rows: tuple[int, ...], repeats: int, seed: int = 0,
+            forms: tuple[str, ...] = FORMS) -> dict[tuple[str, int], float]:
     """Median seconds of each (form, T), over `repeats` interleaved rounds."""
     rng = np.random.default_rng(seed)
     hidden = weights[0]["gate"].shape[0]
+    per_form = {form: form_weights(form, weights) for form in forms}
     programs = {}
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
-        for form in FORMS:
-            fn = compiled(form, x, weights)
-            fn(x, weights).block_until_ready()
-            programs[form, t] = (fn, (x, weights))
+        for form in forms:
+            fn = compiled(form, x, per_form[form])
+            fn(x, per_form[form]).block_until_ready()
+            programs[form, t] = (fn, (x, per_form[form]))
     return interleaved_medians(programs, repeats)
 
 
 def markdown(seconds: dict[tuple[str, int], float], rows: tuple[int, ...],
-             weight_bytes: int) -> str:
-    """The table: ms and cost relative to the one-row GEMM, per form and T."""
-    base = seconds["gemm", rows[0]]
-    head = "| T | " + " | ".join(f"{f}, ms | ×" for f in FORMS) + " |"
-    lines = [head, "|---:|" + "---:|---:|" * len(FORMS)]
+             weight_bytes: int, forms: tuple[str, ...] = FORMS) -> str:
+    """The table: ms and cost relative to the first form at the first T, per form and T."""
+    base = seconds[forms[0], rows[0]]
+    head = "| T | " + " | ".join(f"{f}, ms | ×" for f in forms) + " |"
+    lines = [head, "|---:|" + "---:|---:|" * len(forms)]
     for t in rows:
         cells = " | ".join(f"{seconds[f, t] * 1e3:.2f} | {seconds[f, t] / base:.2f}"
-                           for f in FORMS)
+                           for f in forms)
         lines.append(f"| {t} | {cells} |")
     gbs = weight_bytes / base / 1e9
-    lines.append(f"\nT = {rows[0]} reads the {weight_bytes / 1e6:.0f} MB of weights at "
-                 f"{gbs:.1f} GB/s (× = cost over that GEMM's)")
+    lines.append(f"\n{forms[0]} at T = {rows[0]} reads the {weight_bytes / 1e6:.0f} MB of "
+                 f"weights at {gbs:.1f} GB/s (× = cost over its time)")
     return "\n".join(lines)
 
 
@@ -106,15 +151,22 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rows", default="1,2,3,5,9,17", help="T values; the first is the base")
     ap.add_argument("--repeats", type=int, default=15, help="interleaved timed rounds")
+    ap.add_argument("--attention", action="store_true",
+                    help="add each layer's q/k/v/o projections; compare q/k/v separate "
+                         "and fused")
+    ap.add_argument("--kv-width", type=int, default=192,
+                    help="k and v projections' width with --attention (SmolLM2-135M: 192)")
     args = ap.parse_args(argv)
     rows = ints(args.rows, "--rows", ap)
-    for flag in ("hidden", "intermediate", "layers", "repeats"):
+    for flag in ("hidden", "intermediate", "layers", "repeats", "kv_width"):
         if getattr(args, flag) < 1:
-            ap.error(f"--{flag}={getattr(args, flag)} must be >= 1")
-    weights = mlp_weights(args.hidden, args.intermediate, args.layers)
-    seconds = measure(weights, rows, args.repeats)
+            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    forms = ATTENTION_FORMS if args.attention else FORMS
+    weights = mlp_weights(args.hidden, args.intermediate, args.layers,
+                          kv_width=args.kv_width if args.attention else None)
+    seconds = measure(weights, rows, args.repeats, forms=forms)
     nbytes = sum(int(a.nbytes) for layer in weights for a in layer.values())
-    print(markdown(seconds, rows, nbytes))
+    print(markdown(seconds, rows, nbytes, forms))
     return 0
 
 
