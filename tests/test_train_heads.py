@@ -10,10 +10,12 @@ import pytest
 from train_setup import DATA, GIN_BINDINGS, MODEL, tokenizer, train_config
 
 import specjax
+from specjax.cache import PagedKVCache
 from specjax.checkpoint import save_hf
 from specjax.heads import EagleConfig, MedusaConfig, load_heads
 from specjax.heads.eagle import eagle_logits, eagle_step, fuse_features
 from specjax.model import Model, init_params
+from specjax.models.transformer import step_context
 from specjax.speculators import Eagle, Medusa
 from specjax.train import jobs
 from specjax.train.methods import TrainEagle, TrainMedusa
@@ -168,6 +170,14 @@ def test_eagle3_ttt_runs_each_block_once_with_the_same_loss_and_grads(target_dir
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
     assert float(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))) > 0
+
+
+def test_seen_keys_are_for_uncached_forwards_only():
+    cache = PagedKVCache.for_rows(MODEL, batch=1, pages_per_row=1, page_size=16)
+    kv = jnp.zeros((1, 2, MODEL.num_kv_heads, MODEL.head_dim))
+    with pytest.raises(ValueError, match="uncached forwards"):
+        step_context(MODEL, jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 2, jnp.int32),
+                     None, cache, seen=((kv, kv, jnp.ones((1, 2, 2), bool)),))
 
 
 def test_medusa2_joint_trains_the_target_too(target_dir):
