@@ -31,13 +31,14 @@ def test_attention_forms_compute_the_same_layers():
                                       kv_width=4)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 8), np.float32))
     fused = matmul_rows.form_weights("q/k/v fused", weights)
-    assert [sorted(layer) for layer in fused] == [["down", "gate", "o", "qkv", "up"]] * 2
-    assert fused[0]["qkv"].shape == (8, 16)
+    assert [sorted(layer["self_attn"]) for layer in fused] == [["o_proj", "qkv_proj"]] * 2
+    assert fused[0]["self_attn"]["qkv_proj"]["kernel"].shape == (8, 16)
     ref = np.asarray(x)
     for layer in weights:  # the layers in numpy
-        w = {n: np.asarray(a) for n, a in layer.items()}
-        q, k, v = ref @ w["q"], ref @ w["k"], ref @ w["v"]
-        ref = ref + (q * np.sum(k * v, axis=-1, keepdims=True)) @ w["o"]
+        w = {n: np.asarray(a) for n, a in layer.items() if n != "self_attn"}
+        w.update({n: np.asarray(a["kernel"]) for n, a in layer["self_attn"].items()})
+        q, k, v = ref @ w["q_proj"], ref @ w["k_proj"], ref @ w["v_proj"]
+        ref = ref + (q * np.sum(k * v, axis=-1, keepdims=True)) @ w["o_proj"]
         h = ref @ w["gate"]
         ref = ref + (h / (1 + np.exp(-h)) * (ref @ w["up"])) @ w["down"]
     for form in matmul_rows.ATTENTION_FORMS:

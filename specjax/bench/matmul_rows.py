@@ -13,7 +13,8 @@ XLA:CPU backends are tried by setting `XLA_FLAGS` for the whole run.
 `--attention` puts each layer's attention projections before its MLP (q and o of
 [D, D], k and v of [D, KV]; their outputs mixed elementwise, no attention itself) and
 compares two GEMM forms instead: q, k and v as three matmuls, or as one over their
-concatenation (`specjax.model.fuse_qkv`, what the CPU decode layout holds).
+concatenation (`specjax.model.fuse_qkv` on the same params, as the CPU decode layout
+holds them).
 
   python -m specjax.bench.matmul_rows [--hidden 576] [--intermediate 1536] [--layers 30]
       [--rows 1,2,3,5,9,17] [--repeats 15] [--attention [--kv-width 192]]
@@ -30,6 +31,8 @@ import numpy as np
 
 from specjax.bench.suite import ints
 from specjax.calibrate import NO_YNN, interleaved_medians
+from specjax.model import fuse_qkv
+from specjax.models.transformer import FUSED_QKV
 
 FORMS = ("gemm", "gemm, no YNNPACK", "per-row GEMVs")
 ATTENTION_FORMS = ("q/k/v separate", "q/k/v fused")
@@ -38,7 +41,8 @@ ATTENTION_FORMS = ("q/k/v separate", "q/k/v fused")
 def mlp_weights(hidden: int, intermediate: int, layers: int, seed: int = 0,
                 kv_width: int | None = None) -> list[dict]:
     """Per layer {gate, up: [D, F], down: [F, D]} float32, seeded; separate arrays. With
-    `kv_width` also the attention projections {q, o: [D, D], k, v: [D, KV]}."""
+    `kv_width` also "self_attn", the attention projections as a model layer holds them
+    ({q_proj, o_proj: {"kernel": [D, D]}, k_proj, v_proj: {"kernel": [D, KV]}})."""
     rng = np.random.default_rng(seed)
 
     def w(*shape):
@@ -48,19 +52,12 @@ def mlp_weights(hidden: int, intermediate: int, layers: int, seed: int = 0,
         out = {"gate": w(hidden, intermediate), "up": w(hidden, intermediate),
                "down": w(intermediate, hidden)}
         if kv_width is not None:
-            out.update(q=w(hidden, hidden), k=w(hidden, kv_width), v=w(hidden, kv_width),
-                       o=w(hidden, hidden))
+            widths = {"q_proj": hidden, "k_proj": kv_width, "v_proj": kv_width,
+                      "o_proj": hidden}
+            out["self_attn"] = {n: {"kernel": w(hidden, o)} for n, o in widths.items()}
         return out
 
     return [layer() for _ in range(layers)]
-
-
-def fused_qkv(weights: list[dict]) -> list[dict]:
-    """The same layers with q, k and v as one [D, D + 2·KV] matrix ("qkv"), concatenated
-    once, outside any timed program, as the decode layout holds them."""
-    return [{**{n: a for n, a in layer.items() if n not in ("q", "k", "v")},
-             "qkv": jnp.concatenate([layer["q"], layer["k"], layer["v"]], axis=1)}
-            for layer in weights]
 
 
 def _gemm(x, w):  # [T, I] @ [I, O] -> [T, O]
@@ -71,16 +68,17 @@ def _per_row(x, w):  # the same product as T one-row matmuls
     return jnp.concatenate([x[t:t + 1] @ w for t in range(x.shape[0])], axis=0)
 
 
-def _attention(matmul: Callable, x, layer):
+def _attention(matmul: Callable, x, attn: dict):
     """x [T, D] -> the layer's q/k/v products mixed elementwise, through o (no softmax:
     the projections' matmuls are what is timed)."""
-    if "qkv" in layer:
-        d = layer["o"].shape[0]
-        kv = (layer["qkv"].shape[1] - d) // 2
-        q, k, v = jnp.split(matmul(x, layer["qkv"]), [d, d + kv], axis=-1)
+    kernel = lambda n: attn[n]["kernel"]
+    if FUSED_QKV in attn:
+        d = kernel("o_proj").shape[0]
+        kv = (kernel(FUSED_QKV).shape[1] - d) // 2
+        q, k, v = jnp.split(matmul(x, kernel(FUSED_QKV)), [d, d + kv], axis=-1)
     else:
-        q, k, v = (matmul(x, layer[n]) for n in ("q", "k", "v"))
-    return matmul(q * jnp.sum(k * v, axis=-1, keepdims=True), layer["o"])
+        q, k, v = (matmul(x, kernel(n)) for n in ("q_proj", "k_proj", "v_proj"))
+    return matmul(q * jnp.sum(k * v, axis=-1, keepdims=True), kernel("o_proj"))
 
 
 def mlp_stack(matmul: Callable) -> Callable:
@@ -89,8 +87,8 @@ def mlp_stack(matmul: Callable) -> Callable:
 
     def run(x, weights):
         for layer in weights:
-            if "o" in layer:
-                x = x + _attention(matmul, x, layer)
+            if "self_attn" in layer:
+                x = x + _attention(matmul, x, layer["self_attn"])
             h = jax.nn.silu(matmul(x, layer["gate"])) * matmul(x, layer["up"])
             x = x + matmul(h, layer["down"])
         return x
@@ -107,8 +105,11 @@ def compiled(form: str, x, weights):
 
 
 def form_weights(form: str, weights: list[dict]) -> list[dict]:
-    """The weights `form` multiplies: q/k/v concatenated for "q/k/v fused"."""
-    return fused_qkv(weights) if form == "q/k/v fused" else weights
+    """The weights `form` multiplies: q/k/v fused by the decode layout's `fuse_qkv` for
+    "q/k/v fused" (once, outside any timed program)."""
+    if form != "q/k/v fused":
+        return weights
+    return [dict(layer, self_attn=fuse_qkv(layer["self_attn"])) for layer in weights]
 
 
 def measure(weights: list[dict], rows: tuple[int, ...], repeats: int, seed: int = 0,
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     weights = mlp_weights(args.hidden, args.intermediate, args.layers,
                           kv_width=args.kv_width if args.attention else None)
     seconds = measure(weights, rows, args.repeats, forms=forms)
-    nbytes = sum(int(a.nbytes) for layer in weights for a in layer.values())
+    nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(weights))
     print(markdown(seconds, rows, nbytes, forms))
     return 0
 

@@ -251,6 +251,18 @@ def embed_tokens(target_config: ModelConfig, params, target_params, tokens):
                                            method=Transformer.embed)
 
 
+def _run_head(config: EagleConfig, target_config: ModelConfig, params, target_params,
+              tokens: jax.Array, features: jax.Array, positions: jax.Array, q_lens,
+              mask, cache: PagedKVCache | None, **context):
+    """The head's decoder layer over T pairs: (features out [B,T,D], kv as the layer left
+    it, this call's (k, v) [B,T,K,H]); `context` goes to `step_context`."""
+    emb = embed_tokens(target_config, params, target_params, tokens)
+    lc = layer_config(target_config)
+    ctx = step_context(lc, positions, q_lens, mask, cache, **context)
+    return EagleHead(config, lc).apply({"params": layer_params(params)}, emb, features, ctx,
+                                       None if cache is None else cache.kv)
+
+
 def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_params,
                cache: PagedKVCache | None, tokens: jax.Array, features: jax.Array,
                positions: jax.Array, *, mask: jax.Array | None = None,
@@ -261,12 +273,9 @@ def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_p
     plain masked forward (training)."""
     b, t = tokens.shape
     q_lens = jnp.full((b,), t, jnp.int32) if q_lens is None else q_lens.astype(jnp.int32)
-    emb = embed_tokens(target_config, params, target_params, tokens)
-    lc = layer_config(target_config)
-    ctx = step_context(lc, positions, q_lens, mask, cache, backend, ops=MESH_OPS)
-    kv = None if cache is None else cache.kv
-    out, kv, (k, v) = EagleHead(config, lc).apply({"params": layer_params(params)}, emb,
-                                                  features, ctx, kv)
+    out, kv, (k, v) = _run_head(config, target_config, params, target_params, tokens,
+                                features, positions, q_lens, mask, cache, backend=backend,
+                                ops=MESH_OPS)
     written = None if cache is None else cache.with_kv(kv)  # one layer: keys/values [1, B, T, K, H]
     return out, commit_step(StepKV(k[None], v[None], written, q_lens))
 
@@ -278,11 +287,9 @@ def eagle_block(config: EagleConfig, target_config: ModelConfig, params, target_
     returned (`seen`: ((k, v, ok [B,T,S] bool), ...)), so training-time test computes
     each unrolled step once -> (features out [B,T,D], this call's (k, v) [B,T,K,H])."""
     b, t = tokens.shape
-    emb = embed_tokens(target_config, params, target_params, tokens)
-    lc = layer_config(target_config)
-    ctx = step_context(lc, positions, jnp.full((b,), t, jnp.int32), mask, None, seen=seen)
-    out, _, new_kv = EagleHead(config, lc).apply({"params": layer_params(params)}, emb,
-                                                 features, ctx)
+    out, _, new_kv = _run_head(config, target_config, params, target_params, tokens,
+                               features, positions, jnp.full((b,), t, jnp.int32), mask,
+                               None, seen=seen)
     return out, new_kv
 
 
