@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import attention as attn_lib
+from specjax import attention as attn_lib, rows_matmul
 from specjax.cache import PagedKVCache, StepKV, layer_kv, slot_pages, write_layer_kv
 from specjax.config import ModelConfig
 from specjax.models.rope import apply_rope, rope_tables
@@ -119,13 +119,17 @@ class RMSNorm(nn.Module):
         return (w * xf.astype(x.dtype).astype(jnp.float32)).astype(self.dtype)
 
 
-def _dense(features: int, name: str, dtype, use_bias: bool = False):
+def _dense(features: int, name: str, dtype, use_bias: bool = False, rows_kernel: bool = False):
+    """A dense layer; `rows_kernel` (the unrolled decode layout): few-row float32 products
+    through `specjax.rows_matmul` on XLA:CPU."""
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
+                    kernel_init=nn.initializers.normal(0.02), name=name,
+                    dot_general=rows_matmul.dot_general if rows_kernel else None)
 
 
 class Attention(nn.Module):
     config: ModelConfig
+    rows_kernel: bool = False  # `_dense`
 
     @nn.compact
     def __call__(self, x, ctx: StepContext, kv, layer):
@@ -136,7 +140,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if FUSED_QKV in self.variables.get("params", {}):  # the CPU decode layout
-            q, k, v = jnp.split(_dense(nq + 2 * nk, FUSED_QKV, dt, c.qkv_bias)(x),
+            q, k, v = jnp.split(_dense(nq + 2 * nk, FUSED_QKV, dt, c.qkv_bias,
+                                       self.rows_kernel)(x),
                                 [nq, nq + nk], axis=-1)
         else:
             q = _dense(nq, "q_proj", dt, c.qkv_bias)(x)
@@ -168,19 +173,21 @@ class Attention(nn.Module):
                 mask=ctx.mask, **layer_kv(kv, layer), **opts)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
         # k, v as computed: a later write quantizes them as the in-layer one would
-        return _dense(c.hidden_size, "o_proj", dt)(out), kv, (k, v)
+        return _dense(c.hidden_size, "o_proj", dt, rows_kernel=self.rows_kernel)(out), kv, (k, v)
 
 
 class MLP(nn.Module):
     config: ModelConfig
+    rows_kernel: bool = False  # `_dense`
 
     @nn.compact
     def __call__(self, x):
         c = self.config
         dt = jnp.dtype(c.dtype)
-        gate = _dense(c.intermediate_size, "gate_proj", dt)(x)
-        up = _dense(c.intermediate_size, "up_proj", dt)(x)
-        return _dense(c.hidden_size, "down_proj", dt)(nn.silu(gate) * up)
+        dense = functools.partial(_dense, dtype=dt, rows_kernel=self.rows_kernel)
+        gate = dense(c.intermediate_size, "gate_proj")(x)
+        up = dense(c.intermediate_size, "up_proj")(x)
+        return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -189,16 +196,18 @@ class DecoderLayer(nn.Module):
     [B, T, K, H]."""
 
     config: ModelConfig
+    rows_kernel: bool = False  # `_dense`
 
     @nn.compact
     def __call__(self, carry, ctx: StepContext, tap_slots):
         x, kv, layer, taps = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
-        h, kv, new_kv = Attention(c, name="self_attn")(
+        h, kv, new_kv = Attention(c, self.rows_kernel, name="self_attn")(
             RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x), ctx, kv, layer)
         x = x + h
-        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
+        x = x + MLP(c, self.rows_kernel, name="mlp")(
+            RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
         if taps is not None:  # record this layer's output if it was asked for
             taps = taps.at[tap_slots[layer]].set(x.astype(taps.dtype), mode="drop")
         return (x, kv, layer + 1, taps), new_kv
@@ -244,12 +253,16 @@ class Transformer(nn.Module):
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c)
         else:
-            self.layer_list = [DecoderLayer(c, name=f"layers_{i}") for i in range(c.num_layers)]
+            # the unrolled layout is the CPU decode layout: few-row matmuls by the kernel
+            self.layer_list = [DecoderLayer(c, rows_kernel=True, name=f"layers_{i}")
+                               for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype))
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.dtype(c.dtype),
                                     param_dtype=jnp.float32,
-                                    kernel_init=nn.initializers.normal(0.02))
+                                    kernel_init=nn.initializers.normal(0.02),
+                                    dot_general=(None if self.scan_layers
+                                                 else rows_matmul.dot_general))
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -262,8 +275,8 @@ class Transformer(nn.Module):
             # is many times slower at verify widths than on a [D, V] one.
             wt = self.variables.get("params", {}).get(TIED_HEAD_T)
             if wt is not None:
-                return jnp.einsum("...D,DV->...V", h, wt.astype(h.dtype),
-                                  preferred_element_type=jnp.float32)
+                return rows_matmul.matmul(h, wt.astype(h.dtype),
+                                          preferred_element_type=jnp.float32)
             w = self.embed_tokens.embedding
             return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
                               preferred_element_type=jnp.float32)

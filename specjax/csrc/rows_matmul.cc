@@ -1,0 +1,141 @@
+// y[T, O] = x[T, I] @ w[I, O] in float32 for few rows T (a decode step's 1, a verify's
+// 2-8), as an XLA FFI handler for the CPU backend (`specjax.rows_matmul` builds and
+// registers it).
+//
+// Why by hand: XLA:CPU's GEMM of 2-5 rows costs 1.25-1.5x its one-row GEMV although it
+// reads the same weights, and no XLA:CPU backend (Eigen, YNNPACK, oneDNN) streams a
+// weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
+// weight row is read once for all T rows: RB rows at a time (RB sequential streams),
+// and for each block of NV vectors of columns the T output rows stay in registers
+// across those RB rows. Each output element sums x[t, i] * w[i, c] in the order of i
+// whatever T is, so a row's result does not depend on how many rows share the call.
+// The columns are split across XLA's intra-op threads.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// 16 float32 lanes; GCC/Clang lower it to whatever the target has (-march=native).
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kLanes = 16;
+constexpr int kMaxRows = 8;  // rows per tile call; more are done in groups of 8
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Columns [c0, c1) of y for T rows of x.
+template <int T>
+void tile(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t c0,
+          int64_t c1) {
+  constexpr int kVecs = T <= 6 ? 4 : 2;  // vectors of columns per register block
+  constexpr int64_t kWidth = kVecs * kLanes;
+  constexpr int64_t kRowBlock = 16;
+  for (int t = 0; t < T; ++t) std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
+  const int64_t cv = c0 + (c1 - c0) / kWidth * kWidth;  // blocked [c0, cv), tail [cv, c1)
+  for (int64_t i0 = 0; i0 < in; i0 += kRowBlock) {
+    const int64_t i1 = std::min(in, i0 + kRowBlock);
+    for (int64_t c = c0; c < cv; c += kWidth) {
+      vf acc[T][kVecs];
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
+      for (int64_t i = i0; i < i1; ++i) {
+        const float* wr = w + i * out + c;
+        vf wv[kVecs];
+        for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
+        for (int t = 0; t < T; ++t) {
+          const float xs = x[t * in + i];
+          for (int v = 0; v < kVecs; ++v) acc[t][v] += xs * wv[v];
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < kVecs; ++v) store(y + t * out + c + v * kLanes, acc[t][v]);
+    }
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t c = cv; c < c1; ++c)
+        for (int t = 0; t < T; ++t) y[t * out + c] += x[t * in + i] * w[i * out + c];
+  }
+}
+
+typedef void (*TileFn)(const float*, const float*, float*, int64_t, int64_t, int64_t,
+                       int64_t);
+constexpr TileFn kTiles[kMaxRows] = {tile<1>, tile<2>, tile<3>, tile<4>,
+                                     tile<5>, tile<6>, tile<7>, tile<8>};
+
+void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
+             int64_t out, int64_t c0, int64_t c1) {
+  for (int64_t r = 0; r < rows; r += kMaxRows) {
+    const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
+    kTiles[n - 1](x + r * in, w, y + r * out, in, out, c0, c1);
+  }
+}
+
+// Column chunks claimed from a shared counter by the calling thread and by helpers
+// scheduled on XLA's intra-op pool. The caller waits only for chunks a running thread
+// has claimed: a helper that starts late (the pool busy, e.g. with another matmul of the
+// same program waiting the same way) finds nothing left, so no wait can deadlock. Held
+// by shared_ptr: a late helper may outlive the call (it then touches no buffer).
+struct Work {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t rows, in, out, per, chunks;
+  std::atomic<int64_t> next{0}, finished{0};
+
+  void drain() {
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      const int64_t c0 = k * per;
+      columns(x, w, y, rows, in, out, c0, std::min(out, c0 + per));
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                      ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [in, out]");
+  const int64_t in = wd[0], out = wd[1];
+  if (in == 0 || x.element_count() % in != 0)
+    return ffi::Error::InvalidArgument("x's last dimension must equal w's first");
+  const int64_t rows = x.element_count() / in;
+  if (y->element_count() != rows * out)
+    return ffi::Error::InvalidArgument("y must be [rows, out]");
+  // One chunk of columns per thread, in multiples of 64; small matrices run on one.
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
+  const int64_t per = ((out + threads - 1) / threads + 63) / 64 * 64;
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->y = y->typed_data();
+  work->rows = rows;
+  work->in = in;
+  work->out = out;
+  work->per = per;
+  work->chunks = (out + per - 1) / per;
+  for (int64_t k = 1; k < work->chunks; ++k) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->finished.load(std::memory_order_acquire) < work->chunks) {
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_rows_matmul, RowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,146 @@
+"""`specjax.rows_matmul`: the few-row CPU matmul kernel against numpy, where it applies and
+where XLA's matmul runs instead, its gradients, its build cache and its fallbacks, and
+the decode layout calling it."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import rows_matmul
+from specjax.config import tiny_llama
+from specjax.model import decode_params, init_params, module_for
+
+
+def _calls_kernel(fn, *args) -> bool:
+    return rows_matmul.TARGET in jax.jit(fn).lower(*args).as_text()
+
+
+def _data(shape_x, shape_w, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape_x).astype(np.float32),
+            rng.standard_normal(shape_w).astype(np.float32))
+
+
+@pytest.mark.parametrize("rows", range(1, rows_matmul.MAX_ROWS + 1))
+@pytest.mark.parametrize("inner, out", [(37, 53), (64, 200), (16, 7), (96, 1024)])
+def test_kernel_matches_numpy_at_every_row_count(rows, inner, out):
+    # column counts off the 16-lane vectors and the 64-column chunks, rows off the
+    # kernel's 16-row blocks: every tail path
+    assert rows_matmul.available()
+    x, w = _data((rows, inner), (inner, out), seed=rows)
+    assert _calls_kernel(rows_matmul.matmul, x, w)
+    y = np.asarray(jax.jit(rows_matmul.matmul)(x, w))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_leading_axes_are_rows():
+    x, w = _data((2, 3, 40), (40, 70))
+    assert _calls_kernel(rows_matmul.matmul, x, w)
+    y = np.asarray(jax.jit(rows_matmul.matmul)(x, w))
+    assert y.shape == (2, 3, 70)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    # each output sums over the inner axis in one order whatever the row count, so a
+    # verify row equals the same row decoded alone, bit for bit
+    x, w = _data((rows_matmul.MAX_ROWS, 300), (300, 500))
+    alone = np.asarray(jax.jit(rows_matmul.matmul)(x[:1], w))
+    for rows in range(2, rows_matmul.MAX_ROWS + 1):
+        together = np.asarray(jax.jit(rows_matmul.matmul)(x[:rows], w))
+        np.testing.assert_array_equal(together[:1], alone)
+
+
+@pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),
+                                            ((2, 32), jnp.bfloat16)])
+def test_more_rows_or_other_dtypes_run_xlas_matmul(x_shape, dtype):
+    x, w = _data(x_shape, (32, 48))
+    x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    assert not _calls_kernel(rows_matmul.matmul, x, w)
+    np.testing.assert_allclose(np.asarray(rows_matmul.matmul(x, w), np.float32),
+                               np.asarray(x @ w, np.float32))
+
+
+def test_gradients_equal_xlas_matmuls():
+    x, w = _data((3, 24), (24, 40))
+
+    def loss(mm, x, w):
+        return jnp.sum(jnp.tanh(mm(x, w)) ** 2)
+
+    got = jax.grad(lambda x, w: loss(rows_matmul.matmul, x, w), argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: loss(jnp.matmul, x, w), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_general_takes_dense_products_only():
+    x, w = _data((2, 16), (16, 8))
+    dense = (((1,), (0,)), ((), ()))
+    assert _calls_kernel(lambda a, b: rows_matmul.dot_general(a, b, dense), x, w)
+    other = (((1,), (1,)), ((), ()))  # contracting w's last axis: not the kernel's product
+    w2 = np.ascontiguousarray(w.T)
+    assert not _calls_kernel(lambda a, b: rows_matmul.dot_general(a, b, other), x, w2)
+    np.testing.assert_allclose(rows_matmul.dot_general(x, w2, other), x @ w, rtol=1e-5)
+
+
+def test_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
+    # the library goes to jax's persistent cache directory (on under the tests)
+    assert jax.config.jax_enable_compilation_cache
+    assert rows_matmul._library_dir() == (Path(jax.config.jax_compilation_cache_dir)
+                                          / "specjax-kernels")
+    monkeypatch.setattr(rows_matmul, "_library_dir", lambda: tmp_path)
+    cxx = rows_matmul._cxx()
+    first = rows_matmul._build(cxx)
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert rows_matmul._build(cxx) == first and first.stat().st_mtime_ns == stamp
+
+
+def test_no_compiler_or_a_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch):
+    x, w = _data((2, 16), (16, 8))
+    monkeypatch.setattr(rows_matmul, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        assert not rows_matmul.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert not rows_matmul.available()
+        assert not _calls_kernel(rows_matmul.matmul, x, w)
+    np.testing.assert_allclose(rows_matmul.matmul(x, w), x @ w, rtol=1e-5)
+
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(rows_matmul, "_state", {})
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(rows_matmul, "SOURCE", broken)
+    with pytest.warns(RuntimeWarning, match="failed on .*broken.cc"):
+        assert not rows_matmul.available()
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv(rows_matmul.ENV, "off")
+    x, w = _data((2, 16), (16, 8))
+    assert not rows_matmul.available()
+    assert not _calls_kernel(rows_matmul.matmul, x, w)
+
+
+def test_decode_layout_forward_runs_the_kernel_and_matches_the_stored_layout():
+    config = tiny_llama(vocab_size=128)
+    params = init_params(config, 0)
+    decoded = decode_params(config, params, "unrolled")
+    tokens = jnp.asarray([[3, 5, 7]], jnp.int32)
+    positions = jnp.arange(3, dtype=jnp.int32)[None]
+
+    def forward(p):
+        return module_for(config, p).apply({"params": p}, tokens, positions)[0]
+
+    assert _calls_kernel(forward, decoded)
+    assert not _calls_kernel(forward, params)  # the stored (scanned) layout: XLA's
+    np.testing.assert_allclose(jax.jit(forward)(decoded), jax.jit(forward)(params),
+                               rtol=1e-4, atol=1e-4)
