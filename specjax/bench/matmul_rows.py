@@ -5,10 +5,12 @@ matmuls stayed memory-bound (one read of the weights for all T rows), verifying 
 tokens would cost about one decode step and speculation would pay at modest acceptance.
 This script times the target's MLP (gate, up, down for every layer, random weights of
 its shapes, each layer's matrices their own arrays as in the CPU decode layout) at T
-rows, three ways side by side: one GEMM per matrix as XLA compiles it, the same without
-XLA:CPU's YNNPACK fusions, and T one-row GEMVs per matrix; interleaved rounds in a
-seeded order, each program timed right after an untimed run of itself, medians. Other
-XLA:CPU backends are tried by setting `XLA_FLAGS` for the whole run.
+rows, side by side: one GEMM per matrix as XLA compiles it, the same without XLA:CPU's
+YNNPACK fusions, T one-row GEMVs per matrix, and specjax's few-row kernel
+(`specjax.rows_matmul`, what the CPU decode layout runs; XLA's GEMM above its 16 rows);
+interleaved rounds in a seeded order, each program timed right after an untimed run of
+itself, medians. Other XLA:CPU backends are tried by setting `XLA_FLAGS` for the whole
+run.
 
 `--attention` puts each layer's attention projections before its MLP (q and o of
 [D, D], k and v of [D, KV]; their outputs mixed elementwise, no attention itself) and
@@ -29,12 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import rows_matmul
 from specjax.bench.suite import ints
 from specjax.calibrate import NO_YNN, interleaved_medians
 from specjax.model import fuse_qkv
 from specjax.models.transformer import FUSED_QKV
 
-FORMS = ("gemm", "gemm, no YNNPACK", "per-row GEMVs")
+FORMS = ("gemm", "gemm, no YNNPACK", "per-row GEMVs", "rows kernel")
 ATTENTION_FORMS = ("q/k/v separate", "q/k/v fused")
 
 
@@ -99,7 +102,8 @@ def mlp_stack(matmul: Callable) -> Callable:
 def compiled(form: str, x, weights):
     """`form`'s program for x's row count, compiled (an attention form takes the
     weights `form_weights` gives it)."""
-    fn = mlp_stack(_per_row if form == "per-row GEMVs" else _gemm)
+    fn = mlp_stack({"per-row GEMVs": _per_row, "rows kernel": rows_matmul.matmul}.get(
+        form, _gemm))
     lowered = jax.jit(fn).lower(x, weights)
     return lowered.compile(compiler_options=NO_YNN if "no YNNPACK" in form else None)
 
@@ -163,6 +167,8 @@ def main(argv=None) -> int:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     forms = ATTENTION_FORMS if args.attention else FORMS
+    if "rows kernel" in forms and not rows_matmul.available():
+        forms = tuple(f for f in forms if f != "rows kernel")  # it warned why
     weights = mlp_weights(args.hidden, args.intermediate, args.layers,
                           kv_width=args.kv_width if args.attention else None)
     seconds = measure(weights, rows, args.repeats, forms=forms)

@@ -1,15 +1,15 @@
 // y[T, O] = x[T, I] @ w[I, O] in float32 for few rows T (a decode step's 1, a verify's
-// 2-8), as an XLA FFI handler for the CPU backend (`specjax.rows_matmul` builds and
+// 2-16), as an XLA FFI handler for the CPU backend (`specjax.rows_matmul` builds and
 // registers it).
 //
 // Why by hand: XLA:CPU's GEMM of 2-5 rows costs 1.25-1.5x its one-row GEMV although it
 // reads the same weights, and no XLA:CPU backend (Eigen, YNNPACK, oneDNN) streams a
 // weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
-// weight row is read once for all T rows: RB rows at a time (RB sequential streams),
-// and for each block of NV vectors of columns the T output rows stay in registers
-// across those RB rows. Each output element sums x[t, i] * w[i, c] in the order of i
-// whatever T is, so a row's result does not depend on how many rows share the call.
-// The columns are split across XLA's intra-op threads.
+// weight row is read from memory once for all T rows: 32 rows at a time (32 sequential
+// streams), and for each block of 32-64 columns the output rows, up to 8 at a time, stay
+// in vector registers across those 32. Each output element sums x[t, i] * w[i, c] in
+// the order of i whatever T is, so a row's result does not depend on how many rows
+// share the call. The columns are split across XLA's intra-op threads.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -25,7 +25,8 @@ namespace {
 // 16 float32 lanes; GCC/Clang lower it to whatever the target has (-march=native).
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kLanes = 16;
-constexpr int kMaxRows = 8;  // rows per tile call; more are done in groups of 8
+constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
+constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
 
 inline vf load(const float* p) {
   vf v;
@@ -34,49 +35,61 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Columns [c0, c1) of y for T rows of x.
+// y[T rows, columns [c, c + kWidth(T))] += x[T rows, rows i0..i1 of w] @ w[i0..i1, those
+// columns]: the T output rows held in registers across the weight rows.
 template <int T>
-void tile(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t c0,
-          int64_t c1) {
-  constexpr int kVecs = T <= 6 ? 4 : 2;  // vectors of columns per register block
-  constexpr int64_t kWidth = kVecs * kLanes;
-  constexpr int64_t kRowBlock = 16;
-  for (int t = 0; t < T; ++t) std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
-  const int64_t cv = c0 + (c1 - c0) / kWidth * kWidth;  // blocked [c0, cv), tail [cv, c1)
+constexpr int vecs() { return T <= 6 ? 4 : 2; }
+
+template <int T>
+void block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t i0,
+           int64_t i1, int64_t c) {
+  constexpr int kVecs = vecs<T>();
+  vf acc[T][kVecs];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* wr = w + i * out + c;
+    vf wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
+    for (int t = 0; t < T; ++t) {
+      const float xs = x[t * in + i];
+      for (int v = 0; v < kVecs; ++v) acc[t][v] += xs * wv[v];
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < kVecs; ++v) store(y + t * out + c + v * kLanes, acc[t][v]);
+}
+
+typedef void (*BlockFn)(const float*, const float*, float*, int64_t, int64_t, int64_t,
+                        int64_t, int64_t);
+constexpr BlockFn kBlocks[kMaxRows] = {block<1>, block<2>, block<3>, block<4>,
+                                       block<5>, block<6>, block<7>, block<8>};
+constexpr int64_t kWidths[kMaxRows] = {vecs<1>() * kLanes, vecs<2>() * kLanes,
+                                       vecs<3>() * kLanes, vecs<4>() * kLanes,
+                                       vecs<5>() * kLanes, vecs<6>() * kLanes,
+                                       vecs<7>() * kLanes, vecs<8>() * kLanes};
+
+// Columns [c0, c1) of y for all rows of x. Weight rows kRowBlock at a time (that many
+// sequential streams); each block of 64 columns of them (8 KB, in L1) serves the rows
+// in groups of up to kMaxRows, so w is read from memory once for any row count.
+void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
+             int64_t out, int64_t c0, int64_t c1) {
+  for (int64_t t = 0; t < rows; ++t)
+    std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
+  const int64_t cv = c0 + (c1 - c0) / 64 * 64;  // blocked [c0, cv), tail [cv, c1)
   for (int64_t i0 = 0; i0 < in; i0 += kRowBlock) {
     const int64_t i1 = std::min(in, i0 + kRowBlock);
-    for (int64_t c = c0; c < cv; c += kWidth) {
-      vf acc[T][kVecs];
-      for (int t = 0; t < T; ++t)
-        for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
-      for (int64_t i = i0; i < i1; ++i) {
-        const float* wr = w + i * out + c;
-        vf wv[kVecs];
-        for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
-        for (int t = 0; t < T; ++t) {
-          const float xs = x[t * in + i];
-          for (int v = 0; v < kVecs; ++v) acc[t][v] += xs * wv[v];
-        }
+    for (int64_t c = c0; c < cv; c += 64) {
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
+        const int64_t wn = kWidths[n - 1];
+        for (int64_t cc = c; cc < c + 64; cc += wn)
+          kBlocks[n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
       }
-      for (int t = 0; t < T; ++t)
-        for (int v = 0; v < kVecs; ++v) store(y + t * out + c + v * kLanes, acc[t][v]);
     }
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t c = cv; c < c1; ++c)
-        for (int t = 0; t < T; ++t) y[t * out + c] += x[t * in + i] * w[i * out + c];
-  }
-}
-
-typedef void (*TileFn)(const float*, const float*, float*, int64_t, int64_t, int64_t,
-                       int64_t);
-constexpr TileFn kTiles[kMaxRows] = {tile<1>, tile<2>, tile<3>, tile<4>,
-                                     tile<5>, tile<6>, tile<7>, tile<8>};
-
-void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
-             int64_t out, int64_t c0, int64_t c1) {
-  for (int64_t r = 0; r < rows; r += kMaxRows) {
-    const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-    kTiles[n - 1](x + r * in, w, y + r * out, in, out, c0, c1);
+        for (int64_t t = 0; t < rows; ++t) y[t * out + c] += x[t * in + i] * w[i * out + c];
   }
 }
 

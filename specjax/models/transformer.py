@@ -275,8 +275,9 @@ class Transformer(nn.Module):
             # is many times slower at verify widths than on a [D, V] one.
             wt = self.variables.get("params", {}).get(TIED_HEAD_T)
             if wt is not None:
-                return rows_matmul.matmul(h, wt.astype(h.dtype),
-                                          preferred_element_type=jnp.float32)
+                with jax.named_scope("lm_head"):  # the op's name (`bench.profile` parts)
+                    return rows_matmul.matmul(h, wt.astype(h.dtype),
+                                              preferred_element_type=jnp.float32)
             w = self.embed_tokens.embedding
             return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
                               preferred_element_type=jnp.float32)
