@@ -213,26 +213,26 @@ class VerifyCost:
 
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost --far 1024` measured on
-# SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batches 1,4,16`), compiled as generate
-# compiles, after 128 and 1,024 cached tokens (tables of 272 and 1,168 tokens, what the
-# reference attention reads); branch from `python -m specjax.bench.branching`
-# (docs/benchmarks.md). GPU/TPU: not measured yet; set to the memory-bound regime the
-# Pallas kernels aim for.
+# SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batches 1,4,16`), compiled as
+# generate compiles (its matmuls of up to 16 rows by `specjax.rows_matmul`), after 128 and
+# 1,024 cached tokens (tables of 272 and 1,168 tokens, what the reference attention reads);
+# branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not
+# measured yet; set to the memory-bound regime the Pallas kernels aim for.
 VERIFY_COST = {"cpu": VerifyCost.from_table(
-                   {1: 1.0, 2: 1.32, 3: 1.39, 5: 1.41, 9: 1.71, 17: 2.39, 33: 3.32, 65: 5.68,
-                    129: 10.34},
+                   {1: 1.0, 2: 1.16, 3: 1.27, 5: 1.42, 9: 1.72, 17: 2.75, 33: 3.69, 65: 4.92,
+                    129: 8.86},
                    branch=0.08,
-                   by_rows={4: {1: 1.0, 2: 1.13, 3: 1.27, 5: 1.51, 9: 2.06, 17: 3.19,
-                                33: 4.88, 65: 9.27, 129: 18.92},
-                            16: {1: 1.0, 2: 1.18, 3: 1.37, 5: 1.81, 9: 2.55, 17: 4.31,
-                                 33: 7.38, 65: 14.47, 129: 30.3}},
+                   by_rows={4: {1: 1.0, 2: 1.16, 3: 1.21, 5: 1.68, 9: 2.67, 17: 2.77,
+                                33: 4.27, 65: 7.29, 129: 15.25},
+                            16: {1: 1.0, 2: 1.58, 3: 1.47, 5: 1.71, 9: 2.14, 17: 3.41,
+                                 33: 6.05, 65: 10.65, 129: 24.09}},
                    contexts=(272, 1168),
-                   far={1: {1: 2.0, 2: 2.24, 3: 2.3, 5: 2.51, 9: 2.87, 17: 3.94, 33: 4.89,
-                            65: 9.0, 129: 14.29},
-                        4: {1: 2.42, 2: 2.57, 3: 2.82, 5: 3.14, 9: 3.91, 17: 5.58, 33: 7.63,
-                            65: 15.26, 129: 26.21},
-                        16: {1: 3.34, 2: 3.63, 3: 3.83, 5: 4.4, 9: 5.67, 17: 8.51,
-                             33: 12.34, 65: 25.06, 129: 43.86}}),
+                   far={1: {1: 2.0, 2: 2.15, 3: 2.29, 5: 2.51, 9: 2.97, 17: 4.42, 33: 5.51,
+                            65: 8.62, 129: 12.93},
+                        4: {1: 2.52, 2: 2.77, 3: 2.92, 5: 3.7, 9: 4.18, 17: 5.57, 33: 7.23,
+                            65: 13.68, 129: 23.34},
+                        16: {1: 3.79, 2: 3.95, 3: 5.05, 5: 4.5, 9: 5.36, 17: 7.86,
+                             33: 10.69, 65: 24.69, 129: 39.64}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import rng, sampling as sampling_lib
+from specjax import rng, rows_matmul, sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
@@ -237,8 +237,11 @@ class DraftModel(Speculator):
         if self.vocab_head is None:
             return module_for(self.config).apply({"params": self.params}, h,
                                                  method=Transformer.logits)
-        return jnp.einsum("...D,DV->...V", h, self.vocab_head.astype(h.dtype),
-                          preferred_element_type=jnp.float32)
+        head = self.vocab_head.astype(h.dtype)
+        if "layers_0" in self.params:  # the CPU decode layout: few rows by the kernel
+            with jax.named_scope("lm_head"):
+                return rows_matmul.matmul(h, head, preferred_element_type=jnp.float32)
+        return jnp.einsum("...D,DV->...V", h, head, preferred_element_type=jnp.float32)
 
     def _full(self, x: jax.Array, fill: float) -> jax.Array:
         """[..., Vd] over the kept ids -> [..., V] over target ids, `fill` elsewhere."""
