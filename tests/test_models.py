@@ -179,6 +179,7 @@ def test_tied_decode_layout_carries_the_transposed_head():
     """Tied embeddings: the CPU decode layout adds the embedding as [D, V] for the LM head
     (XLA:CPU's [V, D]-contracting GEMM is ~15x slower at verify widths), with the same
     logits; the compiled verify step then has no matmul contracting the embedding's D."""
+    from specjax import rows_matmul
     from specjax.model import decode_params
     from specjax.models.transformer import TIED_HEAD_T
 
@@ -192,11 +193,24 @@ def test_tied_decode_layout_carries_the_transposed_head():
     a = specjax.step(cfg, params, None, tokens, positions)[0]
     b = specjax.step(cfg, dec, None, tokens, positions)[0]
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    hlo = jax.jit(lambda p, t, q: specjax.step(cfg, p, None, t, q)[0]).lower(
-        dec, tokens, positions).as_text()
     v, d = cfg.vocab_size, cfg.hidden_size
-    heads = [ln for ln in hlo.splitlines() if "dot_general" in ln and f"x{v}xf32>" in ln]
-    assert heads and all(f"tensor<{d}x{v}xf32>" in ln and "x [0]" in ln for ln in heads)
+
+    def head_ops(t):  # the compiled step's ops producing [..., V] logits
+        tok = jnp.zeros((2, t), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+        hlo = jax.jit(lambda p, a, b: specjax.step(cfg, p, None, a, b)[0]).lower(
+            dec, tok, pos).as_text()
+        return [ln for ln in hlo.splitlines()
+                if ("dot_general" in ln or rows_matmul.TARGET in ln) and f"x{v}xf32>" in ln]
+
+    # 10 rows: the few-row kernel, on the [D, V] head
+    heads = head_ops(5)
+    assert heads and all(rows_matmul.TARGET in ln and f"tensor<{d}x{v}xf32>" in ln
+                         for ln in heads)
+    # 18 rows, past the kernel's: XLA's matmul, contracting the [D, V] head's first axis
+    heads = head_ops(9)
+    assert heads and all("dot_general" in ln and f"tensor<{d}x{v}xf32>" in ln
+                         and "x [0]" in ln for ln in heads)
     untied = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=False)
     assert TIED_HEAD_T not in decode_params(untied, specjax.init_params(untied, 0), "unrolled")
 
