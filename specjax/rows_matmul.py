@@ -41,7 +41,7 @@ SOURCE = Path(__file__).parent / "csrc" / "rows_matmul.cc"
 MAX_ROWS = 16
 _OFF = frozenset({"off", "0", "false", "none"})
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool once tried; "lib": the loaded library; "error": why not
+_state: dict = {}  # "ok": bool once tried; "lib": the loaded library (kept referenced)
 
 
 def _cxx() -> str | None:
@@ -111,7 +111,6 @@ def available() -> bool:
                                             platform="cpu")
                 _state.update(ok=True, lib=lib)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _state["error"] = str(e)
                 warnings.warn(f"specjax's few-row CPU matmul kernel is unavailable ({e}); "
                               f"XLA's matmul runs instead. {ENV}=off silences this.",
                               RuntimeWarning, stacklevel=2)
@@ -139,12 +138,16 @@ def _kernel_jvp(primals, tangents):  # differentiable: tangents through XLA's ma
     return _kernel(x, w), dx @ w + x @ dw
 
 
+def _rows(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., I] @ [I, O] by the kernel
+    return _kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+
+
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O]: the kernel where it `applies` (float32 in and
     out), else XLA's."""
     if not applies(x, w):
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
-    return _kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+    return _rows(x, w)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -155,7 +158,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     dense = (tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
              and preferred_element_type in (None, jnp.float32))
     if dense and applies(lhs, rhs):
-        return matmul(lhs, rhs)
+        return _rows(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
 

@@ -27,6 +27,7 @@ typedef float vf __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
+constexpr int64_t kColumnBlock = 64;  // columns of them one block of rows works through
 
 inline vf load(const float* p) {
   vf v;
@@ -35,7 +36,7 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// y[T rows, columns [c, c + kWidth(T))] += x[T rows, rows i0..i1 of w] @ w[i0..i1, those
+// y[T rows, columns [c, c + vecs<T>() * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
 // columns]: the T output rows held in registers across the weight rows.
 template <int T>
 constexpr int vecs() { return T <= 6 ? 4 : 2; }
@@ -76,14 +77,14 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t c0, int64_t c1) {
   for (int64_t t = 0; t < rows; ++t)
     std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
-  const int64_t cv = c0 + (c1 - c0) / 64 * 64;  // blocked [c0, cv), tail [cv, c1)
+  const int64_t cv = c0 + (c1 - c0) / kColumnBlock * kColumnBlock;  // blocked; tail after
   for (int64_t i0 = 0; i0 < in; i0 += kRowBlock) {
     const int64_t i1 = std::min(in, i0 + kRowBlock);
-    for (int64_t c = c0; c < cv; c += 64) {
+    for (int64_t c = c0; c < cv; c += kColumnBlock) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
         const int64_t wn = kWidths[n - 1];
-        for (int64_t cc = c; cc < c + 64; cc += wn)
+        for (int64_t cc = c; cc < c + kColumnBlock; cc += wn)
           kBlocks[n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
       }
     }
@@ -124,10 +125,11 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t rows = x.element_count() / in;
   if (y->element_count() != rows * out)
     return ffi::Error::InvalidArgument("y must be [rows, out]");
-  // One chunk of columns per thread, in multiples of 64; small matrices run on one.
+  // One chunk of columns per thread, whole column blocks; small matrices run on one.
   const int64_t threads =
       std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
-  const int64_t per = ((out + threads - 1) / threads + 63) / 64 * 64;
+  const int64_t per =
+      ((out + threads - 1) / threads + kColumnBlock - 1) / kColumnBlock * kColumnBlock;
   auto work = std::make_shared<Work>();
   work->x = x.typed_data();
   work->w = w.typed_data();
