@@ -207,8 +207,9 @@ def test_tied_decode_layout_carries_the_transposed_head():
     heads = head_ops(5)
     assert heads and all(rows_matmul.TARGET in ln and f"tensor<{d}x{v}xf32>" in ln
                          for ln in heads)
-    # 18 rows, past the kernel's: XLA's matmul, contracting the [D, V] head's first axis
-    heads = head_ops(9)
+    # 2 x 17 rows, past the kernel's: XLA's matmul, contracting the [D, V] head's first axis
+    assert 2 * 17 > rows_matmul.MAX_ROWS
+    heads = head_ops(17)
     assert heads and all("dot_general" in ln and f"tensor<{d}x{v}xf32>" in ln
                          and "x [0]" in ln for ln in heads)
     untied = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=False)

@@ -14,7 +14,15 @@ import pytest
 
 from specjax import rows_matmul
 from specjax.config import tiny_llama
+from specjax.heads.eagle import (
+    EagleConfig,
+    eagle_logits,
+    eagle_step,
+    fuse_features,
+    init_eagle_params,
+)
 from specjax.model import decode_params, init_params, module_for
+from specjax.models.transformer import is_decode_layout
 
 
 def _calls_kernel(fn, *args) -> bool:
@@ -143,4 +151,31 @@ def test_decode_layout_forward_runs_the_kernel_and_matches_the_stored_layout():
     assert _calls_kernel(forward, decoded)
     assert not _calls_kernel(forward, params)  # the stored (scanned) layout: XLA's
     np.testing.assert_allclose(jax.jit(forward)(decoded), jax.jit(forward)(params),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_head_beside_a_decode_layout_target_runs_the_kernel():
+    """The head's fc, layer and draft LM head go through the kernel next to a target in the
+    decode layout (its CPU decode programs), and through XLA's beside the stored layout
+    (training, meshes): the same features and logits either way."""
+    config = tiny_llama(vocab_size=128)
+    params = init_params(config, 0)
+    decoded = decode_params(config, params, "unrolled")
+    head = EagleConfig(version=3, draft_vocab_size=32).resolved(config)
+    head_params = init_eagle_params(head, config, 1)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray([[3, 5, 7]], jnp.int32)
+    positions = jnp.arange(3, dtype=jnp.int32)[None]
+    feats = jnp.asarray(rng.standard_normal((1, 3, 3 * config.hidden_size)), jnp.float32)
+
+    def head_logits(target_params):
+        fused = fuse_features(head, config, head_params, feats,
+                              rows_kernel=is_decode_layout(target_params))
+        out, _ = eagle_step(head, config, head_params, target_params, None, tokens, fused,
+                            positions)
+        return eagle_logits(head, config, head_params, target_params, out)
+
+    assert _calls_kernel(head_logits, decoded)
+    assert not _calls_kernel(head_logits, params)
+    np.testing.assert_allclose(jax.jit(head_logits)(decoded), jax.jit(head_logits)(params),
                                rtol=1e-4, atol=1e-4)

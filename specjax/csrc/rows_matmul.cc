@@ -6,8 +6,11 @@
 // reads the same weights, and no XLA:CPU backend (Eigen, YNNPACK, oneDNN) streams a
 // weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
 // weight row is read from memory once for all T rows: 32 rows at a time (32 sequential
-// streams), and for each block of 32-64 columns the output rows, up to 8 at a time, stay
-// in vector registers across those 32. Each output element sums x[t, i] * w[i, c] in
+// streams), and for each block of 32 columns the output rows, up to 8 at a time, stay
+// in vector registers across those 32. The first group of rows prefetches the next
+// column block of the same weight rows: without it the hardware prefetcher alone does
+// not keep 32 streams ahead of 2-8 rows' arithmetic, and a few rows cost 1.4x one
+// (with it, 1.1x; docs/benchmarks.md). Each output element sums x[t, i] * w[i, c] in
 // the order of i whatever T is, so a row's result does not depend on how many rows
 // share the call. The columns are split across XLA's intra-op threads.
 #include <algorithm>
@@ -27,7 +30,9 @@ typedef float vf __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
-constexpr int64_t kColumnBlock = 64;  // columns of them one block of rows works through
+constexpr int64_t kColumnBlock = 64;  // columns of them the blocks of rows work through
+constexpr int kVecs = 2;  // vectors of columns per register block (2 x 8 accumulators)
+constexpr int64_t kWidth = kVecs * kLanes;  // its columns
 
 inline vf load(const float* p) {
   vf v;
@@ -36,15 +41,12 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// y[T rows, columns [c, c + vecs<T>() * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
-// columns]: the T output rows held in registers across the weight rows.
-template <int T>
-constexpr int vecs() { return T <= 6 ? 4 : 2; }
-
-template <int T>
+// y[T rows, columns [c, c + kWidth)] += x[T rows, i0..i1] @ w[i0..i1, those columns]:
+// the T output rows held in registers across the weight rows. kPrefetch: also fetch the
+// same columns of the next column block of these weight rows.
+template <int T, bool kPrefetch>
 void block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t i0,
            int64_t i1, int64_t c) {
-  constexpr int kVecs = vecs<T>();
   vf acc[T][kVecs];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
@@ -52,6 +54,8 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
     const float* wr = w + i * out + c;
     vf wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
+    if (kPrefetch)
+      for (int v = 0; v < kVecs; ++v) __builtin_prefetch(wr + kColumnBlock + v * kLanes);
     for (int t = 0; t < T; ++t) {
       const float xs = x[t * in + i];
       for (int v = 0; v < kVecs; ++v) acc[t][v] += xs * wv[v];
@@ -63,12 +67,13 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
 
 typedef void (*BlockFn)(const float*, const float*, float*, int64_t, int64_t, int64_t,
                         int64_t, int64_t);
-constexpr BlockFn kBlocks[kMaxRows] = {block<1>, block<2>, block<3>, block<4>,
-                                       block<5>, block<6>, block<7>, block<8>};
-constexpr int64_t kWidths[kMaxRows] = {vecs<1>() * kLanes, vecs<2>() * kLanes,
-                                       vecs<3>() * kLanes, vecs<4>() * kLanes,
-                                       vecs<5>() * kLanes, vecs<6>() * kLanes,
-                                       vecs<7>() * kLanes, vecs<8>() * kLanes};
+// [prefetching][rows - 1]: the first group of rows prefetches, the others find the
+// block in L1.
+constexpr BlockFn kBlocks[2][kMaxRows] = {
+    {block<1, false>, block<2, false>, block<3, false>, block<4, false>, block<5, false>,
+     block<6, false>, block<7, false>, block<8, false>},
+    {block<1, true>, block<2, true>, block<3, true>, block<4, true>, block<5, true>,
+     block<6, true>, block<7, true>, block<8, true>}};
 
 // Columns [c0, c1) of y for all rows of x. Weight rows kRowBlock at a time (that many
 // sequential streams); each block of 64 columns of them (8 KB, in L1) serves the rows
@@ -83,9 +88,8 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
     for (int64_t c = c0; c < cv; c += kColumnBlock) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        const int64_t wn = kWidths[n - 1];
-        for (int64_t cc = c; cc < c + kColumnBlock; cc += wn)
-          kBlocks[n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
+        for (int64_t cc = c; cc < c + kColumnBlock; cc += kWidth)
+          kBlocks[r == 0][n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
       }
     }
     for (int64_t i = i0; i < i1; ++i)

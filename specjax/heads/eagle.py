@@ -45,7 +45,16 @@ import numpy as np
 from specjax.cache import PagedKVCache, StepKV, commit_step
 from specjax.config import ModelConfig
 from specjax.model import module_for
-from specjax.models.transformer import MLP, Attention, Hidden, RMSNorm, Transformer, step_context
+from specjax.models.transformer import (
+    MLP,
+    Attention,
+    Hidden,
+    RMSNorm,
+    Transformer,
+    dense_layer,
+    is_decode_layout,
+    step_context,
+)
 from specjax.sharding.per_shard import MESH_OPS
 
 VERSIONS = (1, 3)
@@ -125,32 +134,29 @@ def layer_config(target_config: ModelConfig) -> ModelConfig:
     return target_config.replace(num_layers=1)
 
 
-def _dense(features: int, name: str, dtype, use_bias: bool):
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
-
-
 class EagleHead(nn.Module):
     """(embedding [B,T,D], feature [B,T,D]) -> predicted feature [B,T,D], over a 1-layer cache."""
 
     config: EagleConfig
     layer: ModelConfig  # `layer_config(target)`
+    # beside a target in the CPU decode layout: few-row products by `specjax.rows_matmul`
+    rows_kernel: bool = False
 
     def setup(self):
         c, lc = self.config, self.layer
         dt = jnp.dtype(lc.dtype)
         d = lc.hidden_size
-        self.fc = _dense(d, "fc", dt, use_bias=c.version == 1)
-        self.self_attn = Attention(lc)
-        self.mlp = MLP(lc)
+        self.fc = dense_layer(d, "fc", dt, use_bias=c.version == 1,
+                                rows_kernel=self.rows_kernel)
+        self.self_attn = Attention(lc, self.rows_kernel)
+        self.mlp = MLP(lc, self.rows_kernel)
         self.post_attention_layernorm = RMSNorm(lc.rms_norm_eps, dt)
         if c.version == 3:
             self.input_layernorm = RMSNorm(lc.rms_norm_eps, dt)
             self.hidden_norm = RMSNorm(lc.rms_norm_eps, dt)
             self.norm = RMSNorm(lc.rms_norm_eps, dt)
-            self.lm_head = nn.Dense(c.draft_vocab_size, use_bias=False, dtype=dt,
-                                    param_dtype=jnp.float32,
-                                    kernel_init=nn.initializers.normal(0.02))
+            self.lm_head = dense_layer(c.draft_vocab_size, "lm_head", dt,
+                                         rows_kernel=self.rows_kernel)
             if c.norm_before_fc:
                 self.input_norm = RMSNorm(lc.rms_norm_eps, dt)
             if c.fc_norm:
@@ -236,8 +242,11 @@ def layer_params(params):
     return {k: v for k, v in params.items() if k != OWN_EMBEDDING}
 
 
-def fuse_features(config: EagleConfig, target_config: ModelConfig, params, feats):
-    return EagleHead(config, layer_config(target_config)).apply(
+def fuse_features(config: EagleConfig, target_config: ModelConfig, params, feats, *,
+                  rows_kernel: bool = False):
+    """Target features [B, T, D or 3D] -> head features [B, T, D] (`EagleHead.fuse`);
+    `rows_kernel` as `EagleHead`'s."""
+    return EagleHead(config, layer_config(target_config), rows_kernel).apply(
         {"params": layer_params(params)}, feats, method=EagleHead.fuse)
 
 
@@ -259,8 +268,9 @@ def _run_head(config: EagleConfig, target_config: ModelConfig, params, target_pa
     emb = embed_tokens(target_config, params, target_params, tokens)
     lc = layer_config(target_config)
     ctx = step_context(lc, positions, q_lens, mask, cache, **context)
-    return EagleHead(config, lc).apply({"params": layer_params(params)}, emb, features, ctx,
-                                       None if cache is None else cache.kv)
+    head = EagleHead(config, lc, is_decode_layout(target_params))
+    return head.apply({"params": layer_params(params)}, emb, features, ctx,
+                      None if cache is None else cache.kv)
 
 
 def eagle_step(config: EagleConfig, target_config: ModelConfig, params, target_params,
@@ -298,9 +308,10 @@ def eagle_logits(config: EagleConfig, target_config: ModelConfig, params, target
     """Head output [..., D] -> float32 logits: [..., V] through the target's lm_head (v1)
     or [..., Vd] over the draft vocabulary (v3)."""
     if config.version == 1:
-        return module_for(target_config).apply({"params": target_params}, out,
-                                               method=Transformer.logits)
-    return EagleHead(config, layer_config(target_config)).apply(
+        return module_for(target_config, target_params).apply(
+            {"params": target_params}, out, method=Transformer.logits)
+    return EagleHead(config, layer_config(target_config),
+                     is_decode_layout(target_params)).apply(
         {"params": layer_params(params)}, out, method=EagleHead.draft_logits)
 
 

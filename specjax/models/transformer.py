@@ -119,7 +119,8 @@ class RMSNorm(nn.Module):
         return (w * xf.astype(x.dtype).astype(jnp.float32)).astype(self.dtype)
 
 
-def _dense(features: int, name: str, dtype, use_bias: bool = False, rows_kernel: bool = False):
+def dense_layer(features: int, name: str, dtype, use_bias: bool = False,
+                rows_kernel: bool = False):
     """A dense layer; `rows_kernel` (the unrolled decode layout): few-row float32 products
     through `specjax.rows_matmul` on XLA:CPU."""
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
@@ -129,7 +130,7 @@ def _dense(features: int, name: str, dtype, use_bias: bool = False, rows_kernel:
 
 class Attention(nn.Module):
     config: ModelConfig
-    rows_kernel: bool = False  # `_dense`
+    rows_kernel: bool = False  # `dense_layer`
 
     @nn.compact
     def __call__(self, x, ctx: StepContext, kv, layer):
@@ -140,13 +141,13 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if FUSED_QKV in self.variables.get("params", {}):  # the CPU decode layout
-            q, k, v = jnp.split(_dense(nq + 2 * nk, FUSED_QKV, dt, c.qkv_bias,
-                                       self.rows_kernel)(x),
+            q, k, v = jnp.split(dense_layer(nq + 2 * nk, FUSED_QKV, dt, c.qkv_bias,
+                                            self.rows_kernel)(x),
                                 [nq, nq + nk], axis=-1)
         else:
-            q = _dense(nq, "q_proj", dt, c.qkv_bias)(x)
-            k = _dense(nk, "k_proj", dt, c.qkv_bias)(x)
-            v = _dense(nk, "v_proj", dt, c.qkv_bias)(x)
+            dense = functools.partial(dense_layer, dtype=dt, use_bias=c.qkv_bias,
+                                      rows_kernel=self.rows_kernel)
+            q, k, v = dense(nq, "q_proj")(x), dense(nk, "k_proj")(x), dense(nk, "v_proj")(x)
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -173,18 +174,19 @@ class Attention(nn.Module):
                 mask=ctx.mask, **layer_kv(kv, layer), **opts)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
         # k, v as computed: a later write quantizes them as the in-layer one would
-        return _dense(c.hidden_size, "o_proj", dt, rows_kernel=self.rows_kernel)(out), kv, (k, v)
+        out = dense_layer(c.hidden_size, "o_proj", dt, rows_kernel=self.rows_kernel)(out)
+        return out, kv, (k, v)
 
 
 class MLP(nn.Module):
     config: ModelConfig
-    rows_kernel: bool = False  # `_dense`
+    rows_kernel: bool = False  # `dense_layer`
 
     @nn.compact
     def __call__(self, x):
         c = self.config
         dt = jnp.dtype(c.dtype)
-        dense = functools.partial(_dense, dtype=dt, rows_kernel=self.rows_kernel)
+        dense = functools.partial(dense_layer, dtype=dt, rows_kernel=self.rows_kernel)
         gate = dense(c.intermediate_size, "gate_proj")(x)
         up = dense(c.intermediate_size, "up_proj")(x)
         return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
@@ -196,7 +198,7 @@ class DecoderLayer(nn.Module):
     [B, T, K, H]."""
 
     config: ModelConfig
-    rows_kernel: bool = False  # `_dense`
+    rows_kernel: bool = False  # `dense_layer`
 
     @nn.compact
     def __call__(self, carry, ctx: StepContext, tap_slots):
@@ -362,9 +364,16 @@ def _module(config: ModelConfig, scan_layers: bool) -> Transformer:
     return Transformer(config, scan_layers=scan_layers)
 
 
+def is_decode_layout(params: Any) -> bool:
+    """Whether `params` hold the unrolled CPU decode layout (`layers_0`, ...; built by
+    `specjax.model.decode_params` off a mesh only), whose few-row matmuls run
+    `specjax.rows_matmul`'s kernel."""
+    return params is not None and "layers_0" in params
+
+
 def module_for(config: ModelConfig, params: Any = None) -> Transformer:
     """The module for `config`, in the layer layout of `params` (stacked by default)."""
-    return _module(config, params is None or "layers_0" not in params)
+    return _module(config, not is_decode_layout(params))
 
 
 def param_shapes(config: ModelConfig) -> Any:

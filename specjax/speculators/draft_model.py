@@ -37,7 +37,7 @@ from specjax import rng, rows_matmul, sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.model import Model, decode_params, module_for, step
-from specjax.models.transformer import Transformer
+from specjax.models.transformer import Transformer, is_decode_layout
 from specjax.sharding.rules import cache_for_rows
 from specjax.speculators import queue as queue_lib
 from specjax.speculators.base import (
@@ -235,10 +235,10 @@ class DraftModel(Speculator):
         """Final-normed draft hidden [..., D] -> float32 logits [..., Vd] over the kept ids
         (all V of them when the head is not trimmed)."""
         if self.vocab_head is None:
-            return module_for(self.config).apply({"params": self.params}, h,
-                                                 method=Transformer.logits)
+            module = module_for(self.config, self.params)
+            return module.apply({"params": self.params}, h, method=Transformer.logits)
         head = self.vocab_head.astype(h.dtype)
-        if "layers_0" in self.params:  # the CPU decode layout: few rows by the kernel
+        if is_decode_layout(self.params):  # few rows by the kernel
             with jax.named_scope("lm_head"):
                 return rows_matmul.matmul(h, head, preferred_element_type=jnp.float32)
         return jnp.einsum("...D,DV->...V", h, head, preferred_element_type=jnp.float32)

@@ -47,6 +47,7 @@ from specjax.heads.eagle import (
 )
 from specjax.heads.loading import resolve_heads
 from specjax.model import Model
+from specjax.models.transformer import is_decode_layout
 from specjax.sharding.rules import cache_for_rows
 from specjax.speculators import queue as queue_lib
 from specjax.speculators.base import (
@@ -210,7 +211,8 @@ class Eagle(Speculator):
         feats = target_features(self.config, hidden, self._layer_index)
         if self.config.version == 1:
             return feats
-        return fuse_features(self.config, self.target_config, self.params, feats)
+        return fuse_features(self.config, self.target_config, self.params, feats,
+                             rows_kernel=is_decode_layout(target_params))
 
     def _step(self, target_params, cache, tokens, feats, positions, **kw):
         return eagle_step(self.config, self.target_config, self.params, target_params, cache,
