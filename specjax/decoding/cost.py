@@ -214,25 +214,25 @@ class VerifyCost:
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost --far 1024` measured on
 # SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batches 1,4,16`), compiled as
-# generate compiles (its matmuls of up to 16 rows by `specjax.rows_matmul`), after 128 and
+# generate compiles (its matmuls of up to 32 rows by `specjax.rows_matmul`), after 128 and
 # 1,024 cached tokens (tables of 272 and 1,168 tokens, what the reference attention reads);
 # branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not
 # measured yet; set to the memory-bound regime the Pallas kernels aim for.
 VERIFY_COST = {"cpu": VerifyCost.from_table(
-                   {1: 1.0, 2: 1.16, 3: 1.27, 5: 1.42, 9: 1.72, 17: 2.75, 33: 3.69, 65: 4.92,
-                    129: 8.86},
+                   {1: 1.0, 2: 1.03, 3: 1.14, 5: 1.17, 9: 1.35, 17: 1.87, 33: 3.47, 65: 4.62,
+                    129: 8.17},
                    branch=0.08,
-                   by_rows={4: {1: 1.0, 2: 1.16, 3: 1.21, 5: 1.68, 9: 2.67, 17: 2.77,
-                                33: 4.27, 65: 7.29, 129: 15.25},
-                            16: {1: 1.0, 2: 1.58, 3: 1.47, 5: 1.71, 9: 2.14, 17: 3.41,
-                                 33: 6.05, 65: 10.65, 129: 24.09}},
+                   by_rows={4: {1: 1.0, 2: 1.07, 3: 1.20, 5: 1.48, 9: 2.39, 17: 3.03,
+                                33: 4.38, 65: 7.89, 129: 16.40},
+                            16: {1: 1.0, 2: 1.23, 3: 1.54, 5: 1.77, 9: 2.31, 17: 3.67,
+                                 33: 6.07, 65: 11.50, 129: 24.69}},
                    contexts=(272, 1168),
-                   far={1: {1: 2.0, 2: 2.15, 3: 2.29, 5: 2.51, 9: 2.97, 17: 4.42, 33: 5.51,
-                            65: 8.62, 129: 12.93},
-                        4: {1: 2.52, 2: 2.77, 3: 2.92, 5: 3.7, 9: 4.18, 17: 5.57, 33: 7.23,
-                            65: 13.68, 129: 23.34},
-                        16: {1: 3.79, 2: 3.95, 3: 5.05, 5: 4.5, 9: 5.36, 17: 7.86,
-                             33: 10.69, 65: 24.69, 129: 39.64}}),
+                   far={1: {1: 1.89, 2: 1.99, 3: 2.05, 5: 2.19, 9: 2.48, 17: 3.28, 33: 5.15,
+                            65: 7.89, 129: 12.23},
+                        4: {1: 2.69, 2: 2.88, 3: 3.12, 5: 3.36, 9: 4.62, 17: 5.75, 33: 7.78,
+                            65: 14.83, 129: 25.13},
+                        16: {1: 3.45, 2: 3.83, 3: 4.15, 5: 5.15, 9: 5.59, 17: 8.09,
+                             33: 11.12, 65: 22.24, 129: 36.57}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 
