@@ -6,13 +6,14 @@
 // reads the same weights, and no XLA:CPU backend (Eigen, YNNPACK, oneDNN) streams a
 // weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
 // weight row is read from memory once for all T rows: 32 rows at a time (32 sequential
-// streams), and for each block of 32 columns the output rows, up to 8 at a time, stay
-// in vector registers across those 32. The first group of rows prefetches the next
-// column block of the same weight rows: without it the hardware prefetcher alone does
-// not keep 32 streams ahead of 2-8 rows' arithmetic, and a few rows cost 1.4x one
-// (with it, 1.1x; docs/benchmarks.md). Each output element sums x[t, i] * w[i, c] in
-// the order of i whatever T is, so a row's result does not depend on how many rows
-// share the call. The columns are split across XLA's intra-op threads.
+// streams), and for each block of 32 columns (64 for one row) the output rows, up to 8
+// at a time, stay in vector registers across those 32. With more than one row, the
+// first group of rows prefetches the next column block of the same weight rows: without
+// it the hardware prefetcher alone does not keep 32 streams ahead of 2-8 rows'
+// arithmetic, and 5 rows cost 1.5x one (with it, 1.2x; docs/benchmarks.md). Each output
+// element sums x[t, i] * w[i, c] in the order of i whatever T is, so a row's result
+// does not depend on how many rows share the call. The columns are split across XLA's
+// intra-op threads.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -31,8 +32,10 @@ constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
 constexpr int64_t kColumnBlock = 64;  // columns of them the blocks of rows work through
-constexpr int kVecs = 2;  // vectors of columns per register block (2 x 8 accumulators)
-constexpr int64_t kWidth = kVecs * kLanes;  // its columns
+// Vectors of columns per register block: one row (a decode step, memory-bound) takes 4,
+// more rows 2 (up to 8 x 2 accumulators).
+template <int T>
+constexpr int vecs() { return T == 1 ? 4 : 2; }
 
 inline vf load(const float* p) {
   vf v;
@@ -41,12 +44,14 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// y[T rows, columns [c, c + kWidth)] += x[T rows, i0..i1] @ w[i0..i1, those columns]:
-// the T output rows held in registers across the weight rows. kPrefetch: also fetch the
-// same columns of the next column block of these weight rows.
+// y[T rows, columns [c, c + vecs<T>() * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
+// columns]: the T output rows held in registers across the weight rows. kPrefetch (and
+// more than one row): also fetch the same columns of the next column block of these
+// weight rows.
 template <int T, bool kPrefetch>
 void block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t i0,
            int64_t i1, int64_t c) {
+  constexpr int kVecs = vecs<T>();
   vf acc[T][kVecs];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
@@ -54,7 +59,7 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
     const float* wr = w + i * out + c;
     vf wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
-    if (kPrefetch)
+    if (kPrefetch && T > 1)
       for (int v = 0; v < kVecs; ++v) __builtin_prefetch(wr + kColumnBlock + v * kLanes);
     for (int t = 0; t < T; ++t) {
       const float xs = x[t * in + i];
@@ -88,7 +93,8 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
     for (int64_t c = c0; c < cv; c += kColumnBlock) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        for (int64_t cc = c; cc < c + kColumnBlock; cc += kWidth)
+        const int64_t width = (n == 1 ? vecs<1>() : vecs<2>()) * kLanes;
+        for (int64_t cc = c; cc < c + kColumnBlock; cc += width)
           kBlocks[r == 0][n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
       }
     }
