@@ -5,7 +5,8 @@ forward by a few. XLA:CPU's GEMM of 2-5 rows costs 1.25-1.5x its one-row GEMV al
 both read the same weights, and that, more than anything, makes a verify dear on CPU
 (docs/benchmarks.md). `specjax/csrc/rows_matmul.cc` streams each weight row once for
 all rows (up to `MAX_ROWS`); the CPU decode layout's dense layers and LM head call it
-through `matmul` / `dot_general` (`specjax.models.transformer`).
+through `matmul` / `dot_general` (`specjax.models.transformer`), and so do a draft
+model's trimmed head and an EAGLE head beside a target in that layout.
 
 The kernel is built on first use with the system C++ compiler (`$CXX`, else `c++`;
 `-O3 -march=native`, jaxlib's FFI headers), about 3 s, into jax's persistent

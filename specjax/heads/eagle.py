@@ -147,7 +147,7 @@ class EagleHead(nn.Module):
         dt = jnp.dtype(lc.dtype)
         d = lc.hidden_size
         self.fc = dense_layer(d, "fc", dt, use_bias=c.version == 1,
-                                rows_kernel=self.rows_kernel)
+                              rows_kernel=self.rows_kernel)
         self.self_attn = Attention(lc, self.rows_kernel)
         self.mlp = MLP(lc, self.rows_kernel)
         self.post_attention_layernorm = RMSNorm(lc.rms_norm_eps, dt)
@@ -156,7 +156,7 @@ class EagleHead(nn.Module):
             self.hidden_norm = RMSNorm(lc.rms_norm_eps, dt)
             self.norm = RMSNorm(lc.rms_norm_eps, dt)
             self.lm_head = dense_layer(c.draft_vocab_size, "lm_head", dt,
-                                         rows_kernel=self.rows_kernel)
+                                       rows_kernel=self.rows_kernel)
             if c.norm_before_fc:
                 self.input_norm = RMSNorm(lc.rms_norm_eps, dt)
             if c.fc_norm:
