@@ -59,6 +59,8 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
     const float* wr = w + i * out + c;
     vf wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
+    // past the last column block this names memory beyond the row (or the matrix): a
+    // prefetch never faults, so it needs no bound
     if (kPrefetch && T > 1)
       for (int v = 0; v < kVecs; ++v) __builtin_prefetch(wr + kColumnBlock + v * kLanes);
     for (int t = 0; t < T; ++t) {
