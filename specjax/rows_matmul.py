@@ -37,8 +37,8 @@ import numpy as np
 ENV = "SPECJAX_CPU_MATMUL"  # "off" (or 0, false, none): XLA's matmul everywhere
 TARGET = "specjax_rows_matmul"
 SOURCE = Path(__file__).parent / "csrc" / "rows_matmul.cc"
-# Rows per call the kernel takes; above this XLA's GEMM is about as fast (33 rows 0.93x
-# its time, 49 even, `python -m specjax.bench.matmul_rows`).
+# Rows per call the kernel takes; above this XLA's GEMM is about as fast (`python -m
+# specjax.bench.matmul_rows --kernel-max-rows 64 --rows 1,17,25,33,49`, docs/benchmarks.md).
 MAX_ROWS = 32
 _OFF = frozenset({"off", "0", "false", "none"})
 _lock = threading.Lock()
@@ -118,12 +118,12 @@ def available() -> bool:
         return _state["ok"]
 
 
-def applies(x: jax.Array, w: jax.Array) -> bool:
-    """x [..., I] @ w [I, O] goes to the kernel: float32 both, at most `MAX_ROWS` rows,
+def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS) -> bool:
+    """x [..., I] @ w [I, O] goes to the kernel: float32 both, at most `max_rows` rows,
     on the CPU backend, with the kernel available."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
-            and x.shape[-1] == w.shape[0] and 1 <= rows <= MAX_ROWS
+            and x.shape[-1] == w.shape[0] and 1 <= rows <= max_rows
             and jax.default_backend() == "cpu" and available())
 
 
@@ -143,10 +143,12 @@ def _rows(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., I] @ [I, O] by the 
     return _kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
 
 
-def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
+           max_rows: int = MAX_ROWS) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O]: the kernel where it `applies` (float32 in and
-    out), else XLA's."""
-    if not applies(x, w):
+    out), else XLA's. `max_rows` above `MAX_ROWS` is for measuring where it stops paying
+    (`specjax.bench.matmul_rows --kernel-max-rows`)."""
+    if not applies(x, w, max_rows):
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     return _rows(x, w)
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import rows_matmul
 from specjax.bench import matmul_rows
 
 
@@ -68,7 +69,22 @@ def test_main_prints_every_form_and_row(capsys):
     assert "| 2 |" in out and "GB/s" in out
 
 
+def test_kernel_max_rows_moves_where_the_kernel_stops():
+    """`--kernel-max-rows` (how `rows_matmul.MAX_ROWS` was chosen): above the default the
+    kernel form runs XLA's GEMM; with the limit raised, the kernel, same values."""
+    weights = matmul_rows.mlp_weights(hidden=8, intermediate=16, layers=1, seed=3)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(
+        (rows_matmul.MAX_ROWS + 1, 8), np.float32))
+    default = matmul_rows.compiled("rows kernel", x, weights)
+    raised = matmul_rows.compiled("rows kernel", x, weights,
+                                  kernel_max_rows=rows_matmul.MAX_ROWS + 1)
+    assert rows_matmul.TARGET not in default.as_text()
+    assert rows_matmul.TARGET in raised.as_text()
+    np.testing.assert_allclose(raised(x, weights), default(x, weights), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("argv, name", [(["--rows", "0,2"], "--rows"),
+                                        (["--kernel-max-rows", "0"], "--kernel-max-rows"),
                                         (["--layers", "0"], "--layers"),
                                         (["--attention", "--kv-width", "0"], "--kv-width")])
 def test_bad_arguments_name_the_flag(argv, name, capsys):

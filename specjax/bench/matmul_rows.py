@@ -7,7 +7,8 @@ This script times the target's MLP (gate, up, down for every layer, random weigh
 its shapes, each layer's matrices their own arrays as in the CPU decode layout) at T
 rows, side by side: one GEMM per matrix as XLA compiles it, the same without XLA:CPU's
 YNNPACK fusions, T one-row GEMVs per matrix, and specjax's few-row kernel
-(`specjax.rows_matmul`, what the CPU decode layout runs; XLA's GEMM above its 16 rows);
+(`specjax.rows_matmul`, what the CPU decode layout runs; XLA's GEMM above its
+`MAX_ROWS`, or above `--kernel-max-rows`, which finds where the kernel stops paying);
 interleaved rounds in a seeded order, each program timed right after an untimed run of
 itself, medians. Other XLA:CPU backends are tried by setting `XLA_FLAGS` for the whole
 run.
@@ -20,11 +21,13 @@ holds them).
 
   python -m specjax.bench.matmul_rows [--hidden 576] [--intermediate 1536] [--layers 30]
       [--rows 1,2,3,5,9,17] [--repeats 15] [--attention [--kv-width 192]]
+      [--kernel-max-rows 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Callable
 
 import jax
@@ -99,11 +102,11 @@ def mlp_stack(matmul: Callable) -> Callable:
     return run
 
 
-def compiled(form: str, x, weights):
+def compiled(form: str, x, weights, kernel_max_rows: int = rows_matmul.MAX_ROWS):
     """`form`'s program for x's row count, compiled (an attention form takes the
-    weights `form_weights` gives it)."""
-    fn = mlp_stack({"per-row GEMVs": _per_row, "rows kernel": rows_matmul.matmul}.get(
-        form, _gemm))
+    weights `form_weights` gives it; the kernel runs up to `kernel_max_rows` rows)."""
+    kernel = functools.partial(rows_matmul.matmul, max_rows=kernel_max_rows)
+    fn = mlp_stack({"per-row GEMVs": _per_row, "rows kernel": kernel}.get(form, _gemm))
     lowered = jax.jit(fn).lower(x, weights)
     return lowered.compile(compiler_options=NO_YNN if "no YNNPACK" in form else None)
 
@@ -117,7 +120,8 @@ def form_weights(form: str, weights: list[dict]) -> list[dict]:
 
 
 def measure(weights: list[dict], rows: tuple[int, ...], repeats: int, seed: int = 0,
-            forms: tuple[str, ...] = FORMS) -> dict[tuple[str, int], float]:
+            forms: tuple[str, ...] = FORMS,
+            kernel_max_rows: int = rows_matmul.MAX_ROWS) -> dict[tuple[str, int], float]:
     """Median seconds of each (form, T), over `repeats` interleaved rounds."""
     rng = np.random.default_rng(seed)
     hidden = weights[0]["gate"].shape[0]
@@ -126,7 +130,7 @@ def measure(weights: list[dict], rows: tuple[int, ...], repeats: int, seed: int 
     for t in rows:
         x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
         for form in forms:
-            fn = compiled(form, x, per_form[form])
+            fn = compiled(form, x, per_form[form], kernel_max_rows)
             fn(x, per_form[form]).block_until_ready()
             programs[form, t] = (fn, (x, per_form[form]))
     return interleaved_medians(programs, repeats)
@@ -161,9 +165,12 @@ def main(argv=None) -> int:
                          "and fused")
     ap.add_argument("--kv-width", type=int, default=192,
                     help="k and v projections' width with --attention (SmolLM2-135M: 192)")
+    ap.add_argument("--kernel-max-rows", type=int, default=rows_matmul.MAX_ROWS,
+                    help="the rows kernel form runs the kernel up to this many rows "
+                         f"(default: its MAX_ROWS, {rows_matmul.MAX_ROWS})")
     args = ap.parse_args(argv)
     rows = ints(args.rows, "--rows", ap)
-    for flag in ("hidden", "intermediate", "layers", "repeats", "kv_width"):
+    for flag in ("hidden", "intermediate", "layers", "repeats", "kv_width", "kernel_max_rows"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     forms = ATTENTION_FORMS if args.attention else FORMS
@@ -171,7 +178,8 @@ def main(argv=None) -> int:
         forms = tuple(f for f in forms if f != "rows kernel")  # it warned why
     weights = mlp_weights(args.hidden, args.intermediate, args.layers,
                           kv_width=args.kv_width if args.attention else None)
-    seconds = measure(weights, rows, args.repeats, forms=forms)
+    seconds = measure(weights, rows, args.repeats, forms=forms,
+                      kernel_max_rows=args.kernel_max_rows)
     nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(weights))
     print(markdown(seconds, rows, nbytes, forms))
     return 0

@@ -32,10 +32,9 @@ constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
 constexpr int64_t kColumnBlock = 64;  // columns of them the blocks of rows work through
-// Vectors of columns per register block: one row (a decode step, memory-bound) takes 4,
-// more rows 2 (up to 8 x 2 accumulators).
-template <int T>
-constexpr int vecs() { return T == 1 ? 4 : 2; }
+// Vectors of columns per register block of `rows` rows: one row (a decode step,
+// memory-bound) takes 4, more rows 2 (up to 8 x 2 accumulators).
+constexpr int vecs(int64_t rows) { return rows == 1 ? 4 : 2; }
 
 inline vf load(const float* p) {
   vf v;
@@ -44,14 +43,14 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// y[T rows, columns [c, c + vecs<T>() * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
+// y[T rows, columns [c, c + vecs(T) * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
 // columns]: the T output rows held in registers across the weight rows. kPrefetch (and
 // more than one row): also fetch the same columns of the next column block of these
 // weight rows.
 template <int T, bool kPrefetch>
 void block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t i0,
            int64_t i1, int64_t c) {
-  constexpr int kVecs = vecs<T>();
+  constexpr int kVecs = vecs(T);
   vf acc[T][kVecs];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
@@ -95,8 +94,7 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
     for (int64_t c = c0; c < cv; c += kColumnBlock) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        const int64_t width = (n == 1 ? vecs<1>() : vecs<2>()) * kLanes;
-        for (int64_t cc = c; cc < c + kColumnBlock; cc += width)
+        for (int64_t cc = c; cc < c + kColumnBlock; cc += vecs(n) * kLanes)
           kBlocks[r == 0][n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
       }
     }
