@@ -1,12 +1,13 @@
 """Few-row float32 matmuls on XLA:CPU through a small C++ kernel (an XLA FFI handler).
 
 A decode step multiplies each weight matrix by one row per sequence and a verify
-forward by a few. XLA:CPU's GEMM of 2-5 rows costs 1.25-1.5x its one-row GEMV although
-both read the same weights, and that, more than anything, makes a verify dear on CPU
-(docs/benchmarks.md). `specjax/csrc/rows_matmul.cc` streams each weight row once for
-all rows (up to `MAX_ROWS`); the CPU decode layout's dense layers and LM head call it
-through `matmul` / `dot_general` (`specjax.models.transformer`), and so do a draft
-model's trimmed head and an EAGLE head beside a target in that layout.
+forward by a few. XLA:CPU's GEMM of a few rows costs far more than its one-row GEMV
+although both read the same weights, and that, more than anything, makes a verify dear
+on CPU (`python -m specjax.bench.matmul_rows`; figures in docs/benchmarks.md).
+`specjax/csrc/rows_matmul.cc` streams each weight row once for all rows (up to
+`MAX_ROWS`); the CPU decode layout's dense layers and LM head call it through `matmul` /
+`dot_general` (`specjax.models.transformer`), and so do a draft model's trimmed head and
+an EAGLE head beside a target in that layout.
 
 The kernel is built on first use with the system C++ compiler (`$CXX`, else `c++`;
 `-O3 -march=native`, jaxlib's FFI headers), about 3 s, into jax's persistent
