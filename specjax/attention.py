@@ -33,7 +33,7 @@ from typing import Callable
 
 import jax
 
-from specjax import kv_quant
+from specjax import cpu_attention, kv_quant
 from specjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from specjax.pallas_kernels.ragged_paged_attention.blockwise import (
     blockwise_ragged_paged_attention,
@@ -45,7 +45,16 @@ from specjax.pallas_kernels.ragged_paged_attention.reference import (
     reference_attention_with_new,
     reference_ragged_paged_attention as reference_paged_attention,
 )
-from specjax.typing import NewKV, Pages, PageTable, Queries, RowLengths, Scales, TreeMask
+from specjax.typing import (
+    LayerIndex,
+    LayerPages,
+    LayerScales,
+    NewKV,
+    PageTable,
+    Queries,
+    RowLengths,
+    TreeMask,
+)
 
 __all__ = ["BACKENDS", "allowed_mask", "attend", "attend_parts", "default_backend", "kernel",
            "paged_attention", "reference_attention_with_new", "reference_paged_attention",
@@ -95,8 +104,8 @@ def _reference_for(queries: int) -> Callable:
 
 def paged_attention(
     q: Queries,
-    k_pages: Pages,
-    v_pages: Pages,
+    k_pages: LayerPages,
+    v_pages: LayerPages,
     page_table: PageTable,
     kv_lens: RowLengths,
     q_lens: RowLengths,
@@ -107,13 +116,26 @@ def paged_attention(
     sliding_window: int | None = None,
     backend: str | None = None,
     new_kv: tuple[NewKV, NewKV] | None = None,
-    k_scales: Scales | None = None,  # float32 when the pages are int8
-    v_scales: Scales | None = None,
+    k_scales: LayerScales | None = None,  # float32 when the pages are int8
+    v_scales: LayerScales | None = None,
+    layer: LayerIndex | None = None,  # given: the pages (and scales) are all layers'
 ) -> Queries:
     """Attention of T new query tokens per row against a paged KV cache (see module doc),
     on one device or within one shard; on a mesh `specjax.sharding.per_shard
-    .paged_attention` runs it once per shard."""
+    .paged_attention` runs it once per shard. With `layer`, the pages are all layers'
+    and this attends over that one (the CPU kernel reads it in place)."""
     backend = resolve_backend(backend)
+    if (backend == "reference" and q.shape[1] < BLOCKWISE_MIN_QUERIES
+            and cpu_attention.applies(q, k_pages, k_scales)):
+        if layer is None:
+            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        return cpu_attention.paged_attention(
+            q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, mask, scale=scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, new_kv=new_kv)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        if k_scales is not None:
+            k_scales, v_scales = k_scales[layer], v_scales[layer]
     if new_kv is not None:
         if backend != "reference":
             raise ValueError("new_kv (keys/values beside the pages) needs the reference "

@@ -151,12 +151,13 @@ def write_layer_kv(
 
 
 def layer_kv(kv: tuple, layer) -> dict:
-    """The attention arguments of one layer of `kv`: pages [K, P, Z, H] and, for int8
-    pages, their scales [K, P, Z]."""
+    """The attention arguments of one layer of `kv`: all layers' pages [L, K, P, Z, H]
+    (and, for int8 pages, their scales [L, K, P, Z]) with the `layer` to attend over;
+    the attention slices it, or reads it in place (`specjax.cpu_attention`)."""
     k_pages, v_pages, k_scales, v_scales = kv
-    out = dict(k_pages=k_pages[layer], v_pages=v_pages[layer])
+    out = dict(k_pages=k_pages, v_pages=v_pages, layer=layer)
     if k_scales is not None:
-        out.update(k_scales=k_scales[layer], v_scales=v_scales[layer])
+        out.update(k_scales=k_scales, v_scales=v_scales)
     return out
 
 

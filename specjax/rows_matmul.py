@@ -9,114 +9,30 @@ on CPU (`python -m specjax.bench.matmul_rows`; figures in docs/benchmarks.md).
 `dot_general` (`specjax.models.transformer`), and so do a draft model's trimmed head and
 an EAGLE head beside a target in that layout.
 
-The kernel is built on first use with the system C++ compiler (`$CXX`, else `c++`;
-`-O3 -march=native`, jaxlib's FFI headers), about 3 s, into jax's persistent
-compilation cache directory when that is on (`specjax.compile_cache`), else into a
-temporary directory for this process. Where it cannot be built, or with
-`SPECJAX_CPU_MATMUL=off`, XLA's own matmul runs instead (a warning, once).
+It is built on first use and falls back to XLA's matmul where it cannot be
+(`specjax.cpu_kernels`; `SPECJAX_CPU_MATMUL=off` turns it off).
 """
 
 from __future__ import annotations
-
-import atexit
-import ctypes
-import hashlib
-import importlib.metadata
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import cpu_kernels
+
 ENV = "SPECJAX_CPU_MATMUL"  # "off" (or 0, false, none): XLA's matmul everywhere
 TARGET = "specjax_rows_matmul"
-SOURCE = Path(__file__).parent / "csrc" / "rows_matmul.cc"
 # Rows per call the kernel takes; above this XLA's GEMM is about as fast (`python -m
 # specjax.bench.matmul_rows --kernel-max-rows 64 --rows 1,17,25,33,49`, docs/benchmarks.md).
 MAX_ROWS = 32
-_OFF = frozenset({"off", "0", "false", "none"})
-_lock = threading.Lock()
-_state: dict = {}  # "ok": bool once tried; "lib": the loaded library (kept referenced)
-
-
-def _cxx() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "c++")
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (-march=native builds for them), for the library's key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _library_dir() -> Path:
-    """jax's persistent compilation cache directory when it is on, else a temp dir."""
-    cache = jax.config.jax_compilation_cache_dir
-    if cache and jax.config.jax_enable_compilation_cache and "://" not in cache:
-        return Path(cache) / "specjax-kernels"
-    directory = tempfile.mkdtemp(prefix="specjax-kernels-")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return Path(directory)
-
-
-def _build(cxx: str) -> Path:
-    """The shared library for this source, compiler, jaxlib and CPU, built if absent."""
-    include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                             check=True).stdout
-    parts = [SOURCE.read_text(), version, importlib.metadata.version("jaxlib"), _cpu_flags(),
-             *flags]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    directory = _library_dir()
-    lib = directory / f"rows_matmul-{key}.so"
-    if lib.exists():
-        return lib
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{lib.name}.{os.getpid()}.tmp"
-    done = subprocess.run([cxx, *flags, f"-I{include}", str(SOURCE), "-o", str(tmp)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{cxx} failed on {SOURCE}:\n{done.stderr[-2000:]}")
-    os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each write whole
-    return lib
+KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "rows_matmul.cc", ENV,
+                               "few-row CPU matmul kernel", "XLA's matmul")
 
 
 def available() -> bool:
-    """Whether the kernel is registered with XLA:CPU (built and loaded on first call);
-    False with a warning, once, where it cannot be, and quietly when turned off."""
-    if os.environ.get(ENV, "").strip().lower() in _OFF:
-        return False
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"] = False
-            cxx = _cxx()
-            try:
-                if cxx is None:
-                    raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'}"
-                                       " not on PATH; set CXX)")
-                lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.specjax_rows_matmul),
-                                            platform="cpu")
-                _state.update(ok=True, lib=lib)
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                warnings.warn(f"specjax's few-row CPU matmul kernel is unavailable ({e}); "
-                              f"XLA's matmul runs instead. {ENV}=off silences this.",
-                              RuntimeWarning, stacklevel=2)
-        return _state["ok"]
+    """Whether the kernel is registered with XLA:CPU (`cpu_kernels.FfiKernel.available`)."""
+    return KERNEL.available()
 
 
 def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS) -> bool:

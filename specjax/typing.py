@@ -34,6 +34,9 @@ PageTable = Int[_A, "B M"]
 SlotIndex = Int[_A, "B T"]  # a page id or an offset in it, per row and new token
 SlotValid = Bool[_A, "B T"]
 LayerIndex = Int[_A, ""] | int  # traced in a layer scan, a Python int unrolled
+# One layer's pages or scales, or all layers' ([L, ...]) beside a LayerIndex.
+LayerPages = Shaped[_A, "*L K P Z H"]
+LayerScales = Float[_A, "*L K P Z"]
 
 # int8 quantization (specjax.kv_quant): per vector of H values, any leading axes.
 FloatVectors = Float[_A, "*lead H"]
@@ -47,6 +50,7 @@ NewKV = Float[_A, "B T K H"]  # the T new tokens' keys or values
 TreeMask = Bool[_A, "B T T"]  # [b, i, j]: new token i may see new token j
 AllowedMask = Bool[_A, "B T S"]  # [b, i, s]: query i may see key slot s
 
-__all__ = ["AllowedMask", "FloatVectors", "Int8Vectors", "LayerIndex", "NewKV", "PageTable",
+__all__ = ["AllowedMask", "FloatVectors", "Int8Vectors", "LayerIndex", "LayerPages",
+           "LayerScales", "NewKV", "PageTable",
            "Pages", "Queries", "RowKV", "RowLengths", "Scales", "SlotIndex", "SlotValid",
            "TreeMask", "VectorScales"]

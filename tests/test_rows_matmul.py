@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import rows_matmul
+from specjax import cpu_kernels, rows_matmul
 from specjax.config import tiny_llama
 from specjax.heads.eagle import (
     EagleConfig,
@@ -97,22 +97,22 @@ def test_dot_general_takes_dense_products_only():
     np.testing.assert_allclose(rows_matmul.dot_general(x, w2, other), x @ w, rtol=1e-5)
 
 
-def test_build_is_cached_per_source_and_machine(tmp_path, monkeypatch):
+def test_build_is_cached_per_source_and_machine(tmp_path):
     # the library goes to jax's persistent cache directory (on under the tests)
     assert jax.config.jax_enable_compilation_cache
-    assert rows_matmul._library_dir() == (Path(jax.config.jax_compilation_cache_dir)
-                                          / "specjax-kernels")
-    monkeypatch.setattr(rows_matmul, "_library_dir", lambda: tmp_path)
-    cxx = rows_matmul._cxx()
-    first = rows_matmul._build(cxx)
+    assert cpu_kernels.library_dir() == (Path(jax.config.jax_compilation_cache_dir)
+                                         / "specjax-kernels")
+    cxx = cpu_kernels.cxx()
+    first = cpu_kernels.build(rows_matmul.KERNEL.source, cxx, tmp_path)
     assert first.parent == tmp_path and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert rows_matmul._build(cxx) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_kernels.build(rows_matmul.KERNEL.source, cxx, tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
 
 
 def test_no_compiler_or_a_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch):
     x, w = _data((2, 16), (16, 8))
-    monkeypatch.setattr(rows_matmul, "_state", {})
+    monkeypatch.setattr(rows_matmul.KERNEL, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):
         assert not rows_matmul.available()
@@ -124,9 +124,9 @@ def test_no_compiler_or_a_failed_build_warns_once_and_falls_back(tmp_path, monke
 
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(rows_matmul, "_state", {})
+    monkeypatch.setattr(rows_matmul.KERNEL, "_state", {})
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(rows_matmul, "SOURCE", broken)
+    monkeypatch.setattr(rows_matmul.KERNEL, "source", broken)
     with pytest.warns(RuntimeWarning, match="failed on .*broken.cc"):
         assert not rows_matmul.available()
 

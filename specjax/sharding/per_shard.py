@@ -102,16 +102,21 @@ def per_shard_attention(
 def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask=None, *,
                     scale: float, soft_cap: float | None = None,
                     sliding_window: int | None = None, backend: str | None = None,
-                    mesh=None, new_kv=None, k_scales=None, v_scales=None):
+                    mesh=None, new_kv=None, k_scales=None, v_scales=None, layer=None):
     """`specjax.attention.paged_attention` on `mesh` (or the one `jax.set_mesh` made
     active): the backend once per shard, KV heads over the model axis, rows over the data
-    axis; without a mesh, that function itself."""
+    axis; without a mesh, that function itself. `layer`: the pages are all layers'."""
     mesh = active_mesh() if mesh is None else mesh
     opts = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if mesh is None:
         return attention.paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens,
                                          mask, backend=backend, new_kv=new_kv,
-                                         k_scales=k_scales, v_scales=v_scales, **opts)
+                                         k_scales=k_scales, v_scales=v_scales, layer=layer,
+                                         **opts)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        if k_scales is not None:
+            k_scales, v_scales = k_scales[layer], v_scales[layer]
     backend = attention.resolve_backend(backend)
     if new_kv is not None:
         raise ValueError("new_kv (keys/values beside the pages) needs the reference "

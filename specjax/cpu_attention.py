@@ -1,0 +1,80 @@
+"""Paged attention of a few float32 queries per row on XLA:CPU through a small C++
+kernel (an XLA FFI handler, `specjax/csrc/paged_attention.cc`).
+
+The plain-jnp form (`reference_ragged_paged_attention`) gathers every page the table
+names into a fresh copy per layer and softmaxes over all of them; the kernel reads only
+each row's used slots, straight from the stacked cache [L, K, P, Z, H] (the layer is an
+operand, not a slice), with the step's own keys/values either in the pages or beside
+them (`new_kv`). `specjax.attention.paged_attention` sends it the calls it `applies` to
+(decode steps and verify forwards, single device); prefill chunks, int8 pages, other
+dtypes and meshes keep the jnp forms. It is built on first use and falls back to those
+where it cannot be (`specjax.cpu_kernels`; `SPECJAX_CPU_ATTENTION=off` turns it off).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import cpu_kernels
+from specjax.typing import LayerIndex, NewKV, PageTable, Queries, RowLengths, TreeMask
+
+ENV = "SPECJAX_CPU_ATTENTION"
+TARGET = "specjax_paged_attention"
+HEAD_MULTIPLE = 64  # head dims the kernel takes (its value pass works 64 columns at a time)
+KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "paged_attention.cc", ENV,
+                               "CPU paged-attention kernel", "the jnp attention")
+
+
+def available() -> bool:
+    """Whether the kernel is registered with XLA:CPU (`cpu_kernels.FfiKernel.available`)."""
+    return KERNEL.available()
+
+
+def applies(q: Queries, k_pages: jax.Array, scales) -> bool:
+    """The kernel takes this call: float32 queries and pages (not int8 with `scales`),
+    head dim a multiple of 64, on the CPU backend, with the kernel available. (Which
+    calls to offer it is `specjax.attention`'s choice: decode and verify widths.)"""
+    return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and scales is None
+            and q.shape[-1] % HEAD_MULTIPLE == 0
+            and jax.default_backend() == "cpu" and available())
+
+
+def paged_attention(
+    q: Queries,
+    k_pages: jax.Array,  # [L, K, P, Z, H] float32
+    v_pages: jax.Array,
+    layer: LayerIndex,  # which of the L layers
+    page_table: PageTable,
+    kv_lens: RowLengths,
+    q_lens: RowLengths,
+    mask: TreeMask | None = None,
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    new_kv: tuple[NewKV, NewKV] | None = None,
+) -> Queries:
+    """`specjax.attention.paged_attention`'s contract (kv_lens counts the new tokens
+    whether they are in the pages or in `new_kv`), on one layer of stacked pages. Call it
+    where `applies` holds (it registers the kernel on first use)."""
+    if not available():
+        raise RuntimeError(f"specjax's CPU paged-attention kernel is unavailable ({ENV}=off "
+                           "or no C++ compiler): call it only where `applies` holds")
+    b, t = q.shape[:2]
+    start = (kv_lens - q_lens).astype(jnp.int32)
+    if new_kv is None:
+        page_lens = kv_lens.astype(jnp.int32)
+        k_new = v_new = jnp.zeros((0,), jnp.float32)
+    else:  # the pages hold the prefix only; the new tokens follow it from new_kv
+        page_lens = start
+        k_new, v_new = (x.astype(jnp.float32) for x in new_kv)
+    mask = jnp.zeros((0,), bool) if mask is None else mask.astype(bool)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    return call(q, k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(()),
+                page_table.astype(jnp.int32), page_lens, start, q_lens.astype(jnp.int32),
+                mask, k_new, v_new, scale=np.float32(scale),
+                soft_cap=np.float32(soft_cap or 0.0),
+                window=int(sliding_window or 0))

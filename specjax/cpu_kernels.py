@@ -1,0 +1,116 @@
+"""specjax's C++ kernels for XLA:CPU (XLA FFI handlers in `specjax/csrc`): building,
+caching and registering them.
+
+A kernel's source is built on first use with the system C++ compiler (`$CXX`, else
+`c++`; `-O3 -march=native`, jaxlib's FFI headers), a few seconds, into jax's persistent
+compilation cache directory when that is on (`specjax.compile_cache`), else into a
+temporary directory for this process; the library's name keys on the source, compiler,
+jaxlib and CPU. Where it cannot be built, or with its environment switch set to `off`,
+XLA's own ops run instead (a warning, once). Users: `specjax.rows_matmul`,
+`specjax.cpu_attention`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import hashlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+
+CSRC = Path(__file__).parent / "csrc"
+OFF = frozenset({"off", "0", "false", "none"})
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def cxx() -> str | None:
+    """The C++ compiler: `$CXX`, else `c++`, if on PATH."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native builds for them), for the library's key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_dir() -> Path:
+    """jax's persistent compilation cache directory when it is on, else a temp dir."""
+    cache = jax.config.jax_compilation_cache_dir
+    if cache and jax.config.jax_enable_compilation_cache and "://" not in cache:
+        return Path(cache) / "specjax-kernels"
+    directory = tempfile.mkdtemp(prefix="specjax-kernels-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return Path(directory)
+
+
+def build(source: Path, compiler: str, directory: Path | None = None) -> Path:
+    """The shared library of `source` for this compiler, jaxlib and CPU, built into
+    `directory` (default `library_dir()`) if not there yet."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    parts = [source.read_text(), version, importlib.metadata.version("jaxlib"), _cpu_flags(),
+             *FLAGS]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    directory = library_dir() if directory is None else directory
+    lib = directory / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{lib.name}.{os.getpid()}.tmp"
+    done = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source),
+                           "-o", str(tmp)], capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{compiler} failed on {source}:\n{done.stderr[-2000:]}")
+    os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each write whole
+    return lib
+
+
+class FfiKernel:
+    """One kernel: `target` is both its FFI handler's symbol in `source` and the name
+    XLA:CPU knows it by; `env` set to `off` (or 0, false, none) turns it off."""
+
+    def __init__(self, target: str, source: Path, env: str, what: str, fallback: str):
+        self.target, self.source, self.env = target, source, env
+        self.what, self.fallback = what, fallback
+        self._lock = threading.Lock()
+        self._state: dict = {}  # "ok": bool once tried; "lib": the library (kept referenced)
+
+    def available(self) -> bool:
+        """Whether the kernel is registered with XLA:CPU (built and loaded on first call);
+        False with a warning, once, where it cannot be, and quietly when turned off."""
+        if os.environ.get(self.env, "").strip().lower() in OFF:
+            return False
+        with self._lock:
+            if "ok" not in self._state:
+                self._state["ok"] = False
+                compiler = cxx()
+                try:
+                    if compiler is None:
+                        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'}"
+                                           " not on PATH; set CXX)")
+                    lib = ctypes.cdll.LoadLibrary(str(build(self.source, compiler)))
+                    jax.ffi.register_ffi_target(
+                        self.target, jax.ffi.pycapsule(getattr(lib, self.target)),
+                        platform="cpu")
+                    self._state.update(ok=True, lib=lib)
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    warnings.warn(f"specjax's {self.what} is unavailable ({e}); "
+                                  f"{self.fallback} runs instead. {self.env}=off silences "
+                                  "this.", RuntimeWarning, stacklevel=3)
+            return self._state["ok"]

@@ -1,0 +1,358 @@
+// Paged attention of a few float32 queries per row (a decode step's 1, a verify's 2-63)
+// over a block-paged KV cache, as an XLA FFI handler for the CPU backend
+// (`specjax.cpu_attention` builds and registers it).
+//
+// Why by hand: XLA:CPU runs the plain-jnp form as a gather of every page the table names
+// (all of them, used or not) into a fresh [B, S, K, H] copy per layer, a slice of the
+// layer's pages out of the stacked cache, transposes, and a softmax over the whole
+// table; at decode widths that is several times the arithmetic (docs/benchmarks.md,
+// "Where a speculative step's time goes"). Here each row reads only the slots it uses,
+// straight from the stacked pages [L, K, P, Z, H] (the layer is an operand, so nothing
+// is sliced or copied), and the step's own keys/values may come from beside the pages.
+//
+// Per (row, KV head, block of queries): slots are taken 16 at a time (one vector of
+// lanes); a block's keys are transposed to [H, 16] so each query's 16 scores are one
+// chain of H multiply-adds, the queries sharing each load. Scores go to a scratch row;
+// a second pass takes exp(score - max) and the denominator, and a third sums
+// probability x value slot by slot. Every sum runs in a fixed order of the slot's
+// absolute position (lane = slot mod 16) and of h, so a query's output depends only on
+// the slots it sees: not on how many queries share the call, nor on whether its newer
+// slots came from the pages or from beside them (a verify's token gets the bits a
+// one-token step would).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kLanes = 16;
+constexpr int kMaxGroup = 8;  // queries whose score chains share each load of keys
+constexpr int64_t kChunk = 64;  // head-dim columns a value pass holds (4 vectors)
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0, to float32 precision (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
+// a degree-7 polynomial in r, times 2^n). Below -87 it returns exp(-87) ~ 1.6e-38:
+// a probability that small is 0 beside the maximum's 1.
+inline vf exp_nonpositive(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const vf fx = x * 1.44269504088896341f;
+  const vi n = __builtin_convertvector(fx - 0.5f, vi);  // round to nearest (fx <= 0)
+  const vf nf = __builtin_convertvector(n, vf);
+  vf r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  vf p = splat(1.9875691500E-4f);
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float hsum(vf v) {  // lanes 0..15 in order
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+struct Shapes {
+  int64_t B, T, N, H, L, K, P, Z, M, G;
+  bool has_mask, has_new;
+};
+
+struct Args {
+  Shapes s;
+  const float* q;       // [B, T, N, H]
+  const float* kp;      // [L, K, P, Z, H]
+  const float* vp;
+  int64_t layer;
+  const int32_t* table;  // [B, M]
+  const int32_t* page_lens;  // [B] slots read from the pages
+  const int32_t* new_start;  // [B] absolute slot of the first new token
+  const int32_t* q_lens;     // [B]
+  const bool* mask;          // [B, T, T] or none
+  const float* kn;           // [B, T, K, H] or none: new tokens' keys at slots
+  const float* vn;           // page_lens + j
+  float scale, soft_cap;
+  int64_t window;  // 0: none
+  float* out;      // [B, T, N, H]
+};
+
+// Where slot s of row b, KV head h lives: its page in the table or, past the pages'
+// slots, the new keys/values beside them.
+inline const float* slot_row(const Args& a, const float* pages, const float* fresh,
+                             int64_t b, int64_t kh, int64_t s, int64_t page_len) {
+  const Shapes& d = a.s;
+  if (s < page_len) {
+    int64_t page = a.table[b * d.M + s / d.Z];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), d.P - 1);  // as jnp's gather clamps
+    return pages + (((a.layer * d.K + kh) * d.P + page) * d.Z + s % d.Z) * d.H;
+  }
+  return fresh + ((b * d.T + (s - page_len)) * d.K + kh) * d.H;
+}
+
+// Whether query t of row b sees absolute slot s (the module contract of
+// specjax.attention): the prefix before new_start, and among the q_len new tokens
+// those the mask (else causality) allows; a sliding window bounds both.
+inline bool sees(const Args& a, int64_t b, int64_t t, int64_t s, int64_t start,
+                 int64_t q_len) {
+  const int64_t rel = s - start;
+  if (rel >= q_len) return false;
+  if (a.window > 0 && start + t - s >= a.window) return false;
+  if (rel < 0) return true;
+  if (!a.s.has_mask) return rel <= t;
+  return a.mask[(b * a.s.T + t) * a.s.T + rel];
+}
+
+// scores[r][s0 .. s0 + 16) for queries qs[0..R) against the transposed keys kt [H, 16].
+template <int R>
+void score_block(const float* const* qs, const float* kt, int64_t H, vf* acc) {
+  vf c[R];
+  for (int r = 0; r < R; ++r) c[r] = vf{};
+  for (int64_t h = 0; h < H; ++h) {
+    const vf k = load(kt + h * kLanes);
+    for (int r = 0; r < R; ++r) c[r] += qs[r][h] * k;
+  }
+  for (int r = 0; r < R; ++r) acc[r] = c[r];
+}
+
+typedef void (*ScoreFn)(const float* const*, const float*, int64_t, vf*);
+constexpr ScoreFn kScore[kMaxGroup] = {score_block<1>, score_block<2>, score_block<3>,
+                                       score_block<4>, score_block<5>, score_block<6>,
+                                       score_block<7>, score_block<8>};
+
+// out[q] columns [c, c + 64) = sum_s p[q][s] v_s for R queries, slots in order.
+template <int R>
+void value_chunk(const float* const* ps, const float* const* vrows, int64_t slots,
+                 int64_t c, vf (*acc)[kChunk / kLanes]) {
+  constexpr int V = kChunk / kLanes;
+  vf o[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) o[r][v] = vf{};
+  for (int64_t s = 0; s < slots; ++s) {
+    vf x[V];
+    for (int v = 0; v < V; ++v) x[v] = load(vrows[s] + c + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float p = ps[r][s];
+      for (int v = 0; v < V; ++v) o[r][v] += p * x[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = o[r][v];
+}
+
+typedef void (*ValueFn)(const float* const*, const float* const*, int64_t, int64_t,
+                        vf (*)[kChunk / kLanes]);
+constexpr ValueFn kValue[kMaxGroup] = {value_chunk<1>, value_chunk<2>, value_chunk<3>,
+                                       value_chunk<4>, value_chunk<5>, value_chunk<6>,
+                                       value_chunk<7>, value_chunk<8>};
+
+// One work item: row b, KV head kh, queries [q0, q1) of its T * G (query q is token
+// q / G, head kh * G + q % G).
+void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
+  const Shapes& d = a.s;
+  const int64_t H = d.H, G = d.G;
+  const int64_t q_len = std::min<int64_t>(std::max<int32_t>(a.q_lens[b], 0), d.T);
+  const int64_t page_len =
+      std::min<int64_t>(std::max<int32_t>(a.page_lens[b], 0), d.M * d.Z);
+  const int64_t start = a.new_start[b];
+  const int64_t slots = page_len + (d.has_new ? q_len : 0);
+  const int64_t padded = (slots + kLanes - 1) / kLanes * kLanes;
+  const int64_t nq = q1 - q0;
+
+  thread_local std::vector<float> scratch, kt;
+  thread_local std::vector<const float*> vrows;
+  scratch.resize(nq * padded);
+  kt.resize(H * kLanes);
+  vrows.resize(slots);
+  const float* qrow[kMaxGroup];
+  const auto query = [&](int64_t q) {
+    return a.q + ((b * d.T + q / G) * d.N + kh * G + q % G) * H;
+  };
+
+  // Pass 1: scores (masked to -inf) and each query's maximum.
+  std::vector<float> maxima(nq, -INFINITY);
+  for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t s = s0 + i;
+      if (s < slots) {
+        const float* k = slot_row(a, a.kp, a.kn, b, kh, s, page_len);
+        for (int64_t h = 0; h < H; ++h) kt[h * kLanes + i] = k[h];
+      } else {
+        for (int64_t h = 0; h < H; ++h) kt[h * kLanes + i] = 0.0f;
+      }
+    }
+    // slots every query sees: the prefix, inside any window
+    const bool all_seen = s0 + kLanes <= std::min(start, slots) && a.window == 0;
+    for (int64_t g0 = 0; g0 < nq; g0 += kMaxGroup) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxGroup, nq - g0));
+      for (int r = 0; r < n; ++r) qrow[r] = query(q0 + g0 + r);
+      vf sc[kMaxGroup];
+      kScore[n - 1](qrow, kt.data(), H, sc);
+      for (int r = 0; r < n; ++r) {
+        vf x = sc[r] * a.scale;
+        if (a.soft_cap > 0.0f)
+          for (int i = 0; i < kLanes; ++i) x[i] = a.soft_cap * std::tanh(x[i] / a.soft_cap);
+        if (!all_seen) {
+          const int64_t t = (q0 + g0 + r) / G;
+          for (int i = 0; i < kLanes; ++i) {
+            const int64_t s = s0 + i;
+            if (s >= slots || !sees(a, b, t, s, start, q_len)) x[i] = -INFINITY;
+          }
+        }
+        store(scratch.data() + (g0 + r) * padded + s0, x);
+        maxima[g0 + r] = std::max(maxima[g0 + r], hmax(x));
+      }
+    }
+  }
+
+  // Pass 2: probabilities in place of the scores, and each query's denominator.
+  std::vector<float> denom(nq);
+  for (int64_t r = 0; r < nq; ++r) {
+    float* row = scratch.data() + r * padded;
+    const float m = maxima[r];
+    vf sum = vf{};
+    for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
+      const vf x = load(row + s0);
+      // a query that sees nothing (m = -inf) gets probabilities 0 and outputs 0
+      const vf p = x > splat(-INFINITY) ? exp_nonpositive(x - m) : vf{};
+      store(row + s0, p);
+      sum += p;
+    }
+    const float total = hsum(sum);
+    denom[r] = total > 0.0f ? total : 1.0f;
+  }
+
+  // Pass 3: sum p v over the slots (in order), then divide.
+  for (int64_t s = 0; s < slots; ++s) vrows[s] = slot_row(a, a.vp, a.vn, b, kh, s, page_len);
+  const float* prow[kMaxGroup];
+  vf acc[kMaxGroup][kChunk / kLanes];
+  for (int64_t g0 = 0; g0 < nq; g0 += kMaxGroup) {
+    const int n = static_cast<int>(std::min<int64_t>(kMaxGroup, nq - g0));
+    for (int r = 0; r < n; ++r) prow[r] = scratch.data() + (g0 + r) * padded;
+    for (int64_t c = 0; c < H; c += kChunk) {
+      kValue[n - 1](prow, vrows.data(), slots, c, acc);
+      for (int r = 0; r < n; ++r) {
+        const int64_t q = q0 + g0 + r;
+        float* o = a.out + ((b * d.T + q / G) * d.N + kh * G + q % G) * H + c;
+        const float inv = denom[g0 + r];
+        for (int v = 0; v < kChunk / kLanes; ++v) store(o + v * kLanes, acc[r][v] / inv);
+      }
+    }
+  }
+}
+
+// Work items claimed from a shared counter by the caller and by helpers on XLA's
+// intra-op pool (as in rows_matmul.cc: the caller waits only for claimed items, so a
+// late helper finds nothing and no wait can deadlock).
+struct Work {
+  Args a;
+  int64_t per_head, chunk, items;
+  std::atomic<int64_t> next{0}, finished{0};
+
+  void drain() {
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t bk = k / per_head, c = k % per_head;
+      const int64_t q0 = c * chunk;
+      attend(a, bk / a.s.K, bk % a.s.K, q0, std::min(a.s.T * a.s.G, q0 + chunk));
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                          ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
+                          ffi::Buffer<ffi::S32> page_lens, ffi::Buffer<ffi::S32> new_start,
+                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::PRED> mask,
+                          ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                          float scale, float soft_cap, int64_t window,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), pd = k_pages.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || pd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("q must be [B, T, N, H], pages [L, K, P, Z, H], "
+                                       "the table [B, M]");
+  Shapes s{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], td[1], 0, false, false};
+  if (pd[4] != s.H || s.H % kChunk != 0 || s.K == 0 || s.N % s.K != 0 || td[0] != s.B ||
+      v_pages.element_count() != k_pages.element_count())
+    return ffi::Error::InvalidArgument("pages, queries and table disagree in shape");
+  s.G = s.N / s.K;
+  s.has_mask = mask.element_count() != 0;
+  s.has_new = k_new.element_count() != 0;
+  if ((s.has_mask && mask.element_count() != s.B * s.T * s.T) ||
+      (s.has_new && (k_new.element_count() != s.B * s.T * s.K * s.H ||
+                     v_new.element_count() != k_new.element_count())))
+    return ffi::Error::InvalidArgument("mask must be [B, T, T], new keys/values [B, T, K, H]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= s.L) return ffi::Error::InvalidArgument("layer out of range");
+
+  auto work = std::make_shared<Work>();
+  Args& a = work->a;
+  a = Args{s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), l,
+           table.typed_data(), page_lens.typed_data(), new_start.typed_data(),
+           q_lens.typed_data(), s.has_mask ? mask.typed_data() : nullptr,
+           s.has_new ? k_new.typed_data() : nullptr, s.has_new ? v_new.typed_data() : nullptr,
+           scale, soft_cap, window, out->typed_data()};
+  // Rows x KV heads, each split into blocks of queries when there are fewer of those
+  // than threads (one row's tree verify): every item reads its row's keys once more.
+  const int64_t queries = s.T * s.G, heads = s.B * s.K;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t split = 1;
+  while (heads * split < 2 * threads && queries / (split * 2) >= kMaxGroup) split *= 2;
+  work->chunk = (queries + split - 1) / split;
+  work->per_head = (queries + work->chunk - 1) / work->chunk;
+  work->items = heads * work->per_head;
+  for (int64_t k = 1; k < std::min(work->items, threads); ++k)
+    pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->finished.load(std::memory_order_acquire) < work->items) {
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_paged_attention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // new_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_lens
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_new
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
