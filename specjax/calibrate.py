@@ -23,6 +23,7 @@ import numpy as np
 from specjax import rng
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.decoding.policy import attended_tokens
 from specjax.model import Model, init_model, step
 from specjax.speculators.base import ProposeContext
 from specjax.stats import GenerationStats
@@ -123,17 +124,17 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
     (`NO_YNN`), so one run shows what that option would change. With `far`, each T is
     also timed after `far` cached tokens (generate's options), interleaved with the rest:
     `far_seconds`, and `far` = those seconds over T = 1's at `context`
-    (`VerifyCost.from_table(contexts=, far=)`). `capacity`: each context's page table in
-    tokens, what the reference backend's attention reads (`policy.attended`), so what
-    `contexts=` takes on CPU."""
+    (`VerifyCost.from_table(contexts=, far=)`). `attended`: the cached tokens each
+    context's attention reads (`policy.attended_tokens`: the context itself where the
+    CPU attention kernel runs, else the page table), so what `contexts=` takes."""
     model = init_model(config, seed=0)
     params = model.decode_params()  # the layout `generate` decodes with
     page = 16
     contexts = (context,) if far is None else (context, far)
-    fns, capacity = {}, []
+    fns, attended = {}, []
     for c in contexts:
         pages = -(-(c + max(tokens)) // page)
-        capacity.append(pages * page)
+        attended.append(int(attended_tokens(None, pages * page, [c])))
         table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
         cache = PagedKVCache.create(config, table, num_pages=batch * pages, page_size=page,
                                     lengths=jnp.full((batch,), c, jnp.int32))
@@ -152,7 +153,7 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
                 fn(*args).block_until_ready()  # first run
                 fns[variant if c == context else "far", t] = (fn, args)
     med = interleaved_medians(fns, repeats)
-    out = dict(params=model.num_params(), capacity=tuple(capacity),
+    out = dict(params=model.num_params(), attended=tuple(attended),
                name=f"{config.model_type}, {config.num_layers} layers x {config.hidden_size}")
     for variant, suffix in (("generate", ""), ("no_ynn", "_no_ynn")):
         sec = {t: med[variant, t] for t in tokens}

@@ -141,7 +141,7 @@ def test_measure_times_a_far_context_beside_the_near_one():
                                            config=tiny_llama(vocab_size=64))
     assert set(result["far_seconds"]) == set(result["far"]) == {1, 3}
     assert result["far"][3] == result["far_seconds"][3] / result["seconds"][1]
-    assert result["capacity"] == (16, 80)  # 16-token pages holding context + 3
+    assert result["attended"] == (8, 72)  # the CPU kernel reads the cached tokens only
     result.update(context=8, far_context=72)
     text = verify_cost.markdown({1: result}, {1: 2},
                                 "python -m specjax.bench.verify_cost --far 72")
@@ -149,11 +149,11 @@ def test_measure_times_a_far_context_beside_the_near_one():
     row = next(line for line in text.splitlines() if line.startswith("| 3 |"))
     fs = result["far_seconds"]
     assert row.endswith(f"| {fs[3] * 1e3:.2f} | {result['far'][3]:.2f} | {fs[3] / fs[1]:.2f} |")
-    assert "contexts=(16, 80), far={1: {1: " in text
+    assert "contexts=(8, 72), far={1: {1: " in text
 
 
 def _fake_result(ratio: dict, far: dict | None = None) -> dict:
-    out = dict(ratio=ratio, capacity=(272, 1168))
+    out = dict(ratio=ratio, attended=(128, 1024))
     return out if far is None else dict(out, far=far)
 
 
@@ -168,10 +168,10 @@ def test_the_printed_table_is_the_verify_cost_it_measured():
                4: _fake_result(four, {1: 2.4, 2: 2.6, 5: 3.1})}
     call = verify_cost.from_table_call(results)
     got = eval(call, {"VerifyCost": VerifyCost})
-    want = VerifyCost.from_table(one, by_rows={4: four}, contexts=(272, 1168),
+    want = VerifyCost.from_table(one, by_rows={4: four}, contexts=(128, 1024),
                                  far={1: results[1]["far"], 4: results[4]["far"]})
     for b in (1, 4):
-        for ctx in (272, 700, 5000):
+        for ctx in (128, 700, 5000):
             np.testing.assert_allclose(got.speculative(np.asarray([1, 2, 3, 5]), b, ctx),
                                        want.speculative(np.asarray([1, 2, 3, 5]), b, ctx))
     assert "far=" not in verify_cost.from_table_call({1: _fake_result(one)})
@@ -195,7 +195,7 @@ def test_one_command_writes_every_batch_table(tmp_path):
     assert "keep me" in out and out.count(verify_cost.START) == 1
     assert "Batch 1:" in out and "Batch 2 (T tokens per row):" in out
     assert "batch 1: 2, batch 2: 1" in out
-    assert "by_rows={2: {1: 1.00, 3: " in out and "contexts=(16, 48), far={1: {1: " in out
+    assert "by_rows={2: {1: 1.00, 3: " in out and "contexts=(8, 40), far={1: {1: " in out
 
 
 @pytest.mark.parametrize("argv", [["--far", "64", "--context", "128"],

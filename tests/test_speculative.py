@@ -6,6 +6,7 @@ import jax
 import pytest
 
 import specjax
+from specjax import cpu_attention
 from specjax.config import tiny_llama
 from specjax.decoding.cost import VerifyCost
 from specjax.speculators import DraftModel, NGram
@@ -566,7 +567,8 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
             out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
                                    speculator=s, adaptive=False, kv_commit=kv_commit)
             assert out.tokens == [want], (kv_commit, type(s).__name__)
-    # the first step's price: the reference attention reads the whole table, slack included
+    # the first step's price: the CPU attention kernel reads the prompt; without it the
+    # jnp reference attention reads the whole table, slack included
     seen = []
 
     def priced(spec, rule, batch, context):  # records the price, then stops generate
@@ -574,12 +576,14 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
         raise StopIteration
 
     monkeypatch.setattr(generate_module, "may_draft", priced)
-    for kv_commit in ("write-kept", "compact"):
-        with pytest.raises(StopIteration):
-            specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
-                             speculator=spec, kv_commit=kv_commit,
-                             attention_backend="reference")
-    assert seen == [4 * 16, 8 * 16]
+    for kernel in ("on", "off"):
+        monkeypatch.setenv(cpu_attention.ENV, kernel)
+        for kv_commit in ("write-kept", "compact"):
+            with pytest.raises(StopIteration):
+                specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                                 speculator=spec, kv_commit=kv_commit,
+                                 attention_backend="reference")
+    assert seen == [len(prompt), len(prompt), 4 * 16, 8 * 16]
 
 
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):

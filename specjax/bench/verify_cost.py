@@ -51,9 +51,8 @@ def markdown(results: dict[int, dict], repeats: dict[int, int], command: str) ->
     near = first.get("context", 128)
     far = first.get("far_context")
     where = (f"after {near:,} cached tokens" if far is None else
-             f"after {near:,} and after {far:,} cached tokens (page tables of "
-             f"{first['capacity'][0]:,} and {first['capacity'][1]:,} tokens, what the "
-             "reference attention reads)")
+             f"after {near:,} and after {far:,} cached tokens (the attention reads "
+             f"{first['attended'][0]:,} and {first['attended'][1]:,} of them)")
     lines = [START, "## Verify cost: T tokens vs one, by context (the adaptive rule's cost "
              "model)", "", f"- date: {datetime.date.today().isoformat()}",
              f"- machine: {_machine()}", f"- versions: {_versions()}",
@@ -110,7 +109,7 @@ def from_table_call(results: dict[int, dict]) -> str:
         args.append("by_rows={" + ", ".join(f"{b}: {_points(results[b]['ratio'])}"
                                             for b in batches[1:]) + "}")
     if "far" in results[1]:
-        args.append(f"contexts={tuple(results[1]['capacity'])}")
+        args.append(f"contexts={tuple(results[1]['attended'])}")
         args.append("far={" + ", ".join(f"{b}: {_points(results[b]['far'])}"
                                         for b in batches) + "}")
     return "VerifyCost.from_table(" + ", ".join(args) + ")"
