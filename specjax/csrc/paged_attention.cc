@@ -37,6 +37,8 @@ typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kLanes = 16;
 constexpr int kMaxGroup = 8;  // queries whose score chains share each load of keys
+constexpr int kValueGroup = 4;  // queries whose sums share each load of values (4 x 4
+                                // vector accumulators: more would spill)
 constexpr int64_t kChunk = 64;  // head-dim columns a value pass holds (4 vectors)
 
 inline vf load(const float* p) {
@@ -169,9 +171,8 @@ void value_chunk(const float* const* ps, const float* const* vrows, int64_t slot
 
 typedef void (*ValueFn)(const float* const*, const float* const*, int64_t, int64_t,
                         vf (*)[kChunk / kLanes]);
-constexpr ValueFn kValue[kMaxGroup] = {value_chunk<1>, value_chunk<2>, value_chunk<3>,
-                                       value_chunk<4>, value_chunk<5>, value_chunk<6>,
-                                       value_chunk<7>, value_chunk<8>};
+constexpr ValueFn kValue[kValueGroup] = {value_chunk<1>, value_chunk<2>, value_chunk<3>,
+                                         value_chunk<4>};
 
 // One work item: row b, KV head kh, queries [q0, q1) of its T * G (query q is token
 // q / G, head kh * G + q % G).
@@ -197,7 +198,8 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   };
 
   // Pass 1: scores (masked to -inf) and each query's maximum.
-  std::vector<float> maxima(nq, -INFINITY);
+  thread_local std::vector<vf> maxima;  // per query, lane-wise until the end
+  maxima.assign(nq, splat(-INFINITY));
   for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
     for (int64_t i = 0; i < kLanes; ++i) {
       const int64_t s = s0 + i;
@@ -227,7 +229,7 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
           }
         }
         store(scratch.data() + (g0 + r) * padded + s0, x);
-        maxima[g0 + r] = std::max(maxima[g0 + r], hmax(x));
+        maxima[g0 + r] = maxima[g0 + r] > x ? maxima[g0 + r] : x;
       }
     }
   }
@@ -236,7 +238,7 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   std::vector<float> denom(nq);
   for (int64_t r = 0; r < nq; ++r) {
     float* row = scratch.data() + r * padded;
-    const float m = maxima[r];
+    const float m = hmax(maxima[r]);
     vf sum = vf{};
     for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
       const vf x = load(row + s0);
@@ -251,10 +253,10 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
 
   // Pass 3: sum p v over the slots (in order), then divide.
   for (int64_t s = 0; s < slots; ++s) vrows[s] = slot_row(a, a.vp, a.vn, b, kh, s, page_len);
-  const float* prow[kMaxGroup];
-  vf acc[kMaxGroup][kChunk / kLanes];
-  for (int64_t g0 = 0; g0 < nq; g0 += kMaxGroup) {
-    const int n = static_cast<int>(std::min<int64_t>(kMaxGroup, nq - g0));
+  const float* prow[kValueGroup];
+  vf acc[kValueGroup][kChunk / kLanes];
+  for (int64_t g0 = 0; g0 < nq; g0 += kValueGroup) {
+    const int n = static_cast<int>(std::min<int64_t>(kValueGroup, nq - g0));
     for (int r = 0; r < n; ++r) prow[r] = scratch.data() + (g0 + r) * padded;
     for (int64_t c = 0; c < H; c += kChunk) {
       kValue[n - 1](prow, vrows.data(), slots, c, acc);
