@@ -24,7 +24,7 @@ from specjax import rng
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.decoding.policy import attended_tokens
-from specjax.model import Model, init_model, step
+from specjax.model import Model, init_model, step, step_kv
 from specjax.speculators.base import ProposeContext
 from specjax.stats import GenerationStats
 from specjax.tree import ancestor_mask, chain
@@ -117,7 +117,10 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
     """What a verify forward of T tokens costs relative to a one-token step after
     `context` cached tokens, on `config`'s shapes (random weights): median seconds per
     step at each T, their ratios, and the fitted jump, slope (`fit_verify_cost`) and
-    per_token (`fit_per_token`).
+    per_token (`fit_per_token`). Each forward runs as the speculative loop's verify does
+    on CPU: the pages untouched, the new tokens' keys/values beside them (`step_kv(
+    write_in_layers=False)`); a write here would copy the whole pool, since nothing
+    donates it as the loop's carry does.
 
     Each T is compiled twice: with the options `generate` compiles with
     (`specjax.xla_options`, the figures the fit uses) and without YNNPACK fusions
@@ -144,8 +147,8 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
             pos = c + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
             mask = None if t == 1 else ancestor_mask(chain(ids[:, 1:]).parents, t - 1)
             args = (params, cache, ids, pos, mask)
-            lowered = jax.jit(lambda p, kv, i, q, m: step(config, p, kv, i, q, mask=m)[0]
-                              ).lower(*args)
+            lowered = jax.jit(lambda p, kv, i, q, m: step_kv(
+                config, p, kv, i, q, mask=m, write_in_layers=False)[0]).lower(*args)
             variants = (("generate", compile_decode(lowered)),)
             if c == context:
                 variants += (("no_ynn", lowered.compile(compiler_options=NO_YNN)),)
