@@ -214,25 +214,26 @@ class VerifyCost:
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost --far 1024` measured on
 # SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batches 1,4,16`), compiled as
-# generate compiles (its matmuls of up to 32 rows by `specjax.rows_matmul`), after 128 and
-# 1,024 cached tokens (tables of 272 and 1,168 tokens, what the reference attention reads);
+# generate compiles (its matmuls of up to 32 rows by `specjax.rows_matmul`, attention by
+# `specjax.cpu_attention`), each forward as the loop's verify runs it (new keys/values
+# beside the pages), after 128 and 1,024 cached tokens (what that attention reads);
 # branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not
 # measured yet; set to the memory-bound regime the Pallas kernels aim for.
 VERIFY_COST = {"cpu": VerifyCost.from_table(
-                   {1: 1.0, 2: 1.03, 3: 1.14, 5: 1.17, 9: 1.35, 17: 1.87, 33: 3.47, 65: 4.62,
-                    129: 8.17},
+                   {1: 1.0, 2: 1.20, 3: 1.33, 5: 1.32, 9: 1.47, 17: 2.03, 33: 4.13, 65: 6.32,
+                    129: 10.45},
                    branch=0.08,
-                   by_rows={4: {1: 1.0, 2: 1.07, 3: 1.20, 5: 1.48, 9: 2.39, 17: 3.03,
-                                33: 4.38, 65: 7.89, 129: 16.40},
-                            16: {1: 1.0, 2: 1.23, 3: 1.54, 5: 1.77, 9: 2.31, 17: 3.67,
-                                 33: 6.07, 65: 11.50, 129: 24.69}},
-                   contexts=(272, 1168),
-                   far={1: {1: 1.89, 2: 1.99, 3: 2.05, 5: 2.19, 9: 2.48, 17: 3.28, 33: 5.15,
-                            65: 7.89, 129: 12.23},
-                        4: {1: 2.69, 2: 2.88, 3: 3.12, 5: 3.36, 9: 4.62, 17: 5.75, 33: 7.78,
-                            65: 14.83, 129: 25.13},
-                        16: {1: 3.45, 2: 3.83, 3: 4.15, 5: 5.15, 9: 5.59, 17: 8.09,
-                             33: 11.12, 65: 22.24, 129: 36.57}}),
+                   by_rows={4: {1: 1.0, 2: 1.16, 3: 1.26, 5: 1.73, 9: 3.28, 17: 4.03,
+                                33: 6.20, 65: 14.71, 129: 27.45},
+                            16: {1: 1.0, 2: 1.51, 3: 2.39, 5: 2.87, 9: 4.28, 17: 7.34,
+                                 33: 13.90, 65: 35.86, 129: 70.13}},
+                   contexts=(128, 1024),
+                   far={1: {1: 1.20, 2: 1.40, 3: 1.55, 5: 1.60, 9: 1.88, 17: 2.53, 33: 4.85,
+                            65: 9.84, 129: 16.22},
+                        4: {1: 1.36, 2: 1.78, 3: 1.85, 5: 2.31, 9: 4.03, 17: 5.23, 33: 8.30,
+                            65: 23.70, 129: 43.90},
+                        16: {1: 2.03, 2: 2.66, 3: 3.65, 5: 4.32, 9: 6.20, 17: 10.10,
+                             33: 18.18, 65: 59.96, 129: 122.69}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 

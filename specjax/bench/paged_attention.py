@@ -1,0 +1,139 @@
+"""What paged attention over the KV cache costs a decode step or a verify forward on
+XLA:CPU: the CPU kernel (`specjax.cpu_attention`, what generate runs) beside the jnp
+reference forms it replaced, the new tokens in the pages or beside them (`new_kv`, the
+verify forwards' form).
+
+One program per (form, T) attends T queries per row over `--context` cached tokens in
+every one of `--layers` layers, SmolLM2-135M's shapes by default (3 KV heads of 3
+queries, head dim 64), the pages stacked [L, K, P, Z, H] and the layer index opaque to
+XLA as in the CPU decode layout; random seeded pages and queries; causal mask among the
+T new tokens. Interleaved rounds in a seeded order, medians (`calibrate
+.interleaved_medians`).
+
+  python -m specjax.bench.paged_attention [--queries 1,5,17] [--contexts 200,1024]
+      [--layers 30] [--kv-heads 3] [--group 3] [--head-dim 64] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import cpu_attention
+from specjax.attention import reference_attention_with_new, reference_paged_attention
+from specjax.bench.suite import ints
+from specjax.calibrate import interleaved_medians
+from specjax.xla_options import compile_decode
+
+FORMS = ("jnp, in pages", "jnp, beside", "kernel, in pages", "kernel, beside")
+PAGE = 16
+
+
+def inputs(t: int, context: int, layers: int, kv_heads: int, group: int, head: int,
+           seed: int = 0) -> dict:
+    """One row: stacked pages holding `context` + t tokens' slots (plus a page), its
+    table, queries, the new tokens' keys/values and lengths, seeded."""
+    rng = np.random.default_rng(seed)
+    pages = -(-(context + t) // PAGE) + 1
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+    return dict(q=normal(1, t, kv_heads * group, head),
+                k_pages=normal(layers, kv_heads, pages, PAGE, head),
+                v_pages=normal(layers, kv_heads, pages, PAGE, head),
+                table=jnp.arange(pages, dtype=jnp.int32)[None],
+                k_new=normal(1, t, kv_heads, head), v_new=normal(1, t, kv_heads, head),
+                kv_lens=jnp.asarray([context + t], jnp.int32),
+                q_lens=jnp.asarray([t], jnp.int32))
+
+
+def program(form: str, a: dict):
+    """`form`'s attention over every layer, each layer's output fed to the next one's
+    queries (so no layer is dead code), compiled as generate compiles."""
+    t = a["q"].shape[1]
+    mask = None if t == 1 else jnp.tril(jnp.ones((1, t, t), bool))
+    scale = a["q"].shape[-1] ** -0.5
+    layers = a["k_pages"].shape[0]
+
+    def run(q, kp, vp, kn, vn):
+        for i in range(layers):
+            layer = jax.lax.optimization_barrier(jnp.int32(i))
+            if form.startswith("kernel"):
+                new = (kn, vn) if form.endswith("beside") else None
+                out = cpu_attention.paged_attention(q, kp, vp, layer, a["table"], a["kv_lens"],
+                                                    a["q_lens"], mask, scale=scale, new_kv=new)
+            elif form.endswith("beside"):
+                out = reference_attention_with_new(q, kn, vn, a["q_lens"], mask, kp[layer],
+                                                   vp[layer], a["table"],
+                                                   a["kv_lens"] - a["q_lens"], scale=scale)
+            else:
+                out = reference_paged_attention(q, kp[layer], vp[layer], a["table"],
+                                                a["kv_lens"], a["q_lens"], mask, scale=scale)
+            q = q + 1e-3 * out
+        return q
+
+    args = (a["q"], a["k_pages"], a["v_pages"], a["k_new"], a["v_new"])
+    return compile_decode(jax.jit(run).lower(*args)), args
+
+
+def measure(queries, contexts, repeats: int, forms=FORMS, **shape) -> dict:
+    """Median seconds of each (form, context, T), over `repeats` interleaved rounds."""
+    programs = {}
+    for c in contexts:
+        for t in queries:
+            a = inputs(t, c, **shape)
+            for form in forms:
+                fn, args = program(form, a)
+                fn(*args).block_until_ready()
+                programs[form, c, t] = (fn, args)
+    return interleaved_medians(programs, repeats)
+
+
+def markdown(seconds: dict, queries, contexts, forms=FORMS) -> str:
+    """One row per (context, T): ms per form, and the first form's time over the last's."""
+    head = "| context | T | " + " | ".join(f"{f}, ms" for f in forms) + \
+        f" | {forms[0]} / {forms[-1]} |"
+    lines = [head, "|---:|---:|" + "---:|" * (len(forms) + 1)]
+    for c in contexts:
+        for t in queries:
+            cells = " | ".join(f"{seconds[f, c, t] * 1e3:.2f}" for f in forms)
+            ratio = seconds[forms[0], c, t] / seconds[forms[-1], c, t]
+            lines.append(f"| {c} | {t} | {cells} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench.paged_attention",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--queries", default="1,5,17", help="T values: new tokens per call")
+    ap.add_argument("--contexts", default="200,1024", help="cached tokens before them")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=20, help="interleaved timed rounds")
+    args = ap.parse_args(argv)
+    queries = ints(args.queries, "--queries", ap)
+    contexts = ints(args.contexts, "--contexts", ap)
+    for flag in ("layers", "kv_heads", "group", "head_dim", "repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if args.head_dim % cpu_attention.HEAD_MULTIPLE:
+        ap.error(f"--head-dim={args.head_dim} must be a multiple of "
+                 f"{cpu_attention.HEAD_MULTIPLE} (the kernel's)")
+    if not cpu_attention.available():
+        ap.error("the CPU attention kernel is unavailable (it warned why)")
+    shape = dict(layers=args.layers, kv_heads=args.kv_heads, group=args.group,
+                 head=args.head_dim)
+    seconds = measure(queries, contexts, args.repeats, **shape)
+    print(markdown(seconds, queries, contexts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
