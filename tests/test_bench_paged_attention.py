@@ -33,7 +33,7 @@ def test_main_prints_a_row_per_context_and_query_count(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| 8 |")
             or line.startswith("| 40 |")]
     assert len(rows) == 4 and all(len(r.split("|")) == 2 + 2 + len(bench.FORMS) + 2
-                                  for r in rows)
+                                  for r in rows)  # ends, context, T, forms, 2 ratios
     with pytest.raises(SystemExit):
         bench.main(["--head-dim", "96"])
     with pytest.raises(SystemExit):

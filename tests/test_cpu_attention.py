@@ -68,7 +68,7 @@ def test_kernel_matches_the_reference(t, group, head, tree, new):
     """Both forms (new tokens in the pages, or beside them), causal and tree masks,
     ragged rows, GQA groups, any layer of the stack."""
     c = _case(t * 7 + group, t=t, group=group, head=head, tree=tree and t > 1,
-              kv_lens=(40 + t, 23))
+              kv_lens=(40 + t, 23 + t))
     for layer in (0, 2):
         want = _reference(c, layer, new, scale=head ** -0.5)
         got = _kernel(c, layer, new, scale=head ** -0.5)

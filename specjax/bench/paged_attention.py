@@ -94,15 +94,17 @@ def measure(queries, contexts, repeats: int, forms=FORMS, **shape) -> dict:
 
 
 def markdown(seconds: dict, queries, contexts, forms=FORMS) -> str:
-    """One row per (context, T): ms per form, and the first form's time over the last's."""
-    head = "| context | T | " + " | ".join(f"{f}, ms" for f in forms) + \
-        f" | {forms[0]} / {forms[-1]} |"
-    lines = [head, "|---:|---:|" + "---:|" * (len(forms) + 1)]
+    """One row per (context, T): ms per form, and the jnp form's time over the kernel's,
+    new tokens in the pages and beside them."""
+    ratios = (("in pages", forms[0], forms[2]), ("beside", forms[1], forms[3]))
+    head = ("| context | T | " + " | ".join(f"{f}, ms" for f in forms) + " | "
+            + " | ".join(f"jnp / kernel, {name}" for name, _, _ in ratios) + " |")
+    lines = [head, "|---:|---:|" + "---:|" * (len(forms) + len(ratios))]
     for c in contexts:
         for t in queries:
-            cells = " | ".join(f"{seconds[f, c, t] * 1e3:.2f}" for f in forms)
-            ratio = seconds[forms[0], c, t] / seconds[forms[-1], c, t]
-            lines.append(f"| {c} | {t} | {cells} | {ratio:.2f} |")
+            cells = [f"{seconds[f, c, t] * 1e3:.2f}" for f in forms]
+            cells += [f"{seconds[a, c, t] / seconds[b, c, t]:.2f}" for _, a, b in ratios]
+            lines.append(f"| {c} | {t} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
