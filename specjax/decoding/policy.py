@@ -333,7 +333,8 @@ def attended_tokens(backend: str | None, capacity: int, lengths) -> jax.Array:
     """[] cached tokens a forward's attention reads per row: the jnp reference backend
     reads every page of the table (`capacity` tokens a row), whatever the rows hold; the
     kernels (on CPU `specjax.cpu_attention`, which the reference backend hands decode and
-    verify calls of float32 pages) read up to each row's length, so the longest of
+    verify calls of float32 pages with head dims a multiple of 64: taken as the case
+    wherever it is available) read up to each row's length, so the longest of
     `lengths`."""
     if resolve_backend(backend) == "reference" and not (
             jax.default_backend() == "cpu" and cpu_attention.available()):
