@@ -5,8 +5,8 @@
 // Why by hand: XLA:CPU runs the plain-jnp form as a gather of every page the table names
 // (all of them, used or not) into a fresh [B, S, K, H] copy per layer, a slice of the
 // layer's pages out of the stacked cache, transposes, and a softmax over the whole
-// table; at decode widths that is several times the arithmetic (docs/benchmarks.md,
-// "Where a speculative step's time goes"). Here each row reads only the slots it uses,
+// table; at decode widths that costs 2-4x what this kernel does (docs/benchmarks.md,
+// "Paged attention by hand"). Here each row reads only the slots it uses,
 // straight from the stacked pages [L, K, P, Z, H] (the layer is an operand, so nothing
 // is sliced or copied), and the step's own keys/values may come from beside the pages.
 //
@@ -17,8 +17,8 @@
 // probability x value slot by slot. Every sum runs in a fixed order of the slot's
 // absolute position (lane = slot mod 16) and of h, so a query's output depends only on
 // the slots it sees: not on how many queries share the call, nor on whether its newer
-// slots came from the pages or from beside them (a verify's token gets the bits a
-// one-token step would).
+// slots came from the pages or from beside them (a chain verify's token gets the bits
+// a one-token step gives it).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
