@@ -57,8 +57,8 @@ from specjax.typing import (
 )
 
 __all__ = ["BACKENDS", "allowed_mask", "attend", "attend_parts", "default_backend", "kernel",
-           "paged_attention", "reference_attention_with_new", "reference_paged_attention",
-           "resolve_backend"]
+           "one_layer", "paged_attention", "reference_attention_with_new",
+           "reference_paged_attention", "resolve_backend"]
 
 BACKENDS = ("reference", "pallas")
 _ENV = "SPECJAX_ATTENTION"
@@ -102,6 +102,11 @@ def _reference_for(queries: int) -> Callable:
     return reference_paged_attention
 
 
+def one_layer(layer: LayerIndex, *stacked):
+    """Each of the stacked [L, ...] arrays (pages, scales; None stays None) at `layer`."""
+    return tuple(None if x is None else x[layer] for x in stacked)
+
+
 def paged_attention(
     q: Queries,
     k_pages: LayerPages,
@@ -133,9 +138,8 @@ def paged_attention(
             q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, mask, scale=scale,
             soft_cap=soft_cap, sliding_window=sliding_window, new_kv=new_kv)
     if layer is not None:
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
-        if k_scales is not None:
-            k_scales, v_scales = k_scales[layer], v_scales[layer]
+        k_pages, v_pages, k_scales, v_scales = one_layer(layer, k_pages, v_pages, k_scales,
+                                                         v_scales)
     if new_kv is not None:
         if backend != "reference":
             raise ValueError("new_kv (keys/values beside the pages) needs the reference "

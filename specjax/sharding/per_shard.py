@@ -114,9 +114,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_lens, mask=None,
                                          k_scales=k_scales, v_scales=v_scales, layer=layer,
                                          **opts)
     if layer is not None:
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
-        if k_scales is not None:
-            k_scales, v_scales = k_scales[layer], v_scales[layer]
+        k_pages, v_pages, k_scales, v_scales = attention.one_layer(layer, k_pages, v_pages,
+                                                                   k_scales, v_scales)
     backend = attention.resolve_backend(backend)
     if new_kv is not None:
         raise ValueError("new_kv (keys/values beside the pages) needs the reference "
