@@ -57,8 +57,8 @@ from specjax.typing import (
 )
 
 __all__ = ["BACKENDS", "allowed_mask", "attend", "attend_parts", "default_backend", "kernel",
-           "one_layer", "paged_attention", "reference_attention_with_new",
-           "reference_paged_attention", "resolve_backend"]
+           "one_layer", "paged_attention", "reads_used_slots",
+           "reference_attention_with_new", "reference_paged_attention", "resolve_backend"]
 
 BACKENDS = ("reference", "pallas")
 _ENV = "SPECJAX_ATTENTION"
@@ -100,6 +100,16 @@ def _reference_for(queries: int) -> Callable:
     if queries >= BLOCKWISE_MIN_QUERIES:
         return blockwise_ragged_paged_attention
     return reference_paged_attention
+
+
+def reads_used_slots(backend: str | None) -> bool:
+    """Whether decode and verify calls read only each row's cached tokens (the Pallas
+    kernels; on CPU the paged-attention kernel `paged_attention` hands them to, taken to
+    apply wherever it is available) rather than every slot of the page table (the jnp
+    reference's one-piece form)."""
+    if resolve_backend(backend) != "reference":
+        return True
+    return jax.default_backend() == "cpu" and cpu_attention.available()
 
 
 def one_layer(layer: LayerIndex, *stacked):

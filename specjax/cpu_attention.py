@@ -62,7 +62,6 @@ def paged_attention(
     if not available():
         raise RuntimeError(f"specjax's CPU paged-attention kernel is unavailable ({ENV}=off "
                            "or no C++ compiler): call it only where `applies` holds")
-    b, t = q.shape[:2]
     start = (kv_lens - q_lens).astype(jnp.int32)
     if new_kv is None:
         page_lens = kv_lens.astype(jnp.int32)

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import jax
 
+from specjax.compile_cache import OFF  # the same spellings of "off"
+
 CSRC = Path(__file__).parent / "csrc"
-OFF = frozenset({"off", "0", "false", "none"})
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 

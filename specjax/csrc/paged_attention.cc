@@ -5,8 +5,8 @@
 // Why by hand: XLA:CPU runs the plain-jnp form as a gather of every page the table names
 // (all of them, used or not) into a fresh [B, S, K, H] copy per layer, a slice of the
 // layer's pages out of the stacked cache, transposes, and a softmax over the whole
-// table; at decode widths that costs 2-4x what this kernel does (docs/benchmarks.md,
-// "Paged attention by hand"). Here each row reads only the slots it uses,
+// table (against this kernel: `python -m specjax.bench.paged_attention`, figures in
+// docs/benchmarks.md). Here each row reads only the slots it uses,
 // straight from the stacked pages [L, K, P, Z, H] (the layer is an operand, so nothing
 // is sliced or copied), and the step's own keys/values may come from beside the pages.
 //

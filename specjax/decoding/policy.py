@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import cpu_attention
-from specjax.attention import resolve_backend
+from specjax.attention import reads_used_slots
 from specjax.decoding.cost import VerifyCost
 from specjax.decoding.state import Counters, LoopState, Probes
 from specjax.speculators.base import Speculator
@@ -330,14 +329,10 @@ def attended(st: LoopState, backend: str | None = None) -> jax.Array:
 
 
 def attended_tokens(backend: str | None, capacity: int, lengths) -> jax.Array:
-    """[] cached tokens a forward's attention reads per row: the jnp reference backend
-    reads every page of the table (`capacity` tokens a row), whatever the rows hold; the
-    kernels (on CPU `specjax.cpu_attention`, which the reference backend hands decode and
-    verify calls of float32 pages with head dims a multiple of 64: taken as the case
-    wherever it is available) read up to each row's length, so the longest of
-    `lengths`."""
-    if resolve_backend(backend) == "reference" and not (
-            jax.default_backend() == "cpu" and cpu_attention.available()):
+    """[] cached tokens a forward's attention reads per row: up to each row's length
+    where the attention reads only used slots (`attention.reads_used_slots`), so the
+    longest of `lengths`; else every slot of the table (`capacity` tokens a row)."""
+    if not reads_used_slots(backend):
         return jnp.float32(capacity)
     return jnp.max(jnp.asarray(lengths)).astype(jnp.float32)
 
