@@ -4,10 +4,10 @@ caching and registering them.
 A kernel's source is built on first use with the system C++ compiler (`$CXX`, else
 `c++`; `-O3 -march=native`, jaxlib's FFI headers), a few seconds, into jax's persistent
 compilation cache directory when that is on (`specjax.compile_cache`), else into a
-temporary directory for this process; the library's name keys on the source, compiler,
-jaxlib and CPU. Where it cannot be built, or with its environment switch set to `off`,
-XLA's own ops run instead (a warning, once). Users: `specjax.rows_matmul`,
-`specjax.cpu_attention`.
+temporary directory for this process; the library's name keys on the source, the
+headers beside it (`csrc/*.h`), compiler, jaxlib and CPU. Where it cannot be built, or
+with its environment switch set to `off`, XLA's own ops run instead (a warning, once).
+Users: `specjax.rows_matmul`, `specjax.cpu_attention`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def build(source: Path, compiler: str, directory: Path | None = None) -> Path:
     `directory` (default `library_dir()`) if not there yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
-    parts = [source.read_text(), version, importlib.metadata.version("jaxlib"), _cpu_flags(),
-             *FLAGS]
+    headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what sources include
+    parts = [source.read_text(), *headers, version, importlib.metadata.version("jaxlib"),
+             _cpu_flags(), *FLAGS]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     directory = library_dir() if directory is None else directory
     lib = directory / f"{source.stem}-{key}.so"

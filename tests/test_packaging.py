@@ -52,6 +52,10 @@ def test_wheel_holds_only_specjax(tmp_path):
     # a package folder missing from pyproject.toml's list would be left out of the wheel
     assert packages == source_packages()
     assert "specjax/train/run.py" in names and "specjax/pallas_kernels/compile_check.py" in names
+    # the CPU kernels' sources and the headers they include, built on the user's machine
+    csrc = {f"specjax/csrc/{p.name}" for p in (ROOT / "specjax" / "csrc").iterdir()}
+    assert {"specjax/csrc/paged_attention.cc", "specjax/csrc/parallel_items.h"} <= csrc
+    assert csrc <= set(names)
 
 
 def test_installed_packages_map_the_root_folders():

@@ -20,13 +20,12 @@
 // slots came from the pages or from beside them (a chain verify's token gets the bits
 // a one-token step gives it).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
+#include "parallel_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -270,24 +269,6 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   }
 }
 
-// Work items claimed from a shared counter by the caller and by helpers on XLA's
-// intra-op pool (as in rows_matmul.cc: the caller waits only for claimed items, so a
-// late helper finds nothing and no wait can deadlock).
-struct Work {
-  Args a;
-  int64_t per_head, chunk, items;
-  std::atomic<int64_t> next{0}, finished{0};
-
-  void drain() {
-    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t bk = k / per_head, c = k % per_head;
-      const int64_t q0 = c * chunk;
-      attend(a, bk / a.s.K, bk % a.s.K, q0, std::min(a.s.T * a.s.G, q0 + chunk));
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                           ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
@@ -314,27 +295,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= s.L) return ffi::Error::InvalidArgument("layer out of range");
 
-  auto work = std::make_shared<Work>();
-  Args& a = work->a;
-  a = Args{s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), l,
-           table.typed_data(), page_lens.typed_data(), new_start.typed_data(),
-           q_lens.typed_data(), s.has_mask ? mask.typed_data() : nullptr,
-           s.has_new ? k_new.typed_data() : nullptr, s.has_new ? v_new.typed_data() : nullptr,
-           scale, soft_cap, window, out->typed_data()};
+  const Args a{s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), l,
+               table.typed_data(), page_lens.typed_data(), new_start.typed_data(),
+               q_lens.typed_data(), s.has_mask ? mask.typed_data() : nullptr,
+               s.has_new ? k_new.typed_data() : nullptr,
+               s.has_new ? v_new.typed_data() : nullptr, scale, soft_cap, window,
+               out->typed_data()};
   // Rows x KV heads, each split into blocks of queries when there are fewer of those
   // than threads (one row's tree verify): every item reads its row's keys once more.
   const int64_t queries = s.T * s.G, heads = s.B * s.K;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t split = 1;
   while (heads * split < 2 * threads && queries / (split * 2) >= kMaxGroup) split *= 2;
-  work->chunk = (queries + split - 1) / split;
-  work->per_head = (queries + work->chunk - 1) / work->chunk;
-  work->items = heads * work->per_head;
-  for (int64_t k = 1; k < std::min(work->items, threads); ++k)
-    pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->finished.load(std::memory_order_acquire) < work->items) {
-  }
+  const int64_t chunk = (queries + split - 1) / split;
+  const int64_t per_head = (queries + chunk - 1) / chunk;
+  specjax::parallel_items(pool, heads * per_head, threads, [&a, per_head, chunk,
+                                                            queries](int64_t k) {
+    const int64_t bk = k / per_head, q0 = k % per_head * chunk;
+    attend(a, bk / a.s.K, bk % a.s.K, q0, std::min(queries, q0 + chunk));
+  });
   return ffi::Error::Success();
 }
 

@@ -15,11 +15,10 @@
 // does not depend on how many rows share the call. The columns are split across XLA's
 // intra-op threads.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
+#include "parallel_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -104,27 +103,6 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
   }
 }
 
-// Column chunks claimed from a shared counter by the calling thread and by helpers
-// scheduled on XLA's intra-op pool. The caller waits only for chunks a running thread
-// has claimed: a helper that starts late (the pool busy, e.g. with another matmul of the
-// same program waiting the same way) finds nothing left, so no wait can deadlock. Held
-// by shared_ptr: a late helper may outlive the call (it then touches no buffer).
-struct Work {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t rows, in, out, per, chunks;
-  std::atomic<int64_t> next{0}, finished{0};
-
-  void drain() {
-    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      const int64_t c0 = k * per;
-      columns(x, w, y, rows, in, out, c0, std::min(out, c0 + per));
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions();
@@ -140,19 +118,14 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
   const int64_t per =
       ((out + threads - 1) / threads + kColumnBlock - 1) / kColumnBlock * kColumnBlock;
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->rows = rows;
-  work->in = in;
-  work->out = out;
-  work->per = per;
-  work->chunks = (out + per - 1) / per;
-  for (int64_t k = 1; k < work->chunks; ++k) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->finished.load(std::memory_order_acquire) < work->chunks) {
-  }
+  // Column chunks, one per thread (`parallel_items.h`).
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* ys = y->typed_data();
+  specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
+    const int64_t c0 = k * per;
+    columns(xs, ws, ys, rows, in, out, c0, std::min(out, c0 + per));
+  });
   return ffi::Error::Success();
 }
 
