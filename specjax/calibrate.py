@@ -6,8 +6,8 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
-  depth and its step's overhead, as `generate(acceptance_prior=, step_overhead=)` take
-  them.
+  depth, its step's overhead and what a step that drafts nothing costs in its loop, as
+  `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take them.
 """
 
 from __future__ import annotations
@@ -234,10 +234,11 @@ class Calibration:
     prior: list | None = None
     overhead: float = 0.0
     proposal: float | None = None  # how often the speculator found a draft when asked
+    idle: float = 0.0  # a step at k = 0 in the speculative loop, over a plain one, less 1
 
     def generate_kwargs(self) -> dict:
         return dict(acceptance_prior=self.prior, step_overhead=self.overhead,
-                    proposal_prior=self.proposal)
+                    proposal_prior=self.proposal, idle_overhead=self.idle)
 
 
 def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:
@@ -263,6 +264,29 @@ def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: flo
     measured = full_decode_s / steps / plain_step_s
     modelled = full.verify_cost + full.cost_ratio * full.draft_calls / calls
     return max(measured - modelled, 0.0)
+
+
+def idle_kwargs(speculator, new_tokens: int) -> dict:
+    """generate's arguments that keep every row of a speculative call at k = 0 with no
+    probe, yet not settled: the loop a call that could still draft runs while its rows
+    draft nothing (`idle_overhead`). A prior α of 0 keeps k at 0; free draft calls and
+    verify forwards make four accepted probes look worth drafting, so the rows stay
+    able to probe (not settled); and no probe is due within the call."""
+    from specjax.decoding.cost import VerifyCost
+
+    return dict(speculator=speculator, adaptive=True,
+                acceptance_prior=[0.0] * speculator.shape.max_depth, cost_ratio=0.0,
+                verify_cost=VerifyCost(), step_overhead=0.0, idle_overhead=0.0,
+                probe_gap=new_tokens + 1)
+
+
+def idle_overhead(idle_decode_s: float, idle_steps: int, plain_step_s: float) -> float:
+    """What a step that drafts nothing costs inside the speculative loop beyond a plain
+    decoding step, in plain steps (>= 0): the speculator's commit and its queue calls,
+    the nested loop and the outer step's decision; from a pass run with `idle_kwargs`."""
+    if idle_steps == 0 or plain_step_s <= 0:
+        return 0.0
+    return max(idle_decode_s / idle_steps / plain_step_s - 1.0, 0.0)
 
 
 def loop_steps(stats: GenerationStats) -> int:
@@ -298,11 +322,13 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     verify's cost and the loop's own work grow differently with the batch.
 
     Per call, plain decoding and then every speculator at full depth (adaptive=False:
-    every depth is tried whenever the one before was accepted), so that each sees the
-    same machine load. The full-depth pass gives the acceptance per depth, so a good
-    draft drafts deep from its first step, how often the speculator finds a draft, and,
-    timed against the plain pass, the step's overhead (`step_overhead`), after one
-    untimed warm-up of every pass (on the first call of each shape, `warmup_calls`).
+    every depth is tried whenever the one before was accepted) and drafting nothing
+    (`idle_kwargs`), so that each sees the same machine load. The full-depth pass gives
+    the acceptance per depth, so a good draft drafts deep from its first step, how often
+    the speculator finds a draft, and, timed against the plain pass, the step's overhead
+    (`step_overhead`); the idle pass, what its loop costs where it drafts nothing
+    (`idle_overhead`). Each pass runs once untimed first (on the first call of each
+    shape, `warmup_calls`).
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
     (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
@@ -313,14 +339,17 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     out = {}
     for temp in temperatures:
         def passes(i, rows):
-            """Call i's plain pass, then each speculator's full-depth pass."""
+            """Call i's plain pass, then each speculator's full-depth and idle passes."""
             kw = dict(max_new_tokens=new_tokens, temperature=temp, seed=seed + i,
                       ignore_eos=True)
-            yield None, generate(target, rows, **kw).stats
+            yield "plain", None, generate(target, rows, **kw).stats
             for name, spec in specs.items():
-                yield name, generate(target, rows, **kw, speculator=spec, adaptive=False,
-                                     verification=verification,
-                                     cost_ratio=cost_ratio_of(cost_ratios, temp, name)).stats
+                yield "full", name, generate(
+                    target, rows, **kw, speculator=spec, adaptive=False,
+                    verification=verification,
+                    cost_ratio=cost_ratio_of(cost_ratios, temp, name)).stats
+                yield "idle", name, generate(target, rows, **kw, verification=verification,
+                                             **idle_kwargs(spec, new_tokens)).stats
 
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:
@@ -329,19 +358,17 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         for i, rows in warmup_calls(calls):
             for _ in passes(i, rows):
                 pass
-        plain_s, plain_steps = 0.0, 0
-        decode_s = {name: 0.0 for name in specs}
-        steps = {name: 0 for name in specs}
+        decode_s = {(kind, name): 0.0 for name in specs for kind in ("full", "idle")}
+        steps = dict.fromkeys(decode_s, 0)
+        decode_s[("plain", None)], steps[("plain", None)] = 0.0, 0
         stats = {name: [] for name in specs}
         for i, rows in enumerate(calls):
-            for name, s in passes(i, rows):
-                if name is None:
-                    plain_s += s.wall_s - s.ttft_s
-                    plain_steps += loop_steps(s)
-                else:
-                    decode_s[name] += s.wall_s - s.ttft_s
-                    steps[name] += loop_steps(s)
+            for kind, name, s in passes(i, rows):
+                decode_s[kind, name] += s.wall_s - s.ttft_s
+                steps[kind, name] += loop_steps(s)
+                if kind == "full":
                     stats[name].append(s)
+        plain_step_s = decode_s["plain", None] / max(steps["plain", None], 1)
         out[temp] = {}
         for name in specs:
             if not stats[name]:
@@ -350,8 +377,9 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
             full = merge_stats(stats[name])
             out[temp][name] = Calibration(
                 full.acceptance_by_position,
-                step_overhead(full, decode_s[name], plain_s / max(plain_steps, 1), steps[name]),
-                full.proposal_rate)
+                step_overhead(full, decode_s["full", name], plain_step_s, steps["full", name]),
+                full.proposal_rate,
+                idle_overhead(decode_s["idle", name], steps["idle", name], plain_step_s))
     return out
 
 

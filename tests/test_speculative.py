@@ -517,6 +517,72 @@ def _attention_sensitive_target():
     return m
 
 
+def test_probes_must_be_worth_the_loops_upkeep(tiny_target, greedy_ref):
+    """A row at k = 0 keeps probing only where the chance that its next four probes are
+    all accepted (α₁⁴), times the share of the cost drafting would then save, covers what
+    each of its steps costs in the speculative loop (`idle_overhead`); else, from the
+    prior alone, the call runs plain decoding's programs. At 0 the rule is as before."""
+    import jax.numpy as jnp
+
+    from specjax.decoding import policy
+    from specjax.decoding.policy import Rule, probe_value
+
+    assert bool(probe_value(jnp.asarray([0.5]), jnp.asarray([1.25]), 0.01)[0])  # 0.0125
+    assert not bool(probe_value(jnp.asarray([0.5]), jnp.asarray([1.25]), 0.02)[0])
+    assert bool(probe_value(jnp.asarray([0.0]), jnp.asarray([1.25]), 0.0)[0])
+    # α₁ 0.3 and a verify of 1.5 plain steps: k = 0 (1.42 tokens at depth 3 cost 1.5), but
+    # four accepted probes (α₁ 0.65) would draft depth 3 at 1.27x: worth 0.3⁴ · 0.21 =
+    # 0.0017 of a step
+    dear = VerifyCost(jump=0.5).validated()
+    rule = Rule(jnp.float32(0.0), jnp.bool_(True), dear, jnp.full((3,), 0.3, jnp.float32))
+    assert policy.may_draft(NGram(k=3), rule, 1)
+    assert policy.may_draft(NGram(k=3), rule.replace(idle=jnp.float32(0.001)), 1)
+    assert not policy.may_draft(NGram(k=3), rule.replace(idle=jnp.float32(0.01)), 1)
+    # a row that drafts at once does not need probes
+    sure = rule.replace(prior=jnp.full((3,), 0.9, jnp.float32), idle=jnp.float32(1.0))
+    assert policy.may_draft(NGram(k=3), sure, 1)
+    kw = dict(max_new_tokens=12, ignore_eos=True, speculator=NGram(k=3),
+              acceptance_prior=[0.0] * 3, verify_cost=VerifyCost())
+    probing = specjax.generate(tiny_target, PROMPTS, **kw)
+    idle = specjax.generate(tiny_target, PROMPTS, **kw, idle_overhead=0.5)
+    assert probing.stats.speculative_calls == 1 and idle.stats.speculative_calls == 0
+    assert idle.tokens == [g[:12] for g in greedy_ref]
+    for name, bad in (("idle_overhead", -0.1), ("idle_overhead", float("inf")),
+                      ("probe_gap", 0), ("probe_gap", 2.5), ("probe_gap", True)):
+        with pytest.raises(ValueError, match=f"{name}="):
+            specjax.generate(tiny_target, PROMPTS[:1], **kw, **{name: bad})
+
+
+def test_the_idle_pass_drafts_nothing_in_the_speculative_loop(tiny_target, tiny_draft,
+                                                               greedy_ref):
+    """calibrate.idle_kwargs: every row at k = 0, no probe due within the call, and not
+    settled, so the speculative loop runs with the speculator's upkeep (its commits and
+    queue calls) and the output stays the target's; the first probe waits `probe_gap`
+    steps, the gap doubling from there."""
+    import jax.numpy as jnp
+
+    from specjax.calibrate import idle_kwargs, idle_overhead
+    from specjax.decoding.policy import probe_schedule
+
+    for spec in (NGram(k=3), DraftModel.create(tiny_draft, k=3)):
+        out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                               **idle_kwargs(spec, 16))
+        assert out.tokens == greedy_ref, type(spec).__name__
+        assert out.stats.speculative_calls == 1 and out.stats.drafted == 0
+    probed = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                              **dict(idle_kwargs(DraftModel.create(tiny_draft, k=3), 16),
+                                     probe_gap=4))
+    assert probed.stats.drafted > 0  # probes from step 3 on
+    nxt, gap = probe_schedule(jnp.asarray([39]), jnp.asarray([40]), 39, jnp.asarray([True]),
+                              jnp.asarray([True]), jnp.asarray([0]), 40)
+    assert (int(nxt[0]), int(gap[0])) == (159, 80)
+    _, gap = probe_schedule(nxt, gap, 159, jnp.asarray([True]), jnp.asarray([True]),
+                            jnp.asarray([1]), 40)
+    assert int(gap[0]) == 40  # an accepted probe resets the gap to the base
+    assert idle_overhead(2.2, 20, 0.1) == pytest.approx(0.1)
+    assert idle_overhead(1.8, 20, 0.1) == 0.0 and idle_overhead(1.0, 0, 0.1) == 0.0
+
+
 def test_both_kv_commit_paths_are_lossless():
     """The verify forward either defers its cache write (the reference attention
     off-mesh: commit writes the kept tokens) or writes the tree and compacts it (Pallas,
@@ -826,7 +892,9 @@ def test_calibration_times_warm_programs(monkeypatch):
     in 1.6 s; 10 full-depth steps of 2 draft calls at c = 0.1 and a 1.2-step verify in
     2 s leave 0.6 steps unmodelled (the first runs would give 0.45). A program is keyed
     by the call's shapes, so the warm-up runs the first call of each shape: here the
-    two one-row calls of 2 tokens share a warm-up and the 3-token call has its own."""
+    two one-row calls of 2 tokens share a warm-up and the 3-token call has its own.
+    The idle pass (every row at k = 0, no probe due) ran its 16 steps in 1.76 s: 0.1 of
+    a plain step more each."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
@@ -838,28 +906,32 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert warmup_calls([[[1], [2, 3]], [[4, 5], [6]]]) == [(0, [[1], [2, 3]]),
                                                              (1, [[4, 5], [6]])]
     ones, seen, ran = np.ones(1, np.int64), set(), []
+    spec = NGram(k=4)
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
-        ran.append(seed)
-        key = (tuple(map(len, prompts)), speculator)
+        idle = kw.get("probe_gap") is not None
+        ran.append((seed, "idle" if idle else speculator is not None))
+        key = (tuple(map(len, prompts)), speculator, idle)
         cold = 1.0 if key not in seen else 0.0
         seen.add(key)
-        if speculator is None:
+        if speculator is None or idle:
             counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
                           accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
         else:
             counts = dict(target_calls=10 * ones, draft_calls=20 * ones, drafted=30 * ones,
                           accepted=20 * ones, cost_ratio=0.1, verify_cost=np.asarray([12.0]))
+        decode = 1.6 if speculator is None else 1.76 if idle else 2.0
         stats = build_stats(new_tokens=31 * ones, hist=np.zeros((1, 4), np.int64),
-                            ttft_s=0.0, decode_s=(1.6 if speculator is None else 2.0) + cold,
-                            compile_s=0.0, **counts)
+                            ttft_s=0.0, decode_s=decode + cold, compile_s=0.0, **counts)
         return SimpleNamespace(stats=stats)
 
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
-    out = calibrations(None, {"spec": "a speculator"}, [[1, 2], [3, 4], [5, 6, 7]],
-                       new_tokens=32)
+    out = calibrations(None, {"spec": spec}, [[1, 2], [3, 4], [5, 6, 7]], new_tokens=32)
     assert out[0.0]["spec"].overhead == pytest.approx(0.6)
-    assert ran == [0, 0, 2, 2] + [0, 0, 1, 1, 2, 2]  # warm-up passes, then timed ones
+    assert out[0.0]["spec"].idle == pytest.approx(0.1)
+    assert out[0.0]["spec"].generate_kwargs()["idle_overhead"] == pytest.approx(0.1)
+    passes = lambda *seeds: [(s, kind) for s in seeds for kind in (False, True, "idle")]
+    assert ran == passes(0, 2) + passes(0, 1, 2)  # warm-up passes, then timed ones
 
 
 def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
@@ -876,9 +948,11 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
 
     assert filled_batches([[1], [2], [3]], 2) == [[[1], [2]], [[3], [1]]]
     assert filled_batches([[1]], 4) == [[[1]] * 4] and filled_batches([], 4) == []
-    calls = []
+    calls, spec = [], NGram(k=4)
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
+        if kw.get("probe_gap") is not None:
+            speculator = None  # the idle pass: timed as plain steps here
         calls.append((speculator, seed, prompts))
         if speculator is None:
             counts = dict(target_calls=np.asarray([16, 16]), draft_calls=np.zeros(2),
@@ -895,15 +969,16 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
         return SimpleNamespace(stats=stats)
 
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
-    cal = calibrations(None, {"spec": "a speculator"}, [[1], [2], [3]], new_tokens=17,
+    cal = calibrations(None, {"spec": spec}, [[1], [2], [3]], new_tokens=17,
                        batch=2)[0.0]["spec"]
     assert cal.overhead == pytest.approx(0.6) and cal.proposal == pytest.approx(0.75)
     assert cal.generate_kwargs()["proposal_prior"] == pytest.approx(0.75)
-    assert [(s, seed) for s, seed, _ in calls[:2]] == [(None, 0), ("a speculator", 0)]
-    timed = calls[2:]  # after the warm-up passes of the first call (both have one shape)
+    assert cal.idle == 0.0  # the idle pass ran as fast as the plain one
+    assert [(s, seed) for s, seed, _ in calls[:3]] == [(None, 0), (spec, 0), (None, 0)]
+    timed = calls[3:]  # after the warm-up passes of the first call (both have one shape)
     assert [(s, seed, p) for s, seed, p in timed] == [
-        (None, 0, [[1], [2]]), ("a speculator", 0, [[1], [2]]),
-        (None, 1, [[3], [1]]), ("a speculator", 1, [[3], [1]])]
+        (None, 0, [[1], [2]]), (spec, 0, [[1], [2]]), (None, 0, [[1], [2]]),
+        (None, 1, [[3], [1]]), (spec, 1, [[3], [1]]), (None, 1, [[3], [1]])]
 
 
 def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():

@@ -638,7 +638,8 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
         **llama_info,
         priors=[dict(category=c, temperature=t, batch=b, method=m,
                      acceptance_by_position=cal.prior, proposal_rate=cal.proposal,
-                     step_overhead=cal.overhead) for (c, t, b, m), cal in priors.items()],
+                     step_overhead=cal.overhead, idle_overhead=cal.idle)
+                for (c, t, b, m), cal in priors.items()],
         rows=rows)
 
 

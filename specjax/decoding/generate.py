@@ -32,6 +32,13 @@ generate's arguments:
   step_overhead: what a speculative step costs beyond its draft calls and verify
     forward, in one-token target steps (None: 0), for the adaptive rule and the
     analytical speedup; `specjax.calibrate.calibration` measures it.
+  idle_overhead: what a step that drafts nothing costs inside the speculative loop beyond
+    a plain decoding step (the speculator's commit and queue calls, the loop's control
+    flow), in one-token target steps (None: 0); a row at k = 0 keeps probing only where
+    the chance that its probes turn drafting on covers it (`policy.probe_value`), else
+    the call runs plain decoding's programs. `specjax.calibrate.calibration` measures it.
+  probe_gap: steps a row at k = 0 waits before its first probe, the gap doubling after
+    each rejected probe (None: `policy.PROBE_GAP`).
   acceptance_prior: the acceptance α_d per draft depth the adaptive rule starts from
     (None, or None / NaN entries: the default); a calibration run's
     `stats.acceptance_by_position` makes a good draft draft deep from its first step.
@@ -64,7 +71,7 @@ from specjax.cache import PagePool
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.loop import DecodeLoop
-from specjax.decoding.policy import Rule, attended_tokens, may_draft
+from specjax.decoding.policy import PROBE_GAP, Rule, attended_tokens, may_draft
 from specjax.decoding.programs import LayoutCache, ProgramCache
 from specjax.decoding.state import Params, Prompt
 from specjax.model import Model, validate_tokens
@@ -91,6 +98,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              speculator: Speculator | None = None, verification: str | None = None,
              adaptive: bool = True, cost_ratio: float | None = None,
              verify_cost: VerifyCost | None = None, step_overhead: float | None = None,
+             idle_overhead: float | None = None, probe_gap: int | None = None,
              acceptance_prior: Sequence[float | None] | None = None,
              proposal_prior: float | None = None, layer_layout: str = "auto",
              page_size: int = 16, num_pages: int | None = None,
@@ -109,7 +117,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     # on its batch; greedy tokens do not depend on the depth drafted
     per_row = temperature > 0 and not rng.is_seed(seed)
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
-                 step_overhead, proposal_prior)
+                 step_overhead, proposal_prior, idle_overhead, probe_gap)
     depth = speculator.shape.max_depth if speculator is not None else 0
     lens = [len(r) for r in rows]
     with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
@@ -121,7 +129,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     if speculator is not None and not may_draft(speculator, rule, len(rows), first):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)
-        rule = _rule(0.0, adaptive, None, None, None, per_row, mesh)
+        rule = _rule(0.0, adaptive, None, None, None, per_row, mesh, probe_gap=probe_gap)
     with shard.use_mesh(mesh):
         loop = DecodeLoop.create(cfg, speculator, backend=attention_backend, commit=commit,
                                  verification=method)
@@ -302,15 +310,20 @@ def _is_number(x) -> bool:
 
 
 def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator,
-          per_row: bool, mesh, step_overhead=None, proposal_prior=None) -> Rule:
+          per_row: bool, mesh, step_overhead=None, proposal_prior=None, idle_overhead=None,
+          probe_gap=None) -> Rule:
     """The adaptive rule's traced settings, replicated on the mesh."""
     if proposal_prior is not None and not (_is_number(proposal_prior)
                                            and 0 <= proposal_prior <= 1):
         raise ValueError(f"proposal_prior={proposal_prior!r} must be a rate in [0, 1] "
                          "(None: 1)")
-    if step_overhead is not None and not (
-            _is_number(step_overhead) and np.isfinite(step_overhead) and step_overhead >= 0):
-        raise ValueError(f"step_overhead={step_overhead!r} must be a finite number >= 0")
+    for name, value in (("step_overhead", step_overhead), ("idle_overhead", idle_overhead)):
+        if value is not None and not (_is_number(value) and np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    if probe_gap is not None and not (isinstance(probe_gap, numbers.Integral)
+                                      and not isinstance(probe_gap, (bool, np.bool_))
+                                      and 1 <= probe_gap <= 2**24):
+        raise ValueError(f"probe_gap={probe_gap!r} must be an int in [1, 2**24]")
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
@@ -319,7 +332,10 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
                                 jnp.bool_(per_row), jnp.float32(step_overhead or 0.0),
                                 proposal=jnp.float32(np.nan if proposal_prior is None
-                                                     else proposal_prior)), mesh)
+                                                     else proposal_prior),
+                                idle=jnp.float32(idle_overhead or 0.0),
+                                probe_gap=jnp.int32(PROBE_GAP if probe_gap is None
+                                                    else probe_gap)), mesh)
 
 
 def _timed(program, *args):

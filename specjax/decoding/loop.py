@@ -125,7 +125,11 @@ class DecodeLoop:
 
     @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
     def run(self, params: Params, state: LoopState) -> LoopState:
-        """Steps until every row is done or the budget of new tokens is spent."""
+        """Steps until every row is done or the budget of new tokens is spent; the rows'
+        first probes wait the rule's gap (`Rule.probe_gap`: prefill reads no rule)."""
+        state = state.replace(probes=initial_probes(state.lengths.shape[0],
+                                                    params.rule.probe_gap))
+
         def cond(st):
             return jnp.any(~st.done) & (st.steps < params.max_new)
 

@@ -55,6 +55,13 @@ class Rule:
     # [] prior P(the speculator proposes | asked to draft) (`generate(proposal_prior=)`);
     # NaN: 1, a speculator that always proposes
     proposal: jax.Array = np.float32(np.nan)
+    # [] what a step at k = 0 costs inside the speculative loop beyond a plain
+    # decoding step (the speculator's commit and queue calls, the loop's control flow),
+    # in one-token target steps; measured by `specjax.calibrate.idle_overhead`
+    # (`generate(idle_overhead=)`). Probes must be worth it (`probe_value`)
+    idle: jax.Array = np.float32(0.0)
+    # [] steps a row at k = 0 waits before its first probe (`probe_schedule`)
+    probe_gap: jax.Array = np.int32(PROBE_GAP)
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -77,23 +84,26 @@ def bucket_per_depth(buckets) -> list[int]:
     return [next(i for i, (d, _) in enumerate(buckets) if d >= k) for k in range(dm + 1)]
 
 
-def probe_schedule(next_probe, gap, step, drafted, probed, accepted):
+def probe_schedule(next_probe, gap, step, drafted, probed, accepted, base=PROBE_GAP):
     """The next probe step and gap per row [B] after loop step `step`: a rejected probe
-    doubles the gap (up to PROBE_GAP_MAX), an accepted draft resets it to PROBE_GAP, and
-    a row that drafted (by choice or probing) waits at least a gap from this step, to
-    the next step t with (t + 1) a multiple of its gap. The gaps are PROBE_GAP times
-    powers of two, so rows probe on a shared clock: at batch > 1 one speculative step
-    serves every row due, not one step per row."""
-    gap = jnp.where(accepted > 0, PROBE_GAP,
-                    jnp.where(probed, jnp.minimum(2 * gap, PROBE_GAP_MAX), gap))
+    doubles the gap (up to PROBE_GAP_MAX, or `base` [] if longer), an accepted draft
+    resets it to `base` (`Rule.probe_gap`), and a row that drafted (by choice or
+    probing) waits at least a gap from this step, to the next step t with (t + 1) a
+    multiple of its gap. The gaps are `base` times powers of two, so rows probe on a
+    shared clock: at batch > 1 one speculative step serves every row due, not one step
+    per row."""
+    longest = jnp.maximum(PROBE_GAP_MAX, base)
+    gap = jnp.where(accepted > 0, base,
+                    jnp.where(probed, jnp.minimum(2 * gap, longest), gap))
     aligned = (step + 2 * gap) // gap * gap - 1  # the first t >= step + gap on the clock
     return jnp.where(drafted, aligned, next_probe), gap
 
 
-def initial_probes(batch: int) -> Probes:
-    """Every row's first probe at step PROBE_GAP - 1 (read when the loop is traced)."""
-    return Probes(next_probe=jnp.full((batch,), PROBE_GAP - 1, jnp.int32),
-                  probe_gap=jnp.full((batch,), PROBE_GAP, jnp.int32))
+def initial_probes(batch: int, gap=PROBE_GAP) -> Probes:
+    """Every row's first probe at step gap - 1 (`Rule.probe_gap`)."""
+    gap = jnp.asarray(gap, jnp.int32)
+    return Probes(next_probe=jnp.full((batch,), gap - 1, jnp.int32),
+                  probe_gap=jnp.full((batch,), gap, jnp.int32))
 
 
 def expected_tokens(alpha):
@@ -139,10 +149,9 @@ def proposal_rate(proposed, asked, prior=np.float32(np.nan)):
         jnp.asarray(asked, jnp.float32) + PRIOR_TRIES)
 
 
-def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
-                        draft_calls=None, margin=0.0):
-    """argmax_k over 0..k_max of E[tokens](k) / (n_k c + v_k), per row, a k > 0 counted
-    only where it beats k = 0 by the factor 1 + margin.
+def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
+                   draft_calls=None):
+    """[B, k_max+1] E[tokens](k) / (n_k c + v_k) for k = 0..k_max, per row.
 
     alpha: [B] one rate per row, or [B, k_max] per position (`expected_tokens`);
     verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free);
@@ -153,9 +162,29 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
     v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
     n = ks if draft_calls is None else jnp.asarray(draft_calls, jnp.float32)
-    gain = expected_tokens(a[:, :k_max]) / (n * cost_ratio + v)  # cost_ratio may be traced
+    return expected_tokens(a[:, :k_max]) / (n * cost_ratio + v)  # cost_ratio may be traced
+
+
+def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
+                        draft_calls=None, margin=0.0):
+    """argmax_k over 0..k_max of `leviathan_gain`, per row, a k > 0 counted only where it
+    beats k = 0 by the factor 1 + margin."""
+    gain = leviathan_gain(alpha, cost_ratio, k_max, verify_cost, draft_calls)
+    ks = jnp.arange(k_max + 1)
     gain = gain / jnp.where(ks > 0, 1.0 + margin, 1.0)
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
+
+
+def probe_value(alpha1, gain, idle):
+    """[B] bool: whether keeping a row at k = 0 able to probe is worth its upkeep: the
+    chance that its next PROBE_LOOKAHEAD probes are all accepted (alpha1 [B], its
+    depth-1 acceptance, to that power) times the share of the cost drafting would then
+    save (1 - 1 / gain, gain [B]: tokens per unit of cost at the hopeful α and k over a
+    plain step's) covers what every step at k = 0 costs in the speculative loop
+    (`Rule.idle`). A rough value of the information a probe buys: a row whose drafts are
+    rarely accepted is better decoded by plain decoding's programs than kept probing."""
+    chance = jnp.clip(jnp.asarray(alpha1, jnp.float32), 0.0, 1.0) ** PROBE_LOOKAHEAD
+    return chance * (1.0 - 1.0 / jnp.maximum(gain, 1e-6)) >= idle
 
 
 def slowest_row_z(batch: int) -> float:
@@ -244,7 +273,9 @@ class Decision:
     limit: jax.Array  # [B] the depth k each row drafts: its own k, or 0 for every row
     # where the batch as a whole would not gain (`speculation_pays`)
     own: jax.Array  # [B] the depth k each row's own rule picks
-    worth: jax.Array  # [B] bool: whether a probe could change the row's own k
+    # [B] bool: whether a probe could change the row's own k, and is worth the upkeep
+    # of a speculative loop (`probe_value`)
+    worth: jax.Array
     hopeful: jax.Array  # [B, Dm] α after PROBE_LOOKAHEAD accepted probes
     hopeful_k: jax.Array  # [B] the row's own k at that α
     # [B, Dm] alpha and hopeful as the batch's slowest row may find them
@@ -364,7 +395,8 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     row kept at k = 0 if not.
 
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
-    accepted probes in a row would make the rule draft. active, remaining: [B];
+    accepted probes in a row would make the rule draft, and only where the chance of
+    that covers the speculative loop's upkeep (`probe_value`). active, remaining: [B];
     context: [] cached tokens the verify attends over (None: the cost tables' own).
     """
     b = counters.hist.shape[0]
@@ -376,6 +408,7 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
     v = jnp.where(inputs[per_k] > 1, cost[per_k], 1.0)
+    gains = lambda a: leviathan_gain(a, rule.cost_ratio, spec.shape.max_depth, v, calls)
     best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls,
                                          rule.margin)
     hist, tried = counters.hist, counters.tried
@@ -392,6 +425,9 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     alpha = alpha.at[:, 0].multiply(jnp.where(shared, p, 1.0))
     hopeful = hopeful.at[:, 0].multiply(jnp.where(shared, p_hopeful, 1.0))
     own, hopeful_k = best(alpha), best(hopeful)
+    g = gains(hopeful)
+    hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
+    worth = (hopeful_k > 0) & probe_value(alpha[:, 0], hopeful_gain, rule.idle)
     alpha_low = slowest_row_acceptance(alpha, tried, b)
     hopeful_low = slowest_row_acceptance(hopeful, tried.at[:, 0].add(PROBE_LOOKAHEAD), b)
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
@@ -400,7 +436,7 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     pays = speculation_pays(alpha, own, active, remaining, depths, cost + drafts,
                             rule.margin, alpha_low)
     limit = jnp.where(pays | rule.per_row, own, 0)
-    return Decision(rule=rule, alpha=alpha, limit=limit, own=own, worth=hopeful_k > 0,
+    return Decision(rule=rule, alpha=alpha, limit=limit, own=own, worth=worth,
                     hopeful=hopeful, hopeful_k=hopeful_k, alpha_low=alpha_low,
                     hopeful_low=hopeful_low, cost=cost, spent=spent,
                     call_cost=call_cost, max_new=jnp.asarray(max_new, jnp.int32),

@@ -174,7 +174,8 @@ def _commit(loop: "DecodeLoop", params: Params, st: LoopState, sp: Speculation,
     acc = jnp.where(active, res.num_accepted, 0)  # what the verifier accepted (α), even
     # if the row's budget or an EOS then emits fewer
     next_probe, gap = probe_schedule(st.probes.next_probe, st.probes.probe_gap, st.steps,
-                                     sp.depth_limit > 0, sp.probed, acc)
+                                     sp.depth_limit > 0, sp.probed, acc,
+                                     decision.rule.probe_gap)
     return st.replace(
         cache=cache, tokens=tokens, lengths=lengths, done=done, spec_state=spec_state,
         counters=_count(params, st, sp, acc, decision), steps=st.steps + 1,
