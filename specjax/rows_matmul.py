@@ -10,10 +10,20 @@ on CPU (`python -m specjax.bench.matmul_rows`; figures in docs/benchmarks.md).
 an EAGLE head beside a target in that layout.
 
 It is built on first use and falls back to XLA's matmul where it cannot be
-(`specjax.cpu_kernels`; `SPECJAX_CPU_MATMUL=off` turns it off).
+(`specjax.cpu_kernels`; `SPECJAX_CPU_MATMUL=off` turns it off). Whether streaming 32
+weight rows side by side beats XLA's own product depends on the host's memory system
+(on some 2-core Xeons it reads at half XLA's rate), so before its first use on a weight
+shape the kernel races XLA's matmul on this machine (`kernel_wins`) and takes only the
+shapes it wins; `SPECJAX_CPU_MATMUL=on` skips the race.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +31,23 @@ import numpy as np
 
 from specjax import cpu_kernels
 
-ENV = "SPECJAX_CPU_MATMUL"  # "off" (or 0, false, none): XLA's matmul everywhere
+ENV = "SPECJAX_CPU_MATMUL"  # "off" (or 0, false, none): XLA's matmul everywhere; "on": the
+ON = frozenset({"on", "1", "true", "yes"})  # kernel wherever it applies, without a race
 TARGET = "specjax_rows_matmul"
 # Rows per call the kernel takes; above this XLA's GEMM is about as fast (`python -m
 # specjax.bench.matmul_rows --kernel-max-rows 64 --rows 1,17,25,33,49`, docs/benchmarks.md).
 MAX_ROWS = 32
 KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "rows_matmul.cc", ENV,
                                "few-row CPU matmul kernel", "XLA's matmul")
+# The race: for each weight shape, the kernel against XLA's matmul at a decode step's,
+# a short verify's and a tree verify's rows, over copies of the weight filling more than
+# a server CPU's last-level cache (64 MB), so both read it from memory as a model's
+# layers do. One verdict per shape for every row count: each row's result must not
+# depend on how many rows share the call (a verify's token = a decode step's).
+RACE_ROWS, RACE_BYTES, RACE_ROUNDS = (1, 5, 17), 64 << 20, 5
+_log = logging.getLogger(__name__)
+_wins: dict[tuple[int, int], bool] = {}  # (in, out) -> whether the kernel won
+_race_lock = threading.Lock()
 
 
 def available() -> bool:
@@ -35,13 +55,70 @@ def available() -> bool:
     return KERNEL.available()
 
 
-def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS) -> bool:
+def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS, race: bool = True) -> bool:
     """x [..., I] @ w [I, O] goes to the kernel: float32 both, at most `max_rows` rows,
-    on the CPU backend, with the kernel available."""
+    on the CPU backend, with the kernel available and, with `race`, faster than XLA's
+    matmul for this weight shape on this machine (`kernel_wins`)."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
             and x.shape[-1] == w.shape[0] and 1 <= rows <= max_rows
-            and jax.default_backend() == "cpu" and available())
+            and jax.default_backend() == "cpu" and available()
+            and (not race or kernel_wins(tuple(w.shape))))
+
+
+def kernel_wins(shape: tuple[int, int]) -> bool:
+    """Whether the kernel beats XLA's matmul on weights of `shape` here: raced once per
+    process and shape (`race`, a fraction of a second), or True with
+    `SPECJAX_CPU_MATMUL=on`."""
+    if os.environ.get(ENV, "").strip().lower() in ON:
+        return True
+    with _race_lock:
+        if shape not in _wins:
+            _wins[shape] = _race_in_thread(shape)
+            _log.info("few-row CPU matmul kernel on %s weights: %s", shape,
+                      "faster than XLA's, used" if _wins[shape] else
+                      "slower than XLA's, not used")
+        return _wins[shape]
+
+
+def _race_in_thread(shape: tuple[int, int]) -> bool:
+    """`race` in a thread of its own: `applies` runs while a program is traced, and jax
+    would stage the race's calls into that program rather than run them."""
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(race(shape)))
+    worker.start()
+    worker.join()
+    return bool(out and out[0])
+
+
+def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
+         rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES) -> bool:
+    """Whether the kernel's products of each of `rows` rows with copies of a `shape`
+    weight (at least `nbytes` in all) take less time in sum than XLA's: per row count,
+    medians over `rounds` interleaved calls of each, compiled and run once first. Seeded
+    inputs. False where the kernel is not available."""
+    if not available():
+        return False
+    rng = np.random.default_rng(0)
+    copies = max(1, min(64, -(-nbytes // (4 * shape[0] * shape[1]))))
+    ws = jnp.asarray(rng.standard_normal((copies, *shape), np.float32))
+    forms = {"kernel": _rows, "xla": jnp.matmul}
+    total = dict.fromkeys(forms, 0.0)
+    for r in rows:
+        x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
+        calls = {name: jax.jit(lambda x, ws, f=f: jax.lax.map(lambda w: f(x, w), ws))
+                 for name, f in forms.items()}
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for f in calls.values():
+            jax.block_until_ready(f(x, ws))
+        for _ in range(rounds):
+            for name, f in calls.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x, ws))
+                times[name].append(time.perf_counter() - t0)
+        for name in forms:
+            total[name] += statistics.median(times[name])
+    return total["kernel"] < total["xla"]
 
 
 @jax.custom_jvp
@@ -61,11 +138,11 @@ def _rows(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., I] @ [I, O] by the 
 
 
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
-           max_rows: int = MAX_ROWS) -> jax.Array:
+           max_rows: int = MAX_ROWS, race: bool = True) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O]: the kernel where it `applies` (float32 in and
-    out), else XLA's. `max_rows` above `MAX_ROWS` is for measuring where it stops paying
-    (`specjax.bench.matmul_rows --kernel-max-rows`)."""
-    if not applies(x, w, max_rows):
+    out), else XLA's. `max_rows` above `MAX_ROWS` and race=False (the kernel wherever it
+    can, won or not) are for measuring it (`specjax.bench.matmul_rows`)."""
+    if not applies(x, w, max_rows, race):
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     return _rows(x, w)
 

@@ -4,6 +4,7 @@ the decode layout calling it."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -136,6 +137,43 @@ def test_off_switch(monkeypatch):
     x, w = _data((2, 16), (16, 8))
     assert not rows_matmul.available()
     assert not _calls_kernel(rows_matmul.matmul, x, w)
+
+
+def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
+    """Without `SPECJAX_CPU_MATMUL=on` the kernel races XLA's matmul once per weight
+    shape, in a thread of its own (the race runs while a program is traced), and takes a
+    shape for every row count or for none; a real race returns a verdict."""
+    raced = []
+
+    def fake_race(shape):
+        raced.append(shape)
+        return shape[1] == 8  # the kernel "wins" on [12, 8] weights only
+
+    monkeypatch.delenv(rows_matmul.ENV)
+    monkeypatch.setattr(rows_matmul, "race", fake_race)
+    monkeypatch.setattr(rows_matmul, "_wins", {})
+    jax.clear_caches()  # programs other tests traced with these shapes
+    x = _data((2, 12), (12, 8))[0]
+    w8, w24 = _data((2, 12), (12, 8))[1], _data((2, 12), (12, 24))[1]
+    assert _calls_kernel(rows_matmul.matmul, x, w8)
+    assert _calls_kernel(rows_matmul.matmul, x[:1], w8)  # one verdict for every row count
+    assert not _calls_kernel(rows_matmul.matmul, x, w24)
+    assert not _calls_kernel(rows_matmul.matmul, x[:1], w24)
+    np.testing.assert_allclose(jax.jit(rows_matmul.matmul)(x, w24), x @ w24, rtol=1e-6)
+    assert raced == [(12, 8), (12, 24)]  # once per shape
+    assert _calls_kernel(functools.partial(rows_matmul.matmul, race=False), x, w24)
+    monkeypatch.setenv(rows_matmul.ENV, "on")
+    jax.clear_caches()
+    assert _calls_kernel(rows_matmul.matmul, x, w24)
+
+
+def test_a_real_race_returns_a_verdict(monkeypatch):
+    """`race` times both forms on copies of the weight and says whether the kernel was
+    faster; without the kernel it is not."""
+    verdict = rows_matmul.race((64, 128), rows=(1, 5), rounds=1, nbytes=1 << 16)
+    assert isinstance(verdict, bool)
+    monkeypatch.setenv(rows_matmul.ENV, "off")
+    assert rows_matmul.race((64, 128), rows=(1,), rounds=1) is False
 
 
 def test_decode_layout_forward_runs_the_kernel_and_matches_the_stored_layout():

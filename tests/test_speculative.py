@@ -650,6 +650,17 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
                                  speculator=spec, kv_commit=kv_commit,
                                  attention_backend="reference")
     assert seen == [len(prompt), len(prompt), 4 * 16, 8 * 16]
+    # pages the kernel does not take (int8) are read whole, kernel or not
+    monkeypatch.setenv(cpu_attention.ENV, "on")
+    with pytest.raises(StopIteration):
+        specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                         speculator=spec, kv_commit="write-kept", kv_cache_dtype="int8",
+                         attention_backend="reference")
+    assert seen[-1] == 4 * 16
+    from specjax.attention import reads_used_slots
+    assert reads_used_slots("reference", 64, "float32")
+    assert not reads_used_slots("reference", 96, "float32")
+    assert not reads_used_slots("reference", 64, "bfloat16")
 
 
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):

@@ -105,7 +105,7 @@ def mlp_stack(matmul: Callable) -> Callable:
 def compiled(form: str, x, weights, kernel_max_rows: int = rows_matmul.MAX_ROWS):
     """`form`'s program for x's row count, compiled (an attention form takes the
     weights `form_weights` gives it; the kernel runs up to `kernel_max_rows` rows)."""
-    kernel = functools.partial(rows_matmul.matmul, max_rows=kernel_max_rows)
+    kernel = functools.partial(rows_matmul.matmul, max_rows=kernel_max_rows, race=False)
     fn = mlp_stack({"per-row GEMVs": _per_row, "rows kernel": kernel}.get(form, _gemm))
     lowered = jax.jit(fn).lower(x, weights)
     return lowered.compile(compiler_options=NO_YNN if "no YNNPACK" in form else None)

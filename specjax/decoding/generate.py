@@ -125,7 +125,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     # what the speculative program's first step reads: its page table, or the prompts
     first = attended_tokens(attention_backend, _Sizes.table_tokens(
         lens, max_new_tokens, prefill_chunk, page_size,
-        _Sizes.page_slack(speculator, commit.write_in_verify)), lens)
+        _Sizes.page_slack(speculator, commit.write_in_verify)), lens, cfg.head_dim,
+        kv_dtype if kv_dtype is not None else cfg.dtype)
     if speculator is not None and not may_draft(speculator, rule, len(rows), first):
         # the rule would keep every row at k = 0 with no probe: plain decoding's programs
         speculator, method = None, _verification(None, None)

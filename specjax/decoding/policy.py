@@ -356,14 +356,18 @@ def decide(spec: Speculator, rule: Rule, buckets, st: LoopState, max_new,
 def attended(st: LoopState, backend: str | None = None) -> jax.Array:
     """[] cached tokens a forward's attention reads per row in the loop's state
     (`attended_tokens` over the active rows)."""
-    return attended_tokens(backend, st.cache.capacity, jnp.where(~st.done, st.lengths, 0))
+    pages = st.cache.k_pages  # [L, K, P, Z, H]
+    return attended_tokens(backend, st.cache.capacity, jnp.where(~st.done, st.lengths, 0),
+                           pages.shape[-1], pages.dtype)
 
 
-def attended_tokens(backend: str | None, capacity: int, lengths) -> jax.Array:
+def attended_tokens(backend: str | None, capacity: int, lengths, head_dim: int | None = None,
+                    kv_dtype=None) -> jax.Array:
     """[] cached tokens a forward's attention reads per row: up to each row's length
-    where the attention reads only used slots (`attention.reads_used_slots`), so the
-    longest of `lengths`; else every slot of the table (`capacity` tokens a row)."""
-    if not reads_used_slots(backend):
+    where the attention reads only used slots (`attention.reads_used_slots` for pages of
+    `head_dim` and `kv_dtype`), so the longest of `lengths`; else every slot of the table
+    (`capacity` tokens a row)."""
+    if not reads_used_slots(backend, head_dim, kv_dtype):
         return jnp.float32(capacity)
     return jnp.max(jnp.asarray(lengths)).astype(jnp.float32)
 
