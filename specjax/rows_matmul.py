@@ -81,6 +81,14 @@ def kernel_wins(shape: tuple[int, int]) -> bool:
         return _wins[shape]
 
 
+def serves(config) -> bool:
+    """Whether a decode step of a model of `config` (a `ModelConfig`) multiplies through
+    the kernel here: float32, on CPU, and the kernel won on its MLP's down projection
+    ([intermediate, hidden], the most common shape of its weights)."""
+    return (config.dtype == "float32" and jax.default_backend() == "cpu" and available()
+            and kernel_wins((config.intermediate_size, config.hidden_size)))
+
+
 def _race_in_thread(shape: tuple[int, int]) -> bool:
     """`race` in a thread of its own: `applies` runs while a program is traced, and jax
     would stage the race's calls into that program rather than run them."""

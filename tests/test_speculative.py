@@ -633,8 +633,9 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
             out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
                                    speculator=s, adaptive=False, kv_commit=kv_commit)
             assert out.tokens == [want], (kv_commit, type(s).__name__)
-    # the first step's price: the CPU attention kernel reads the prompt; without it the
-    # jnp reference attention reads the whole table, slack included
+    # the first step's price: the CPU attention kernel reads the prompt (head dim 64, one
+    # it takes); without it the jnp reference attention reads the whole table, slack
+    # included, and so it does for pages the kernel does not take (int8, head dim 16)
     seen = []
 
     def priced(spec, rule, batch, context):  # records the price, then stops generate
@@ -642,21 +643,21 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
         raise StopIteration
 
     monkeypatch.setattr(generate_module, "may_draft", priced)
-    for kernel in ("on", "off"):
+    wide = specjax.init_model(tiny_llama(vocab_size=128, hidden_size=128, num_heads=2), seed=3)
+    assert wide.config.head_dim == 64 and target.config.head_dim == 16
+
+    def price(model, kernel, kv_commit, **kw):
         monkeypatch.setenv(cpu_attention.ENV, kernel)
-        for kv_commit in ("write-kept", "compact"):
-            with pytest.raises(StopIteration):
-                specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
-                                 speculator=spec, kv_commit=kv_commit,
-                                 attention_backend="reference")
-    assert seen == [len(prompt), len(prompt), 4 * 16, 8 * 16]
-    # pages the kernel does not take (int8) are read whole, kernel or not
-    monkeypatch.setenv(cpu_attention.ENV, "on")
-    with pytest.raises(StopIteration):
-        specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
-                         speculator=spec, kv_commit="write-kept", kv_cache_dtype="int8",
-                         attention_backend="reference")
-    assert seen[-1] == 4 * 16
+        with pytest.raises(StopIteration):
+            specjax.generate(model, [prompt], max_new_tokens=new, ignore_eos=True,
+                             speculator=DraftModel.create(model, k=4), kv_commit=kv_commit,
+                             attention_backend="reference", **kw)
+        return seen[-1]
+
+    assert [price(wide, k, c) for k in ("on", "off") for c in ("write-kept", "compact")] == [
+        len(prompt), len(prompt), 4 * 16, 8 * 16]
+    assert price(wide, "on", "write-kept", kv_cache_dtype="int8") == 4 * 16
+    assert price(target, "on", "write-kept") == 4 * 16
     from specjax.attention import reads_used_slots
     assert reads_used_slots("reference", 64, "float32")
     assert not reads_used_slots("reference", 96, "float32")
@@ -876,6 +877,36 @@ def test_step_overhead_prices_the_speculative_step(tiny_target, greedy_ref):
     for bad in (-1.0, float("nan"), "x", True):
         with pytest.raises(ValueError, match="step_overhead="):
             specjax.generate(tiny_target, PROMPTS[:1], **kw, step_overhead=bad)
+
+
+def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target, monkeypatch):
+    """On CPU the default verify-cost table is the one measured with the few-row matmul
+    kernel where the model's products go through it, else the one measured with XLA's
+    matmuls (a bf16 model, or a host where XLA's matmul won the race); generate prices
+    a speculative call with the table for its model."""
+    import dataclasses
+
+    from specjax import rows_matmul
+    from specjax.decoding import generate as generate_module
+    from specjax.decoding.cost import VERIFY_COST, default_verify_cost
+
+    cfg = tiny_target.config
+    assert VERIFY_COST["cpu-xla"] is not VERIFY_COST["cpu"]
+    assert default_verify_cost() is VERIFY_COST["cpu"]
+    assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the tests take the kernel
+    assert default_verify_cost(dataclasses.replace(cfg, dtype="bfloat16")) is VERIFY_COST[
+        "cpu-xla"]
+    monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: False)
+    assert default_verify_cost(cfg) is VERIFY_COST["cpu-xla"]
+    asked = []
+
+    def spy(config=None):
+        asked.append(config)
+        return default_verify_cost(config)
+
+    monkeypatch.setattr(generate_module, "default_verify_cost", spy)
+    specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=4, speculator=NGram(k=2))
+    assert asked == [cfg]
 
 
 def test_step_overhead_is_the_measured_step_less_the_modelled_one():

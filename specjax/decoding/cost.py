@@ -234,10 +234,36 @@ VERIFY_COST = {"cpu": VerifyCost.from_table(
                             65: 23.70, 129: 43.90},
                         16: {1: 2.03, 2: 2.66, 3: 3.65, 5: 4.32, 9: 6.20, 17: 10.10,
                              33: 18.18, 65: 59.96, 129: 122.69}}),
+               # the same command with XLA's matmuls (`SPECJAX_CPU_MATMUL=off`), on a host
+               # where they beat the few-row kernel (docs/benchmarks.md, "Verify cost")
+               "cpu-xla": VerifyCost.from_table(
+                   {1: 1.0, 2: 1.44, 3: 1.53, 5: 1.72, 9: 2.07, 17: 2.71, 33: 4.62, 65: 5.29,
+                    129: 8.54},
+                   branch=0.08,
+                   by_rows={4: {1: 1.0, 2: 1.23, 3: 1.35, 5: 1.67, 9: 2.66, 17: 3.24,
+                                33: 5.20, 65: 10.36, 129: 19.51},
+                            16: {1: 1.0, 2: 1.52, 3: 2.08, 5: 2.03, 9: 2.89, 17: 6.06,
+                                 33: 10.16, 65: 23.99, 129: 52.99}},
+                   contexts=(128, 1024),
+                   far={1: {1: 1.24, 2: 1.78, 3: 2.07, 5: 2.39, 9: 3.17, 17: 4.31, 33: 7.14,
+                            65: 7.69, 129: 12.98},
+                        4: {1: 1.57, 2: 1.88, 3: 2.26, 5: 2.78, 9: 4.52, 17: 6.24, 33: 10.73,
+                            65: 16.03, 129: 31.21},
+                        16: {1: 1.83, 2: 2.61, 3: 3.80, 5: 4.00, 9: 6.78, 17: 11.40,
+                             33: 21.84, 65: 39.24, 129: 76.68}}),
                "gpu": VerifyCost(slope=0.05),
                "tpu": VerifyCost(slope=0.05)}
 
 
-def default_verify_cost() -> VerifyCost:
-    """This backend's `VERIFY_COST` (GPU's where the backend has none)."""
-    return VERIFY_COST.get(jax.default_backend(), VERIFY_COST["gpu"])
+def default_verify_cost(config=None) -> VerifyCost:
+    """This backend's `VERIFY_COST` (GPU's where the backend has none); on CPU, for a
+    model of `config` whose products do not go through the few-row matmul kernel
+    (`specjax.rows_matmul.serves`: bf16, or XLA's matmul faster on this host), the table
+    measured with XLA's matmuls ("cpu-xla")."""
+    backend = jax.default_backend()
+    if backend == "cpu" and config is not None:
+        from specjax import rows_matmul  # a model-level module: imported where needed
+
+        if not rows_matmul.serves(config):
+            return VERIFY_COST["cpu-xla"]
+    return VERIFY_COST.get(backend, VERIFY_COST["gpu"])

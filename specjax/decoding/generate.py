@@ -27,8 +27,9 @@ generate's arguments:
   cost_ratio: one draft call's cost relative to a one-token target step (None: the
     speculator's parameter-count estimate; `specjax.calibrate.measured_cost_ratio`
     measures one), for the adaptive rule and the analytical speedup.
-  verify_cost: a `specjax.VerifyCost` (None: this backend's `VERIFY_COST`; `VerifyCost()`
-    is Leviathan et al.'s free verify), for the adaptive rule and the analytical speedup.
+  verify_cost: a `specjax.VerifyCost` (None: this backend's `VERIFY_COST`, on CPU the
+    table for the matmuls the model runs, `default_verify_cost`; `VerifyCost()` is
+    Leviathan et al.'s free verify), for the adaptive rule and the analytical speedup.
   step_overhead: what a speculative step costs beyond its draft calls and verify
     forward, in one-token target steps (None: 0), for the adaptive rule and the
     analytical speedup; `specjax.calibrate.calibration` measures it.
@@ -116,6 +117,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     # one seed per prompt: rows decide alone, so that a row's sampled tokens do not depend
     # on its batch; greedy tokens do not depend on the depth drafted
     per_row = temperature > 0 and not rng.is_seed(seed)
+    if verify_cost is None and speculator is not None:
+        verify_cost = default_verify_cost(cfg)
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
                  step_overhead, proposal_prior, idle_overhead, probe_gap)
     depth = speculator.shape.max_depth if speculator is not None else 0
