@@ -23,6 +23,7 @@ import numpy as np
 from specjax import rng
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
+from specjax.decoding.cost import VerifyCost
 from specjax.decoding.policy import attended_tokens
 from specjax.model import Model, init_model, step, step_kv
 from specjax.speculators.base import ProposeContext
@@ -272,8 +273,6 @@ def idle_kwargs(speculator, new_tokens: int) -> dict:
     draft nothing (`idle_overhead`). A prior α of 0 keeps k at 0; free draft calls and
     verify forwards make four accepted probes look worth drafting, so the rows stay
     able to probe (not settled); and no probe is due within the call."""
-    from specjax.decoding.cost import VerifyCost
-
     return dict(speculator=speculator, adaptive=True,
                 acceptance_prior=[0.0] * speculator.shape.max_depth, cost_ratio=0.0,
                 verify_cost=VerifyCost(), step_overhead=0.0, idle_overhead=0.0,

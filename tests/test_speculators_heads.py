@@ -345,30 +345,23 @@ E2E = {  # speculator, sampling settings
 
 
 @pytest.mark.parametrize("name", list(E2E))
-def test_ragged_batch_samples_the_target(shallow_target, name, monkeypatch):
+def test_ragged_batch_samples_the_target(shallow_target, name):
     """Two prompts of different lengths interleaved over 3000 rows: for each, the joint
     of tokens (1, 2) and of (2, 3) (drafted and verified within one step) is the
     target's exact one. `adaptive_probes`: the adaptive rule with a prior of 0 keeps
     rows at k = 0, and probes (every step here) draft depth 1 to re-measure."""
-    from specjax.decoding import policy
     from specjax.decoding.cost import VerifyCost
-    from specjax.decoding.generate import PROGRAMS
 
     t = shallow_target
     make, samp = E2E[name]
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 2]]
     kw = dict(adaptive=False)
     if name == "adaptive_probes":
-        monkeypatch.setattr(policy, "PROBE_GAP", 1)  # read when the loop is traced
-        PROGRAMS.clear()
-        jax.clear_caches()
         kw = dict(adaptive=True, acceptance_prior=[0.0, 0.0], verify_cost=VerifyCost(),
-                  cost_ratio=0.0)
+                  cost_ratio=0.0, probe_gap=1)
     out = specjax.generate(t, prompts * 1500, max_new_tokens=3, ignore_eos=True, seed=2,
                            speculator=make(t), **samp, **kw)
     if name == "adaptive_probes":
-        PROGRAMS.clear()  # nothing compiled with the patched gap outlives
-        jax.clear_caches()  # this test
         assert 0 < out.stats.drafted < 2 * out.stats.target_calls  # probes: depth 1
     assert out.stats.accepted > 0  # speculation really happened
     for i, prompt in enumerate(prompts):
