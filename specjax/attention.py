@@ -32,7 +32,6 @@ import os
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from specjax import cpu_attention, kv_quant
 from specjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -107,14 +106,11 @@ def reads_used_slots(backend: str | None, head_dim: int | None = None,
                      kv_dtype=None) -> bool:
     """Whether decode and verify calls read only each row's cached tokens (the Pallas
     kernels; on CPU the paged-attention kernel `paged_attention` hands them to) rather
-    than every slot of the page table (the jnp reference's one-piece form). The CPU
-    kernel takes float32 pages of a head dim it handles (`cpu_attention.applies`); None
-    for either: taken to be one it takes."""
+    than every slot of the page table (the jnp reference's one-piece form): on CPU,
+    pages of `head_dim` and `kv_dtype` the kernel `cpu_attention.takes`."""
     if resolve_backend(backend) != "reference":
         return True
-    fits = ((head_dim is None or head_dim % cpu_attention.HEAD_MULTIPLE == 0)
-            and (kv_dtype is None or jnp.dtype(kv_dtype) == jnp.float32))
-    return fits and jax.default_backend() == "cpu" and cpu_attention.available()
+    return cpu_attention.takes(head_dim, kv_dtype)
 
 
 def one_layer(layer: LayerIndex, *stacked):

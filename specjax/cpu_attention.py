@@ -32,13 +32,21 @@ def available() -> bool:
     return KERNEL.available()
 
 
-def applies(q: Queries, k_pages: jax.Array, scales) -> bool:
-    """The kernel takes this call: float32 queries and pages (not int8 with `scales`),
-    head dim a multiple of 64, on the CPU backend, with the kernel available. (Which
-    calls to offer it is `specjax.attention`'s choice: decode and verify widths.)"""
-    return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32 and scales is None
-            and q.shape[-1] % HEAD_MULTIPLE == 0
+def takes(head_dim: int | None = None, kv_dtype=None) -> bool:
+    """The kernel takes pages of `head_dim` (a multiple of 64) and `kv_dtype` (float32;
+    None for either: taken to be one it takes), on the CPU backend, where it is
+    available."""
+    return ((head_dim is None or head_dim % HEAD_MULTIPLE == 0)
+            and (kv_dtype is None or jnp.dtype(kv_dtype) == jnp.float32)
             and jax.default_backend() == "cpu" and available())
+
+
+def applies(q: Queries, k_pages: jax.Array, scales) -> bool:
+    """The kernel takes this call: float32 queries and pages (not int8 with `scales`)
+    that it `takes`. (Which calls to offer it is `specjax.attention`'s choice: decode and
+    verify widths.)"""
+    return (q.dtype == jnp.float32 and scales is None
+            and takes(q.shape[-1], k_pages.dtype))
 
 
 def paged_attention(
