@@ -28,6 +28,7 @@ from specjax.decoding.policy import attended_tokens
 from specjax.model import Model, init_model, step, step_kv
 from specjax.speculators.base import ProposeContext
 from specjax.stats import GenerationStats
+from specjax.timing import interleaved_medians
 from specjax.tree import ancestor_mask, chain
 from specjax.xla_options import compile_decode
 
@@ -184,29 +185,6 @@ def fit_per_token(ratio: dict[int, float]) -> float:
         return 0.0
     y = np.asarray([ratio[int(t)] for t in ts], np.float64)
     return float(ts @ y / (ts @ ts))
-
-
-def interleaved_medians(programs: dict, repeats: int) -> dict:
-    """{key: median seconds} of compiled programs {key: (fn, args)}, timed in `repeats`
-    interleaved rounds, so every program sees the same machine load: in a new order
-    each round (`round_order`), each run once untimed right before its timed run (a
-    program timed right after another's larger forward measured up to 1.6x slower, and
-    generate's loop runs one program step after step)."""
-    times = {key: [] for key in programs}
-    keys = list(programs)
-    for r in range(repeats):
-        for i in round_order(len(keys), r):
-            fn, args = programs[keys[i]]
-            fn(*args).block_until_ready()
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            times[keys[i]].append(time.perf_counter() - t0)
-    return {key: statistics.median(v) for key, v in times.items()}
-
-
-def round_order(n: int, r: int) -> np.ndarray:
-    """[n] round `r`'s order of n interleaved timings: a permutation seeded by r."""
-    return np.random.default_rng(r).permutation(n)
 
 
 def fit_verify_cost(ratio: dict[int, float]) -> tuple[float, float]:

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax import cpu_kernels, timing
 
 ENV = "SPECJAX_CPU_MATMUL"  # "off" (or 0, false, none): XLA's matmul everywhere; "on": the
 ON = frozenset({"on", "1", "true", "yes"})  # kernel wherever it applies, without a race
@@ -113,8 +111,7 @@ def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
     """Whether the kernel's products of each of `rows` rows with copies of a `shape`
     weight (at least `nbytes` in all) take less time in sum than XLA's: per row count,
     medians over `rounds` interleaved calls of each, compiled and run once first. Seeded
-    inputs. False where the kernel is not available. (`calibrate.interleaved_medians`
-    times the same way, but calibrate sits above the models, which import this.)"""
+    inputs. False where the kernel is not available."""
     if not available():
         return False
     rng = np.random.default_rng(0)
@@ -124,18 +121,10 @@ def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
     total = dict.fromkeys(forms, 0.0)
     for r in rows:
         x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
-        calls = {name: jax.jit(lambda x, ws, f=f: jax.lax.map(lambda w: f(x, w), ws))
-                 for name, f in forms.items()}
-        times: dict[str, list[float]] = {name: [] for name in forms}
-        for f in calls.values():
-            jax.block_until_ready(f(x, ws))
-        for _ in range(rounds):
-            for name, f in calls.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x, ws))
-                times[name].append(time.perf_counter() - t0)
-        for name in forms:
-            total[name] += statistics.median(times[name])
+        calls = {name: (jax.jit(lambda x, ws, f=f: jax.lax.map(lambda w: f(x, w), ws)),
+                        (x, ws)) for name, f in forms.items()}
+        for name, seconds in timing.interleaved_medians(calls, rounds).items():
+            total[name] += seconds
     return total["kernel"] < total["xla"]
 
 

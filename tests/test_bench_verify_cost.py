@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specjax import calibrate
+from specjax import calibrate, timing
 from specjax.bench import verify_cost
 from specjax.config import tiny_llama
 
@@ -257,13 +257,13 @@ def test_bad_context_fields_are_refused_by_name(contexts, far, match):
 def test_timed_rounds_shuffle_the_program_order(monkeypatch):
     """Every round times each program once, in an order of its own (a program timed
     right after a large forward measured slower), the same order for the same round."""
-    rounds, order = [], calibrate.round_order
+    rounds, order = [], timing.round_order
 
     def recorded(n, r):
         rounds.append(list(order(n, r)))
         return rounds[-1]
 
-    monkeypatch.setattr(calibrate, "round_order", recorded)
+    monkeypatch.setattr(timing, "round_order", recorded)
     calibrate.measure_verify_cost([1, 3], batch=1, repeats=4, context=8, far=24,
                                   config=tiny_llama(vocab_size=64))
     assert len(rounds) == 4 and all(sorted(r) == list(range(6)) for r in rounds)

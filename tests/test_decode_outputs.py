@@ -24,7 +24,13 @@ def test_snapshot_covers_every_case(pair, snapshot):
     assert list(golden.speculators(*pair)) == list(golden.NAMES)
 
 
-@pytest.mark.parametrize("name", golden.NAMES)
+# the default run replays one speculator of each kind (n-gram, draft model, Medusa,
+# EAGLE-3) and plain decoding; the other recordings run with -m slow
+SLOW = ("self", "eagle2", "eagle1_static")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in golden.NAMES])
 def test_outputs_match_the_recording(pair, snapshot, name):
     target, draft = pair
     for key, kwargs in golden.cases(target, draft):

@@ -19,6 +19,13 @@ warm-up call; 64 new tokens, greedy, EOS ignored):
 
   python -m specjax.bench.ab --before ../specjax-old [--after .] [--rounds 3]
       [--workloads toy,smollm2,long] [--json out.json]
+
+`--before-env` / `--after-env NAME=VALUE` (repeatable) set environment variables for one
+side's rounds, so one checkout can be compared with itself under two settings, e.g. the
+few-row matmul kernel forced on against XLA's matmuls:
+
+  python -m specjax.bench.ab --before . --before-env SPECJAX_CPU_MATMUL=off \
+      --after-env SPECJAX_CPU_MATMUL=on --workloads smollm2
 """
 
 from __future__ import annotations
@@ -154,12 +161,26 @@ def _checkout(path: str, flag: str) -> Path:
     return root
 
 
-def _one(root: Path, workloads: list[str], cache_dir: str) -> dict:
-    """Runs a round in a fresh interpreter with `root` first on the import path."""
+def parse_env(items: list[str], flag: str) -> dict[str, str]:
+    """{NAME: VALUE} of `NAME=VALUE` arguments; SystemExit naming a malformed one."""
+    env = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name or name == "PYTHONPATH":
+            raise SystemExit(f"{flag} {item!r}: expected NAME=VALUE (not PYTHONPATH, "
+                             "which names the checkout)")
+        env[name] = value
+    return env
+
+
+def _one(root: Path, workloads: list[str], cache_dir: str,
+         env: dict[str, str] | None = None) -> dict:
+    """Runs a round in a fresh interpreter with `root` first on the import path and
+    `env` added to the environment."""
     script = (f"import json, runpy; ns = runpy.run_path({__file__!r}); "
               f"ns['map_root_packages']({str(root)!r}); "
               f"print(json.dumps(ns['run_round']({workloads!r}, {cache_dir!r})))")
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(root))
     with tempfile.TemporaryDirectory() as cwd:  # nothing in the cwd shadows an import
         proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd,
                               capture_output=True, text=True)
@@ -174,15 +195,17 @@ def _one(root: Path, workloads: list[str], cache_dir: str) -> dict:
 
 
 def compare(before: Path, after: Path, workloads: list[str], rounds: int,
-            cache_dir: str) -> list[dict]:
+            cache_dir: str, envs: dict[str, dict[str, str]] | None = None) -> list[dict]:
     """Interleaved rounds -> one row per cell: medians, after's speed relative to before
-    (before ms / after ms), each side's spread, and whether the tokens agree."""
+    (before ms / after ms), each side's spread, and whether the tokens agree. `envs`:
+    {"before" | "after": extra environment} for that side's rounds."""
     runs = {"before": [], "after": []}
+    envs = envs or {}
     for r in range(rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")
         for side in order:
             runs[side].append(_one(before if side == "before" else after, workloads,
-                                   cache_dir))
+                                   cache_dir, envs.get(side, {})))
             print(f"round {r + 1}/{rounds} {side} done", file=sys.stderr)
     rows = []
     for cell in (k for k in runs["after"][0] if not k.startswith("_")):
@@ -214,6 +237,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--json", help="also write the rows here")
+    for side in ("before", "after"):
+        ap.add_argument(f"--{side}-env", action="append", default=[], metavar="NAME=VALUE",
+                        help=f"an environment variable for the {side} side's rounds")
     args = ap.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     bad = sorted(set(workloads) - set(WORKLOADS))
@@ -222,8 +248,10 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds} must be >= 1")
     before, after = _checkout(args.before, "--before"), _checkout(args.after, "--after")
+    envs = {"before": parse_env(args.before_env, "--before-env"),
+            "after": parse_env(args.after_env, "--after-env")}
     with tempfile.TemporaryDirectory() as cache_dir:
-        rows = compare(before, after, workloads, args.rounds, cache_dir)
+        rows = compare(before, after, workloads, args.rounds, cache_dir, envs)
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -36,9 +36,10 @@ import numpy as np
 
 from specjax import rows_matmul
 from specjax.bench.suite import ints
-from specjax.calibrate import NO_YNN, interleaved_medians
+from specjax.calibrate import NO_YNN
 from specjax.model import fuse_qkv
 from specjax.models.transformer import FUSED_QKV
+from specjax.timing import interleaved_medians
 
 FORMS = ("gemm", "gemm, no YNNPACK", "per-row GEMVs", "rows kernel")
 ATTENTION_FORMS = ("q/k/v separate", "q/k/v fused")

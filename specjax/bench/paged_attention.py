@@ -7,7 +7,7 @@ One program per (form, T) attends T queries per row over `--context` cached toke
 every one of `--layers` layers, SmolLM2-135M's shapes by default (3 KV heads of 3
 queries, head dim 64), the pages stacked [L, K, P, Z, H] and the layer index opaque to
 XLA as in the CPU decode layout; random seeded pages and queries; causal mask among the
-T new tokens. Interleaved rounds in a seeded order, medians (`calibrate
+T new tokens. Interleaved rounds in a seeded order, medians (`specjax.timing
 .interleaved_medians`).
 
   python -m specjax.bench.paged_attention [--queries 1,5,17] [--contexts 200,1024]
@@ -25,7 +25,7 @@ import numpy as np
 from specjax import cpu_attention
 from specjax.attention import reference_attention_with_new, reference_paged_attention
 from specjax.bench.suite import ints
-from specjax.calibrate import interleaved_medians
+from specjax.timing import interleaved_medians
 from specjax.xla_options import compile_decode
 
 FORMS = ("jnp, in pages", "jnp, beside", "kernel, in pages", "kernel, beside")
