@@ -169,7 +169,8 @@ def test_a_traced_tiny_model_splits_its_step_into_parts(tmp_path):
 import json, os, shutil, sys
 sys.path.insert(0, {str(tmp_path)!r})
 dump = {str(tmp_path / "hlo")!r}
-os.environ["XLA_FLAGS"] = f"--xla_dump_to={{dump}} --xla_dump_hlo_module_re=jit_run"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # the suite's compile flags
+                           + f" --xla_dump_to={{dump}} --xla_dump_hlo_module_re=jit_run")
 import specjax
 from specjax.bench import profile
 from specjax.config import tiny_llama

@@ -170,7 +170,8 @@ def test_data_parallel_matches_single_device(method, tmp_path):
     """Batch sharded over 2 forced host devices == one device (in a subprocess: the
     device count is fixed when jax starts)."""
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    flags = os.environ.get("XLA_FLAGS", "")  # the suite's compile flags (tests/conftest.py)
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path), method], env=env,
