@@ -49,11 +49,20 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_dir() -> Path:
-    """jax's persistent compilation cache directory when it is on, else a temp dir."""
+def persistent_dir() -> Path | None:
+    """`specjax-kernels` in jax's persistent compilation cache directory when that is on
+    (a local one), else None."""
     cache = jax.config.jax_compilation_cache_dir
     if cache and jax.config.jax_enable_compilation_cache and "://" not in cache:
         return Path(cache) / "specjax-kernels"
+    return None
+
+
+def library_dir() -> Path:
+    """`persistent_dir()` when the compilation cache is on, else a temp dir."""
+    kept = persistent_dir()
+    if kept is not None:
+        return kept
     directory = tempfile.mkdtemp(prefix="specjax-kernels-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return Path(directory)
@@ -91,7 +100,8 @@ class FfiKernel:
         self.target, self.source, self.env = target, source, env
         self.what, self.fallback = what, fallback
         self._lock = threading.Lock()
-        self._state: dict = {}  # "ok": bool once tried; "lib": the library (kept referenced)
+        # "ok": bool once tried; "lib": the library (kept referenced); "path": its file
+        self._state: dict = {}
 
     def available(self) -> bool:
         """Whether the kernel is registered with XLA:CPU (built and loaded on first call);
@@ -106,13 +116,19 @@ class FfiKernel:
                     if compiler is None:
                         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'}"
                                            " not on PATH; set CXX)")
-                    lib = ctypes.cdll.LoadLibrary(str(build(self.source, compiler)))
+                    path = build(self.source, compiler)
+                    lib = ctypes.cdll.LoadLibrary(str(path))
                     jax.ffi.register_ffi_target(
                         self.target, jax.ffi.pycapsule(getattr(lib, self.target)),
                         platform="cpu")
-                    self._state.update(ok=True, lib=lib)
+                    self._state.update(ok=True, lib=lib, path=path)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                     warnings.warn(f"specjax's {self.what} is unavailable ({e}); "
                                   f"{self.fallback} runs instead. {self.env}=off silences "
                                   "this.", RuntimeWarning, stacklevel=3)
             return self._state["ok"]
+
+    def library_path(self) -> Path | None:
+        """The loaded library's file (its name keys on source, compiler, jaxlib and CPU),
+        or None where the kernel is not available."""
+        return self._state.get("path") if self.available() else None

@@ -14,14 +14,19 @@ It is built on first use and falls back to XLA's matmul where it cannot be
 weight rows side by side beats XLA's own product depends on the host's memory system
 (on some 2-core Xeons it reads at half XLA's rate), so before its first use on a weight
 shape the kernel races XLA's matmul on this machine (`kernel_wins`) and takes only the
-shapes it wins; `SPECJAX_CPU_MATMUL=on` skips the race.
+shapes it wins; `SPECJAX_CPU_MATMUL=on` skips the race. With jax's persistent
+compilation cache on, the verdicts are kept beside the built kernel (`<library>.race.json`,
+keyed like it on source, compiler, jaxlib and CPU), so later processes on this machine
+take the same shapes without racing again; delete that file to race again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,11 +77,51 @@ def kernel_wins(shape: tuple[int, int]) -> bool:
         return True
     with _race_lock:
         if shape not in _wins:
-            _wins[shape] = _race_in_thread(shape)
-            _log.info("few-row CPU matmul kernel on %s weights: %s", shape,
+            kept = verdicts_file()
+            earlier = _read_verdicts(kept).get(_key(shape)) if kept else None
+            _wins[shape] = _race_in_thread(shape) if earlier is None else earlier
+            if kept and earlier is None:
+                _write_verdict(kept, shape, _wins[shape])
+            _log.info("few-row CPU matmul kernel on %s weights: %s%s", shape,
                       "faster than XLA's, used" if _wins[shape] else
-                      "slower than XLA's, not used")
+                      "slower than XLA's, not used", "" if earlier is None else
+                      f" (raced earlier: {kept})")
         return _wins[shape]
+
+
+def verdicts_file() -> Path | None:
+    """Where the race's verdicts are kept: beside the built kernel when it lives in the
+    persistent compilation cache (`cpu_kernels.persistent_dir`), else None."""
+    lib, kept = KERNEL.library_path(), cpu_kernels.persistent_dir()
+    if lib is None or kept is None or lib.parent != kept:
+        return None
+    return lib.with_suffix(".race.json")
+
+
+def _key(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def _read_verdicts(path: Path) -> dict[str, bool]:
+    """{"IxO": verdict} from `path`; empty where it is missing or unreadable (the race
+    then runs again and rewrites it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, bool)} if isinstance(data, dict) else {}
+
+
+def _write_verdict(path: Path, shape: tuple[int, int], wins: bool) -> None:
+    """Adds one verdict to `path`, replacing the file whole (processes racing other
+    shapes at once may each drop the other's new verdict: it is raced again later)."""
+    verdicts = {**_read_verdicts(path), _key(shape): wins}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: race again next time
+        _log.warning("could not keep the matmul race's verdict in %s: %s", path, e)
 
 
 def serves(config) -> bool:
@@ -109,23 +154,36 @@ def _race_in_thread(shape: tuple[int, int]) -> bool:
 def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
          rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES) -> bool:
     """Whether the kernel's products of each of `rows` rows with copies of a `shape`
-    weight (at least `nbytes` in all) take less time in sum than XLA's: per row count,
-    medians over `rounds` interleaved calls of each, compiled and run once first. Seeded
-    inputs. False where the kernel is not available."""
+    weight (at least `nbytes` in all) take less time in sum than XLA's (`race_times`).
+    False where the kernel is not available."""
     if not available():
         return False
+    times = race_times(shape, rows, rounds, nbytes)
+    return sum(t["kernel"] for t in times.values()) < sum(t["xla"] for t in times.values())
+
+
+def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
+               rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES) -> dict:
+    """{rows: {"kernel" | "xla": median seconds}} of products of that many rows with
+    copies of a `shape` weight, one after another in one program (at least `nbytes` of
+    weights, so both read them from memory as a model's layers do): medians over
+    `rounds` interleaved calls (`timing.interleaved_medians`). Seeded inputs; needs the
+    kernel (`available`)."""
     rng = np.random.default_rng(0)
-    copies = max(1, min(64, -(-nbytes // (4 * shape[0] * shape[1]))))
-    ws = jnp.asarray(rng.standard_normal((copies, *shape), np.float32))
+    ws = jnp.asarray(rng.standard_normal((race_copies(shape, nbytes), *shape), np.float32))
     forms = {"kernel": _rows, "xla": jnp.matmul}
-    total = dict.fromkeys(forms, 0.0)
+    out = {}
     for r in rows:
         x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
         calls = {name: (jax.jit(lambda x, ws, f=f: jax.lax.map(lambda w: f(x, w), ws)),
                         (x, ws)) for name, f in forms.items()}
-        for name, seconds in timing.interleaved_medians(calls, rounds).items():
-            total[name] += seconds
-    return total["kernel"] < total["xla"]
+        out[r] = timing.interleaved_medians(calls, rounds)
+    return out
+
+
+def race_copies(shape: tuple[int, int], nbytes: int = RACE_BYTES) -> int:
+    """Copies of a float32 `shape` weight the race multiplies: at least `nbytes`, 1-64."""
+    return max(1, min(64, -(-nbytes // (4 * shape[0] * shape[1]))))
 
 
 @jax.custom_jvp

@@ -5,6 +5,7 @@ the decode layout calling it."""
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from pathlib import Path
 
@@ -152,6 +153,7 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     monkeypatch.delenv(rows_matmul.ENV)
     monkeypatch.setattr(rows_matmul, "race", fake_race)
     monkeypatch.setattr(rows_matmul, "_wins", {})
+    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda: None)  # none kept
     jax.clear_caches()  # programs other tests traced with these shapes
     x = _data((2, 12), (12, 8))[0]
     w8, w24 = _data((2, 12), (12, 8))[1], _data((2, 12), (12, 24))[1]
@@ -165,6 +167,37 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     monkeypatch.setenv(rows_matmul.ENV, "on")
     jax.clear_caches()
     assert _calls_kernel(rows_matmul.matmul, x, w24)
+
+
+def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tmp_path):
+    """With the compilation cache on (the suite turns it on), a verdict is written next
+    to the built kernel and read back instead of racing again (a new process starts
+    with no verdicts in memory); an unreadable file is raced over and rewritten; with the
+    cache off nothing is kept."""
+    monkeypatch.delenv(rows_matmul.ENV)
+    kept = rows_matmul.verdicts_file()
+    assert kept == rows_matmul.KERNEL.library_path().with_suffix(".race.json")
+    path = tmp_path / "kernel.race.json"
+    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda: path)
+    raced = []
+
+    def fake_race(shape):
+        raced.append(shape)
+        return shape == (12, 8)
+
+    monkeypatch.setattr(rows_matmul, "race", fake_race)
+    for _ in range(2):  # the second "process" reads the first one's verdicts
+        monkeypatch.setattr(rows_matmul, "_wins", {})
+        assert rows_matmul.kernel_wins((12, 8)) and not rows_matmul.kernel_wins((12, 24))
+    assert raced == [(12, 8), (12, 24)]
+    assert json.loads(path.read_text()) == {"12x24": False, "12x8": True}
+    path.write_text("{not json")
+    monkeypatch.setattr(rows_matmul, "_wins", {})
+    assert rows_matmul.kernel_wins((12, 8)) and raced[-1] == (12, 8)
+    assert json.loads(path.read_text()) == {"12x8": True}
+    monkeypatch.undo()  # the real verdicts_file, with the cache off
+    monkeypatch.setattr(rows_matmul.cpu_kernels, "persistent_dir", lambda: None)
+    assert rows_matmul.verdicts_file() is None
 
 
 def test_a_real_race_returns_a_verdict(monkeypatch):

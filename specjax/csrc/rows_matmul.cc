@@ -7,13 +7,14 @@
 // weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
 // weight row is read from memory once for all T rows: 32 rows at a time (32 sequential
 // streams), and for each block of 32 columns (64 for one row) the output rows, up to 8
-// at a time, stay in vector registers across those 32. With more than one row, the
-// first group of rows prefetches the next column block of the same weight rows: without
-// it the hardware prefetcher alone does not keep 32 streams ahead of 2-8 rows'
-// arithmetic, and 5 rows cost 1.5x one (with it, 1.2x; docs/benchmarks.md). Each output
-// element sums x[t, i] * w[i, c] in the order of i whatever T is, so a row's result
-// does not depend on how many rows share the call. The columns are split across XLA's
-// intra-op threads.
+// at a time, stay in vector registers across those 32. The first group of rows
+// prefetches the next column block of the same weight rows: without it the hardware
+// prefetcher alone does not keep 32 streams ahead of 2-8 rows' arithmetic, and 5 rows
+// cost 1.5x one (with it, 1.2x), nor, on some hosts, ahead of one row (SmolLM2's LM
+// head at one row read 9.5 GB/s with it, 5.7 without, on a 2-core Xeon;
+// docs/benchmarks.md). Each output element sums x[t, i] * w[i, c] in the order of i
+// whatever T is, so a row's result does not depend on how many rows share the call.
+// The columns are split across XLA's intra-op threads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -43,9 +44,8 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // y[T rows, columns [c, c + vecs(T) * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
-// columns]: the T output rows held in registers across the weight rows. kPrefetch (and
-// more than one row): also fetch the same columns of the next column block of these
-// weight rows.
+// columns]: the T output rows held in registers across the weight rows. kPrefetch: also
+// fetch the same columns of the next column block of these weight rows.
 template <int T, bool kPrefetch>
 void block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t i0,
            int64_t i1, int64_t c) {
@@ -59,7 +59,7 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
     for (int v = 0; v < kVecs; ++v) wv[v] = load(wr + v * kLanes);
     // past the last column block this names memory beyond the row (or the matrix): a
     // prefetch never faults, so it needs no bound
-    if (kPrefetch && T > 1)
+    if (kPrefetch)
       for (int v = 0; v < kVecs; ++v) __builtin_prefetch(wr + kColumnBlock + v * kLanes);
     for (int t = 0; t < T; ++t) {
       const float xs = x[t * in + i];

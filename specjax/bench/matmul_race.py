@@ -1,0 +1,73 @@
+"""What the few-row matmul kernel's race against XLA's matmul sees on this machine: for
+each weight shape of a model, the weight bytes each form reads per second at 1, 5 and
+17 rows (`specjax.rows_matmul.race_times`, the timing `kernel_wins` decides by, with
+more rounds), and the verdict the race would give. SmolLM2-135M's shapes by default
+(q/o, k/v, gate/up, down, LM head), from its config; no weights are loaded.
+
+  python -m specjax.bench.matmul_race [--hidden 576] [--intermediate 1536] [--kv-width 192]
+      [--vocab 49152] [--rows 1,5,17] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specjax import rows_matmul
+from specjax.bench.suite import ints
+
+
+def shapes(hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict:
+    """{name: (in, out)} of a Llama-family model's weight shapes."""
+    return {"q/o": (hidden, hidden), "k/v": (hidden, kv_width),
+            "gate/up": (hidden, intermediate), "down": (intermediate, hidden),
+            "LM head": (hidden, vocab)}
+
+
+def rows_of(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
+    """One row per row count: GB/s of weights each form read, and the shape's verdict
+    (the race sums the times over row counts)."""
+    nbytes = rows_matmul.race_copies(shape) * shape[0] * shape[1] * 4
+    wins = (sum(t["kernel"] for t in times.values())
+            < sum(t["xla"] for t in times.values()))
+    return [dict(weight=name, shape=f"{shape[0]}x{shape[1]}", rows=r,
+                 kernel_gbs=nbytes / t["kernel"] / 1e9, xla_gbs=nbytes / t["xla"] / 1e9,
+                 verdict="kernel" if wins else "XLA") for r, t in times.items()]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| weight | shape | rows | kernel GB/s | XLA GB/s | kernel / XLA | race picks |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['weight']} | {r['shape']} | {r['rows']} | {r['kernel_gbs']:.2f} | "
+              f"{r['xla_gbs']:.2f} | {r['kernel_gbs'] / r['xla_gbs']:.2f} | {r['verdict']} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench.matmul_race",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, default in (("--hidden", 576), ("--intermediate", 1536), ("--kv-width", 192),
+                          ("--vocab", 49152)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--rows", default=",".join(map(str, rows_matmul.RACE_ROWS)))
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args(argv)
+    rows = ints(args.rows, "--rows", ap)
+    dims = (args.hidden, args.intermediate, args.kv_width, args.vocab, args.rounds)
+    if min(dims) < 1:
+        ap.error(f"sizes and --rounds must be >= 1, got {dims}")
+    if not rows_matmul.available():
+        print("the few-row matmul kernel is not available here (no C++ compiler, or "
+              f"{rows_matmul.ENV}=off)", file=sys.stderr)
+        return 2
+    out = []
+    for name, shape in shapes(*dims[:4]).items():
+        out += rows_of(name, shape, rows_matmul.race_times(shape, rows, args.rounds))
+    print(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
