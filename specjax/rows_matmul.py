@@ -99,11 +99,12 @@ def verdicts_file() -> Path | None:
 
 
 def _key(shape: tuple[int, int]) -> str:
-    return f"{shape[0]}x{shape[1]}"
+    """A verdict's key: the shape and what the race timed (a changed race races again)."""
+    return f"{shape[0]}x{shape[1]} rows {','.join(map(str, RACE_ROWS))} bytes {RACE_BYTES}"
 
 
 def _read_verdicts(path: Path) -> dict[str, bool]:
-    """{"IxO": verdict} from `path`; empty where it is missing or unreadable (the race
+    """{key: verdict} (`_key`) from `path`; empty where it is missing or unreadable (the race
     then runs again and rewrites it)."""
     try:
         data = json.loads(path.read_text())

@@ -190,11 +190,15 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
         monkeypatch.setattr(rows_matmul, "_wins", {})
         assert rows_matmul.kernel_wins((12, 8)) and not rows_matmul.kernel_wins((12, 24))
     assert raced == [(12, 8), (12, 24)]
-    assert json.loads(path.read_text()) == {"12x24": False, "12x8": True}
+    assert json.loads(path.read_text()) == {"12x24 rows 1,5,17 bytes 67108864": False,
+                                            "12x8 rows 1,5,17 bytes 67108864": True}
     path.write_text("{not json")
     monkeypatch.setattr(rows_matmul, "_wins", {})
     assert rows_matmul.kernel_wins((12, 8)) and raced[-1] == (12, 8)
-    assert json.loads(path.read_text()) == {"12x8": True}
+    assert json.loads(path.read_text()) == {"12x8 rows 1,5,17 bytes 67108864": True}
+    monkeypatch.setattr(rows_matmul, "RACE_ROWS", (1, 9))  # a changed race races again
+    monkeypatch.setattr(rows_matmul, "_wins", {})
+    assert rows_matmul.kernel_wins((12, 8)) and raced.count((12, 8)) == 3
     monkeypatch.undo()  # the real verdicts_file, with the cache off
     monkeypatch.setattr(rows_matmul.cpu_kernels, "persistent_dir", lambda: None)
     assert rows_matmul.verdicts_file() is None
