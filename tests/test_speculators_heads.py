@@ -70,9 +70,7 @@ def test_greedy_is_lossless_for_one_prompt(tiny_target, greedy_ref, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [  # a head's tree and the draft's; the rest as slow
-    "eagle3", "draft_tree", *[pytest.param(n, marks=pytest.mark.slow)
-                              for n in ("medusa", "eagle1", "eagle2")]])
+@pytest.mark.parametrize("name", SPECS)
 def test_greedy_is_lossless_with_adaptive_depth(tiny_target, greedy_ref, name):
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
                            speculator=_make(name, tiny_target), adaptive=True)

@@ -28,8 +28,7 @@ def rows_of(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
     """One row per row count: GB/s of weights each form read, and the shape's verdict
     (the race sums the times over row counts)."""
     nbytes = rows_matmul.race_copies(shape) * shape[0] * shape[1] * 4
-    wins = (sum(t["kernel"] for t in times.values())
-            < sum(t["xla"] for t in times.values()))
+    wins = rows_matmul.verdict(times)
     return [dict(weight=name, shape=f"{shape[0]}x{shape[1]}", rows=r,
                  kernel_gbs=nbytes / t["kernel"] / 1e9, xla_gbs=nbytes / t["xla"] / 1e9,
                  verdict="kernel" if wins else "XLA") for r, t in times.items()]
