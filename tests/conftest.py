@@ -14,6 +14,12 @@ _FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
                  " --xla_cpu_use_fusion_emitters=false")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+# XLA's own defaults for the options above, per compilation (`specjax.xla_options`): a
+# real checkpoint's decode programs run several times slower at the suite's level, for
+# less than they save in compile time (`real_decode_options`)
+XLA_DEFAULT_OPTIONS = {"xla_backend_optimization_level": 3,
+                       "xla_llvm_disable_expensive_passes": False,
+                       "xla_cpu_use_fusion_emitters": True}
 # Many tests compile the same programs (the same tiny models at the same shapes, in other
 # modules after each module's caches are dropped, and in the other xdist worker): jax's
 # persistent compilation cache, in one temporary directory per run, compiles each once.
@@ -103,3 +109,15 @@ def _fresh_compile_caches():
     PROGRAMS.clear()
     LAYOUTS.clear()
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def real_decode_options():
+    """generate's programs compiled at XLA's default level (`XLA_DEFAULT_OPTIONS`) for a
+    module that decodes a real checkpoint: SmolLM2's 64 greedy steps at batch 4 run
+    ~4x faster there, which outweighs their longer compile."""
+    from specjax import xla_options
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(xla_options.DECODE_OPTIONS, "cpu", dict(XLA_DEFAULT_OPTIONS))
+        yield

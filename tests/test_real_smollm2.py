@@ -23,7 +23,7 @@ LOGIT_ATOL = 1e-3  # the issue's bound for a 30-layer model (|logit| up to ~45)
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(real_decode_options):
     path = smollm2()
     ours = specjax.load(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(

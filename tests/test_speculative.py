@@ -610,11 +610,10 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
     """The page table takes a draft tree's slack only where the verify forward writes the
     tree (compact), so a speculative program's plain steps attend over what plain
     decoding's do, and generate prices its first step at that table; at the edge (prompt
-    + new + 1 = 64, the slack past it) both commit paths stay lossless with drafts
+    + new + 1 = 64, the slack past it) a chain written there stays lossless with drafts
     accepted up to the last token of the budget."""
     from specjax.decoding import generate as generate_module
     from specjax.decoding.generate import _Sizes
-    from specjax.speculators import Medusa
     from tests.conftest import greedy_reference
 
     target = _attention_sensitive_target()
@@ -629,13 +628,11 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
     assert pages(None, False) == (4, 64)
     assert pages(spec, False) == (4, 128)  # the token buffer keeps its slack
     assert pages(spec, True) == (8, 128)
-    want = greedy_reference(target, prompt, new)
-    # the chain on both paths; a tree (Medusa) where it is written into the slack
-    for s, kv_commit in ((spec, "write-kept"), (spec, "compact"),
-                         (Medusa.random(target, num_heads=4, seed=0), "compact")):
-        out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
-                               speculator=s, adaptive=False, kv_commit=kv_commit)
-        assert out.tokens == [want], (kv_commit, type(s).__name__)
+    # the chain at the edge, written into the slack (compact); the deferred commit and a
+    # tree there: test_both_commit_paths_stay_lossless_at_the_pages_edge (slow)
+    out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                           speculator=spec, adaptive=False, kv_commit="compact")
+    assert out.tokens == [greedy_reference(target, prompt, new)]
     # the first step's price: the CPU attention kernel reads the prompt (head dim 64, one
     # it takes); without it the jnp reference attention reads the whole table, slack
     # included, and so it does for pages the kernel does not take (int8, head dim 16)
@@ -667,14 +664,50 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
     assert not reads_used_slots("reference", 64, "bfloat16")
 
 
+def test_speculators_own_caches_take_the_kv_dtype():
+    """`kv_cache_dtype` sets the draft model's and the EAGLE head's own caches too (vLLM's
+    engine-wide setting): their `init` with an int8 `kv_dtype` builds an int8 cache."""
+    import jax.numpy as jnp
+
+    from specjax.speculators import Eagle
+
+    target = _attention_sensitive_target()
+    for spec in (DraftModel.create(target, k=4),
+                 Eagle.random(target, top_k=2, depth=3, total_tokens=6)):
+        state = spec.init(target.config, 2, 64, kv_dtype=jnp.dtype(jnp.int8))
+        assert state.cache.quantized and state.cache.k_pages.dtype == jnp.int8
+        assert not spec.init(target.config, 2, 64).cache.quantized
+
+
+@pytest.mark.slow
+def test_both_commit_paths_stay_lossless_at_the_pages_edge():
+    """The edge of test_pages_take_the_draft_slack_only_where_the_tree_is_written (prompt
+    + new + 1 = 64): the chain, all accepted, through the deferred commit, and Medusa's
+    tree written into the slack."""
+    from specjax.speculators import Medusa
+    from tests.conftest import greedy_reference
+
+    target = _attention_sensitive_target()
+    prompt, new = [3, 4, 5, 3, 4, 5, 3, 4], 55
+    want = greedy_reference(target, prompt, new)
+    for s, kv_commit in ((DraftModel.create(target, k=4), "write-kept"),
+                         (Medusa.random(target, num_heads=4, seed=0), "compact")):
+        out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
+                               speculator=s, adaptive=False, kv_commit=kv_commit)
+        assert out.tokens == [want], (kv_commit, type(s).__name__)
+
+
+# By default int8 speculation runs in tests/sharding_cases.py (Medusa's tree written and
+# compacted, its scales moved per shard) and tests/test_bench_suite.py (the draft's chain
+# through the CPU's deferred commit), both lossless against the int8 target
+@pytest.mark.slow
 def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch):
     """With an int8 KV cache, greedy speculative output equals target-only greedy decoding
     over the same int8 cache, through both commit paths: a tree written and compacted
     (its keys' scales moved with them), and one verified with its keys kept out of the
     cache (seen fake-quantized, then written; tests/test_kv_quant.py checks that step's
-    logits). `kv_cache_dtype` sets the draft model's and the EAGLE head's own caches too
-    (vLLM's engine-wide setting): `generate` hands it to their `init`, whose cache is
-    then int8, and the target as its own draft, both over int8, accepts every draft."""
+    logits). `generate` hands `kv_cache_dtype` to the draft's and the EAGLE head's
+    `init`, and the target as its own draft, both over int8, accepts every draft."""
     import jax.numpy as jnp
 
     from specjax.decoding.generate import PROGRAMS
@@ -683,10 +716,6 @@ def test_int8_cache_speculation_is_lossless_against_the_int8_target(monkeypatch)
     target = _attention_sensitive_target()
     medusa = Medusa.random(target, num_heads=4, seed=0)
     eagle = Eagle.random(target, top_k=2, depth=3, total_tokens=6)
-    for spec in (DraftModel.create(target, k=4), eagle):
-        state = spec.init(target.config, 2, 64, kv_dtype=jnp.dtype(jnp.int8))
-        assert state.cache.quantized and state.cache.k_pages.dtype == jnp.int8
-        assert not spec.init(target.config, 2, 64).cache.quantized
     asked = []
     for cls in (DraftModel, Eagle):
         def spy(self, *args, _init=cls.init, **kwargs):

@@ -48,7 +48,10 @@ def _noisy_copy(model, scale=0.05, seed=7):
 SPECS = ["medusa", "eagle1", "eagle2", "eagle3", "draft_tree"]
 
 
-@pytest.mark.parametrize("name", SPECS)
+# eagle1 (EAGLE-1's static tree) runs with -m slow: its tree is verified by default in
+# test_ragged_batch_samples_the_target[eagle1_top_k], greedy trees in the other cases
+@pytest.mark.parametrize("name", [n if n != "eagle1" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in SPECS])
 def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
     spec = _make(name, tiny_target)
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
@@ -269,7 +272,9 @@ def test_bad_settings_are_named(tiny_target, make, match):
         make(tiny_target)
 
 
-@pytest.mark.parametrize("name", ["eagle2", "eagle3", "draft_tree"])
+# eagle2 runs with -m slow: EAGLE-3 skips its head's call the same way (one `Eagle`)
+@pytest.mark.parametrize("name", [pytest.param("eagle2", marks=pytest.mark.slow), "eagle3",
+                                  "draft_tree"])
 def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
     """Verification priced so that these depth-3 drafts stay off under the prior but
     accepted probes could turn them on (so probes run): rows draft only on probe
