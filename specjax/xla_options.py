@@ -6,8 +6,9 @@ are as fast or faster (`python -m specjax.bench.verify_cost`, docs/benchmarks.md
 the CPU entry is empty; the mechanism stays for the next exception.
 
 Options are per compilation (`Lowered.compile(compiler_options=...)`), not the
-process-wide `XLA_FLAGS`, so training and user code keep XLA's defaults. An XLA that
-does not know an option (another jaxlib) compiles with its defaults, with a warning.
+process-wide `XLA_FLAGS`, so training and user code keep XLA's defaults, and generate's
+program cache keys on them (an edit recompiles). An XLA that does not know an option
+(another jaxlib) compiles with its defaults, with a warning.
 """
 
 from __future__ import annotations

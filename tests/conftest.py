@@ -10,16 +10,14 @@ import tempfile
 # MLIR fusion emitters (at the default level they are slower: users keep XLA's
 # defaults). Set before jax is imported; subprocesses and notebook kernels
 # inherit it (tests/multidevice.py adds its device count to it).
-_FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-                 " --xla_cpu_use_fusion_emitters=false")
+# option: (the suite's value, XLA's default); the defaults serve `real_decode_options`
+_COMPILE_OPTIONS = {"xla_backend_optimization_level": (0, 3),
+                    "xla_llvm_disable_expensive_passes": (True, False),
+                    "xla_cpu_use_fusion_emitters": (False, True)}
+_FAST_COMPILE = " ".join(f"--{name}={str(fast).lower()}"
+                         for name, (fast, _) in _COMPILE_OPTIONS.items())
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
-# XLA's own defaults for the options above, per compilation (`specjax.xla_options`): a
-# real checkpoint's decode programs run several times slower at the suite's level, for
-# less than they save in compile time (`real_decode_options`)
-XLA_DEFAULT_OPTIONS = {"xla_backend_optimization_level": 3,
-                       "xla_llvm_disable_expensive_passes": False,
-                       "xla_cpu_use_fusion_emitters": True}
 # Many tests compile the same programs (the same tiny models at the same shapes, in other
 # modules after each module's caches are dropped, and in the other xdist worker): jax's
 # persistent compilation cache, in one temporary directory per run, compiles each once.
@@ -113,11 +111,18 @@ def _fresh_compile_caches():
 
 @pytest.fixture(scope="module")
 def real_decode_options():
-    """generate's programs compiled at XLA's default level (`XLA_DEFAULT_OPTIONS`) for a
-    module that decodes a real checkpoint: SmolLM2's 64 greedy steps at batch 4 run
-    ~4x faster there, which outweighs their longer compile."""
+    """generate's programs compiled with XLA's defaults for the suite's options
+    (per compilation, `specjax.xla_options`) in a module that decodes a real checkpoint:
+    SmolLM2's 64 greedy steps at batch 4 run ~3.5x faster there, which outweighs their
+    longer compile."""
     from specjax import xla_options
 
+    defaults = {name: default for name, (_, default) in _COMPILE_OPTIONS.items()}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(xla_options.DECODE_OPTIONS, "cpu", dict(XLA_DEFAULT_OPTIONS))
+        mp.setitem(xla_options.DECODE_OPTIONS, "cpu", defaults)
         yield
+
+
+def slow_cases(values, slow) -> list:
+    """`values` as parametrize cases, those in `slow` marked `slow` (run with -m slow)."""
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]

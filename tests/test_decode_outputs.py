@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests import decode_outputs as golden
+from tests.conftest import slow_cases
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,7 @@ def test_snapshot_covers_every_case(pair, snapshot):
 SLOW = ("self", "eagle2", "eagle1_static")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in golden.NAMES])
+@pytest.mark.parametrize("name", slow_cases(golden.NAMES, SLOW))
 def test_outputs_match_the_recording(pair, snapshot, name):
     target, draft = pair
     for key, kwargs in golden.cases(target, draft):

@@ -14,7 +14,7 @@ from specjax.models.transformer import Hidden
 from specjax.sampling import Sampling, probs
 from specjax.speculators import DraftModel, Eagle, Medusa
 from specjax.speculators.base import CommitContext, PrefillChunk, ProposeContext
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, slow_cases
 from tests.stat_utils import assert_same_distribution
 
 SMALL_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -50,8 +50,7 @@ SPECS = ["medusa", "eagle1", "eagle2", "eagle3", "draft_tree"]
 
 # eagle1 (EAGLE-1's static tree) runs with -m slow: its tree is verified by default in
 # test_ragged_batch_samples_the_target[eagle1_top_k], greedy trees in the other cases
-@pytest.mark.parametrize("name", [n if n != "eagle1" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in SPECS])
+@pytest.mark.parametrize("name", slow_cases(SPECS, {"eagle1"}))
 def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
     spec = _make(name, tiny_target)
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
@@ -273,8 +272,7 @@ def test_bad_settings_are_named(tiny_target, make, match):
 
 
 # eagle2 runs with -m slow: EAGLE-3 skips its head's call the same way (one `Eagle`)
-@pytest.mark.parametrize("name", [pytest.param("eagle2", marks=pytest.mark.slow), "eagle3",
-                                  "draft_tree"])
+@pytest.mark.parametrize("name", slow_cases(["eagle2", "eagle3", "draft_tree"], {"eagle2"}))
 def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
     """Verification priced so that these depth-3 drafts stay off under the prior but
     accepted probes could turn them on (so probes run): rows draft only on probe

@@ -4,13 +4,14 @@ subprocess per method (see tests/multidevice.py)."""
 import pytest
 from multidevice import run_cases
 
+from tests.conftest import slow_cases
+
 KINDS = ["medusa", "eagle3", "distill"]
 
 
 # distill (every weight of a model trained) runs with -m slow: a whole model's train
 # step on 2x4 equals one device's in tests/sharding_cases.py by default
-@pytest.mark.parametrize("kind", [k if k != "distill" else pytest.param(k, marks=pytest.mark.slow)
-                                  for k in KINDS])
+@pytest.mark.parametrize("kind", slow_cases(KINDS, {"distill"}))
 def test_sharded_training(kind):
     """Steps on 2×4 == one device, the layouts of target and trainables (Medusa: also the
     resume of a 2×4 checkpoint on 1×8)."""

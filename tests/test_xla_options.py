@@ -45,3 +45,23 @@ def test_refused_options_fall_back_with_a_warning(monkeypatch):
         compiled = xla_options.compile_decode(lowered, "cpu")
     np.testing.assert_allclose(compiled(*args), lowered.compile()(*args), rtol=1e-6)
     assert xla_options.decode_options("cpu") == {}  # asked once, not on every compile
+
+
+def test_generates_program_cache_recompiles_when_an_option_changes(monkeypatch):
+    """`ProgramCache` keys its programs on the options too: a program compiled before an
+    edit of `DECODE_OPTIONS` is not served after it."""
+    from specjax.decoding import programs
+
+    compiled = []
+    monkeypatch.setattr(programs, "compile_decode",
+                        lambda lowered: compiled.append(lowered) or lowered.compile())
+    cache = programs.ProgramCache(size=4)
+    fn = jax.jit(lambda scale, x: x * scale, static_argnums=0)
+    x = jnp.ones((3,), jnp.float32)
+    for _ in range(2):
+        cache.get("double", fn, 2.0, (x,), {})
+    assert len(compiled) == 1
+    monkeypatch.setitem(xla_options.DECODE_OPTIONS, "cpu",
+                        {"xla_cpu_experimental_ynn_fusion_type": ""})
+    cache.get("double", fn, 2.0, (x,), {})
+    assert len(compiled) == 2

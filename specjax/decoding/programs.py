@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from specjax.sharding import rules as shard
-from specjax.xla_options import compile_decode
+from specjax.xla_options import compile_decode, decode_options
 
 
 def memory_maps() -> int | None:
@@ -51,7 +51,8 @@ class ProgramCache:
         leaves, treedef = jax.tree.flatten(args)
         sig = (name, static, treedef, tuple(kwargs.items()),
                tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
-                      getattr(x, "sharding", None)) for x in leaves))
+                      getattr(x, "sharding", None)) for x in leaves),
+               tuple(sorted(decode_options().items())))  # an edited option recompiles
 
         def compile_():
             self._make_room()
