@@ -50,9 +50,9 @@ class ProgramCache:
     def get(self, name: str, fn, static, args: tuple, kwargs: dict, mesh=None):
         leaves, treedef = jax.tree.flatten(args)
         sig = (name, static, treedef, tuple(kwargs.items()),
+               tuple(sorted(decode_options().items())),  # an edited option recompiles
                tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
-                      getattr(x, "sharding", None)) for x in leaves),
-               tuple(sorted(decode_options().items())))  # an edited option recompiles
+                      getattr(x, "sharding", None)) for x in leaves))  # last: tests read it
 
         def compile_():
             self._make_room()
