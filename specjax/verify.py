@@ -72,22 +72,26 @@ def _finish(tree: DraftTree, accepted: jax.Array, bonus: jax.Array) -> VerifyRes
 
 
 def verify_greedy(logits: jax.Array, tree: DraftTree) -> VerifyResult:
-    """logits [B, N+1, V]: accept children equal to the target's argmax, depth by depth."""
+    """logits [B, N+1, V]: accept children equal to the target's argmax, depth by depth.
+    A `while_loop` that stops once every row has stopped takes the argmax only at the
+    inputs the walk reaches, not over every node's logits."""
     b = logits.shape[0]
-    g = sampling_lib.argmax(logits)  # [B, N+1]
-    cur = jnp.zeros((b,), jnp.int32)
-    alive = jnp.ones((b,), bool)
-    accepted = []
-    for _ in range(tree.max_depth):
-        want = jnp.take_along_axis(g, cur[:, None], axis=1)  # [B, 1]
-        match = _children(tree, cur, alive) & (tree.tokens == want)
+    rows = jnp.arange(b)
+
+    def step(c):
+        d, cur, alive, accepted = c
+        want = sampling_lib.argmax(logits[rows, cur])  # [B]
+        match = _children(tree, cur, alive) & (tree.tokens == want[:, None])
         has = jnp.any(match, axis=1)
         idx = jnp.argmax(match, axis=1).astype(jnp.int32)
-        accepted.append(jnp.where(has, idx, -1))
-        cur = jnp.where(has, idx + 1, cur)
-        alive = alive & has
-    bonus = jnp.take_along_axis(g, cur[:, None], axis=1)[:, 0]
-    return _finish(tree, jnp.stack(accepted, axis=1), bonus)
+        accepted = accepted.at[:, d].set(jnp.where(has, idx, -1))
+        return d + 1, jnp.where(has, idx + 1, cur), alive & has, accepted
+
+    _, cur, _, accepted = jax.lax.while_loop(
+        lambda c: (c[0] < tree.max_depth) & jnp.any(c[2]), step,
+        (0, jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
+         jnp.full((b, tree.max_depth), -1, jnp.int32)))
+    return _finish(tree, accepted, sampling_lib.argmax(logits[rows, cur]))
 
 
 def row_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -122,49 +126,60 @@ def _bonus(keys: jax.Array, log_target: jax.Array, residual: jax.Array,
 
 def verify_rejection(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,
                      key: jax.Array, bonus_keys: jax.Array | None = None) -> VerifyResult:
-    """Lossless recursive rejection sampling over the tree (see module docstring)."""
+    """Lossless recursive rejection sampling over the tree (see module docstring).
+    Vocabulary-wide work runs only where a walk is: `while_loop`s over the depths some
+    row still walks and over the nodes that are some row's candidate child, so a step
+    costs [B, V] work per visited node, not per (depth, node) of the tree."""
     b, t, v = logits.shape
     n = t - 1
-    logp_all = sampling_lib.log_probs(logits, sampling)  # [B, N+1, V]
-    p_all = jnp.exp(logp_all)
     rows = jnp.arange(b)
-    cur = jnp.zeros((b,), jnp.int32)
-    alive = jnp.ones((b,), bool)
-    stop_dist = jnp.zeros((b, v), jnp.float32)
-    rejected = jnp.zeros((b,), bool)  # the bonus comes from a residual, not the target
-    accepted = []
     ukeys, bonus_keys = _keys(key, b, bonus_keys)
     us = _uniforms(ukeys, n).T  # [N, B]: node i's uniform is used at its depth only
-    for _ in range(tree.max_depth):
-        residual = p_all[rows, cur]  # [B, V]
+    target = lambda cur: sampling_lib.log_probs(logits[rows, cur], sampling)  # [B, V]
+
+    def visit(c):
+        """Judge the first candidate node i against each row's residual."""
+        cand, residual, found, chosen, rej = c
+        i = jnp.argmax(jnp.any(cand, axis=0)).astype(jnp.int32)
+        child = cand[:, i]
+        x = tree.tokens[:, i]
+        q = (jax.nn.one_hot(x, v, dtype=jnp.float32) if tree.draft_probs is None
+             else tree.draft_probs[:, i])
+        px = residual[rows, x]
+        qx = q[rows, x]
+        accept = child & (us[i] * qx < px)
+        rest = jnp.maximum(residual - q, 0.0)
+        mass = jnp.sum(rest, axis=-1, keepdims=True)
+        rest = jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), residual)
+        residual = jnp.where((child & ~accept)[:, None], rest, residual)
+        found = found | accept
+        # a row that accepted stops judging its siblings
+        cand = cand.at[:, i].set(False) & ~found[:, None]
+        return cand, residual, found, jnp.where(accept, i, chosen), rej | (child & ~accept)
+
+    def depth(c):
+        d, cur, alive, stop_dist, rejected, accepted = c
         kids = _children(tree, cur, alive)  # [B, N]
-
-        def visit(i, carry, kids=kids):
-            residual, found, chosen, rej = carry
-            child = kids[:, i] & ~found
-            x = tree.tokens[:, i]
-            onehot = jax.nn.one_hot(x, v, dtype=jnp.float32)
-            q = onehot if tree.draft_probs is None else tree.draft_probs[:, i]
-            px = residual[rows, x]
-            qx = q[rows, x]
-            accept = child & (us[i] * qx < px)
-            rest = jnp.maximum(residual - q, 0.0)
-            mass = jnp.sum(rest, axis=-1, keepdims=True)
-            rest = jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), residual)
-            residual = jnp.where((child & ~accept)[:, None], rest, residual)
-            return residual, found | accept, jnp.where(accept, i, chosen), rej | (child & ~accept)
-
-        residual, found, chosen, rej = jax.lax.fori_loop(
-            0, n, visit, (residual, jnp.zeros((b,), bool), jnp.full((b,), -1, jnp.int32),
-                          jnp.zeros((b,), bool)))
+        none = (jnp.zeros((b,), bool), jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool))
+        # no row has a child here: every alive row stops without a rejection, so its
+        # residual (stop_dist) is never read
+        residual, found, chosen, rej = jax.lax.cond(
+            jnp.any(kids),
+            lambda: jax.lax.while_loop(lambda w: jnp.any(w[0]), visit,
+                                       (kids, jnp.exp(target(cur))) + none)[1:],
+            lambda: (stop_dist,) + none)
         newly_stopped = alive & ~found
-        stop_dist = jnp.where(newly_stopped[:, None], residual, stop_dist)
-        rejected = rejected | (newly_stopped & rej)
-        accepted.append(jnp.where(found, chosen, -1))
-        cur = jnp.where(found, chosen + 1, cur)
-        alive = alive & found
-    bonus = _bonus(bonus_keys, logp_all[rows, cur], stop_dist, rejected)
-    return _finish(tree, jnp.stack(accepted, axis=1), bonus)
+        return (d + 1, jnp.where(found, chosen + 1, cur), alive & found,
+                jnp.where(newly_stopped[:, None], residual, stop_dist),
+                rejected | (newly_stopped & rej),  # the bonus comes from a residual
+                accepted.at[:, d].set(jnp.where(found, chosen, -1)))
+
+    _, cur, _, stop_dist, rejected, accepted = jax.lax.while_loop(
+        lambda c: (c[0] < tree.max_depth) & jnp.any(c[2]), depth,
+        (0, jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b, v), jnp.float32),
+         jnp.zeros((b,), bool), jnp.full((b, tree.max_depth), -1, jnp.int32)))
+    bonus = _bonus(bonus_keys, target(cur), stop_dist, rejected)
+    return _finish(tree, accepted, bonus)
 
 
 def verify_block(logits: jax.Array, tree: DraftTree, sampling: sampling_lib.Sampling,

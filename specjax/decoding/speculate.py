@@ -80,62 +80,74 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     proposed = tree.row_depths > 0  # before the batch's bucket cuts the tree
     which = decision.bucket(tree.row_depths, active, probed)
     tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
-    k_ver = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
-    branches = [functools.partial(_verify_prefix, loop, w, params, st, tree, k_ver)
+    widths = jnp.asarray([w for _, w in loop.buckets] + [0], jnp.int32)
+    which = jnp.where(jnp.any(active), which, len(loop.buckets))  # last: the idle branch
+    width = widths[which]
+    # nodes past the bucket's width are invalid (the forward did not see them)
+    tree = tree.replace(valid=tree.valid & (jnp.arange(tree.num_nodes)[None, :] < width))
+    branches = [functools.partial(_forward_prefix, loop, w, params, st, tree)
                 for _, w in loop.buckets]
 
     def idle():
         """No forward: every row finished (inside the plain-step loop, which hands over
         to this step only then or when a row would draft); all of it is masked out."""
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(branches[0]))
-        res, kept, hidden, cache = zeros
-        return (res.replace(accepted=res.accepted - 1), kept, hidden,
-                st.cache if loop.commit.write_in_verify else cache)
+        logits, hidden, carried = zeros
+        return logits, hidden, st.cache if loop.commit.write_in_verify else carried
 
-    which = jnp.where(jnp.any(active), which, len(branches))
-    res, kept, kept_hidden, out = jax.lax.switch(which, branches + [idle])
-    cache, kept_kv = loop.commit.split(st.cache, out)
-    width = jnp.asarray([w for _, w in loop.buckets] + [0], jnp.int32)[which]
-    return Speculation(tree=tree, result=res, kept_inputs=kept, kept_hidden=kept_hidden,
+    # Only the forward differs between buckets; verifying once after the switch (over the
+    # padded logits, the nodes past the width invalid) compiles the verifiers once, not
+    # once per bucket: they are about a third of a speculative loop's compile time.
+    logits, hidden, carried = jax.lax.switch(which, branches + [idle])
+    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
+    inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1], as the forward's
+    with jax.named_scope(SCOPE_ACCEPT):
+        res = _verify(loop, params, st, tree, logits, width)
+    kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
+    cache, kept_kv = loop.commit.split(st.cache, loop.commit.kept(carried, res.path_inputs))
+    return Speculation(tree=tree, result=res, kept_inputs=kept,
+                       kept_hidden=gather_hidden(hidden, res.path_inputs),
                        cache=cache, kept_kv=kept_kv, spec_state=spec_state, depth_limit=limit,
                        probed=probed, proposed=proposed, width=width, bucket=which)
 
 
-def _verify_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState, tree, key):
-    """Target forward over [root, first `width` nodes], verification, and the kept
-    inputs' hidden states. Nodes past `width` must be invalid (the caller's bucket).
-    Returns (result, kept inputs, kept hidden, what the commit strategy keeps)."""
+def _verify(loop: "DecodeLoop", params: Params, st: LoopState, tree, logits, width):
+    """The verifier over logits [B, N+1, V] of [root, tree]; a step that verifies no node
+    (width 0, or idle) samples the root's logits as a plain decode step does, without
+    the verifier's work over the padding."""
+    key = rng.step_keys(st.keys, st.lengths, rng.VERIFY)
+    # the token after the accepted path is drawn with the key a plain step at this length
+    # samples with: a row that drafts nothing draws what the plain-step loop would draw
+    bonus_keys = rng.step_keys(st.keys, st.lengths, rng.SAMPLE)
+    verification = (params.speculator.verification if loop.verification is None
+                    else loop.verification)
+    return jax.lax.cond(
+        width == 0,
+        lambda: verify_no_draft(logits[:, 0], tree, params.sampling, key, bonus_keys),
+        lambda: verify(logits, tree, params.sampling, key, verification, bonus_keys))
+
+
+def _forward_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState, tree):
+    """Target forward over [root, first `width` nodes]: (logits [B, N+1, V], hidden
+    [B, N+1, ...], what the commit strategy carries), padded past width + 1 to the
+    whole tree so that every bucket's branch has one shape."""
     spec = params.speculator
-    b = st.tokens.shape[0]
+    b, n = st.tokens.shape[0], tree.num_nodes
     active = ~st.done
-    n = max(width, 1)  # width 0 keeps one (invalid) node so the tree is never empty
-    sub = tree.replace(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n],
-                       depth=tree.depth[:, :n], valid=tree.valid[:, :n] & (width > 0),
-                       draft_probs=None if tree.draft_probs is None
-                       else tree.draft_probs[:, :n])
     root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    inputs = jnp.concatenate([root, sub.tokens[:, :width]], axis=1)  # [B, width+1]
+    inputs = jnp.concatenate([root, tree.tokens[:, :width]], axis=1)  # [B, width+1]
     positions = (st.lengths - 1)[:, None] + jnp.concatenate(
-        [jnp.zeros((b, 1), jnp.int32), sub.depth[:, :width]], axis=1)
-    mask = ancestor_mask(sub.parents[:, :width], spec.shape.max_depth) if width else None
+        [jnp.zeros((b, 1), jnp.int32), tree.depth[:, :width]], axis=1)
+    mask = ancestor_mask(tree.parents[:, :width], spec.shape.max_depth) if width else None
     logits, hidden, out = step_kv(loop.config, params.target, st.cache, inputs, positions,
                                   mask=mask, q_lens=jnp.where(active, width + 1, 0),
                                   hidden_layers=spec.hidden_layers,
                                   attention_backend=loop.backend,
                                   write_in_layers=loop.commit.write_in_verify)
-    # the token after the accepted path is drawn with the key a plain step at this length
-    # samples with: a row that drafts nothing draws what the plain-step loop would draw
-    bonus_keys = rng.step_keys(st.keys, st.lengths, rng.SAMPLE)
-    with jax.named_scope(SCOPE_ACCEPT):
-        if width == 0:  # a plain decode step's sampling, no verifier
-            res = verify_no_draft(logits[:, 0], sub, params.sampling, key, bonus_keys)
-        else:
-            verification = (spec.verification if loop.verification is None
-                            else loop.verification)
-            res = verify(logits, sub, params.sampling, key, verification, bonus_keys)
-    kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
-    return (res, kept, gather_hidden(hidden, res.path_inputs),
-            loop.commit.kept(out, res.path_inputs))
+    pad = lambda x, axis: jnp.pad(x, [(0, n - width if a == axis else 0)
+                                      for a in range(x.ndim)])
+    hidden = Hidden(final=pad(hidden.final, 1), layers=tuple(pad(x, 1) for x in hidden.layers))
+    return pad(logits, 1), hidden, loop.commit.carry(out, lambda x: pad(x, 2))
 
 
 def speculative_step(loop: "DecodeLoop", params: Params, st: LoopState,
