@@ -79,19 +79,24 @@ def verify_greedy(logits: jax.Array, tree: DraftTree) -> VerifyResult:
     rows = jnp.arange(b)
 
     def step(c):
-        d, cur, alive, accepted = c
+        d, cur, alive, accepted, bonus = c
         want = sampling_lib.argmax(logits[rows, cur])  # [B]
         match = _children(tree, cur, alive) & (tree.tokens == want[:, None])
         has = jnp.any(match, axis=1)
         idx = jnp.argmax(match, axis=1).astype(jnp.int32)
         accepted = accepted.at[:, d].set(jnp.where(has, idx, -1))
-        return d + 1, jnp.where(has, idx + 1, cur), alive & has, accepted
+        bonus = jnp.where(alive & ~has, want, bonus)  # a row that stops here: its bonus
+        return d + 1, jnp.where(has, idx + 1, cur), alive & has, accepted, bonus
 
-    _, cur, _, accepted = jax.lax.while_loop(
+    zeros = jnp.zeros((b,), jnp.int32)
+    _, cur, alive, accepted, bonus = jax.lax.while_loop(
         lambda c: (c[0] < tree.max_depth) & jnp.any(c[2]), step,
-        (0, jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
-         jnp.full((b, tree.max_depth), -1, jnp.int32)))
-    return _finish(tree, accepted, sampling_lib.argmax(logits[rows, cur]))
+        (0, zeros, jnp.ones((b,), bool), jnp.full((b, tree.max_depth), -1, jnp.int32), zeros))
+    # rows that accepted a whole max_depth path still need the argmax at its end
+    bonus = jax.lax.cond(jnp.any(alive),
+                         lambda: jnp.where(alive, sampling_lib.argmax(logits[rows, cur]), bonus),
+                         lambda: bonus)
+    return _finish(tree, accepted, bonus)
 
 
 def row_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
