@@ -103,8 +103,7 @@ def sample(key: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:
     of top-k/top-p and the Gumbel noise, a large part of a sampled step on CPU.
     """
     def draw(logits):
-        log_p = log_probs(logits, sampling)  # jax.random.categorical's draw, fast argmax
-        return argmax(jax.random.gumbel(key, log_p.shape, log_p.dtype) + log_p)
+        return categorical(key, log_probs(logits, sampling))
 
     def greedy(logits):
         return argmax(logits)
@@ -124,12 +123,16 @@ def sample_rows(keys: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.A
     return jax.lax.cond(sampling.greedy, greedy, draw, logits)
 
 
+def categorical(key: jax.Array, log_p: jax.Array) -> jax.Array:
+    """int32 [...]: one draw per leading index of log_p [..., V], the same draw as
+    `jax.random.categorical(key, log_p)` (argmax of Gumbel noise plus log_p), with
+    `argmax` in place of its slow variadic reduce on XLA:CPU."""
+    return argmax(jax.random.gumbel(key, log_p.shape, log_p.dtype) + log_p)
+
+
 def categorical_rows(keys: jax.Array, log_p: jax.Array) -> jax.Array:
-    """[B] int32: row b drawn from log-probabilities log_p[b] [V] with keys[b]. The
-    same draw as `jax.random.categorical(keys[b], log_p[b])` (argmax of Gumbel noise plus
-    log_p), with `argmax` in place of its slow variadic reduce on XLA:CPU."""
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, log_p.shape[1:], log_p.dtype))(keys)
-    return argmax(noise + log_p)
+    """[B] int32: row b drawn from log-probabilities log_p[b] [V] with keys[b]."""
+    return jax.vmap(categorical)(keys, log_p)
 
 
 def uniform_rows(keys: jax.Array, n: int) -> jax.Array:

@@ -85,7 +85,9 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     width = widths[which]
     # nodes past the bucket's width are invalid (the forward did not see them)
     tree = tree.replace(valid=tree.valid & (jnp.arange(tree.num_nodes)[None, :] < width))
-    branches = [functools.partial(_forward_prefix, loop, w, params, st, tree)
+    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
+    inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1]: a bucket's prefix
+    branches = [functools.partial(_forward_prefix, loop, w, params, st, tree, inputs)
                 for _, w in loop.buckets]
 
     def idle():
@@ -97,10 +99,8 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
 
     # Only the forward differs between buckets; verifying once after the switch (over the
     # padded logits, the nodes past the width invalid) compiles the verifiers once, not
-    # once per bucket: they are about a third of a speculative loop's compile time.
+    # once per bucket (the sampled verifiers weigh in a speculative loop's compile time).
     logits, hidden, carried = jax.lax.switch(which, branches + [idle])
-    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1], as the forward's
     with jax.named_scope(SCOPE_ACCEPT):
         res = _verify(loop, params, st, tree, logits, width)
     kept = jnp.take_along_axis(inputs, res.path_inputs, axis=1)
@@ -127,15 +127,15 @@ def _verify(loop: "DecodeLoop", params: Params, st: LoopState, tree, logits, wid
         lambda: verify(logits, tree, params.sampling, key, verification, bonus_keys))
 
 
-def _forward_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState, tree):
-    """Target forward over [root, first `width` nodes]: (logits [B, N+1, V], hidden
-    [B, N+1, ...], what the commit strategy carries), padded past width + 1 to the
-    whole tree so that every bucket's branch has one shape."""
+def _forward_prefix(loop: "DecodeLoop", width: int, params: Params, st: LoopState, tree,
+                    inputs: jax.Array):
+    """Target forward over inputs [B, N+1] = [root, tree]'s first width + 1: (logits
+    [B, N+1, V], hidden [B, N+1, ...], what the commit strategy carries), padded past
+    width + 1 to the whole tree so that every bucket's branch has one shape."""
     spec = params.speculator
     b, n = st.tokens.shape[0], tree.num_nodes
     active = ~st.done
-    root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
-    inputs = jnp.concatenate([root, tree.tokens[:, :width]], axis=1)  # [B, width+1]
+    inputs = inputs[:, :width + 1]
     positions = (st.lengths - 1)[:, None] + jnp.concatenate(
         [jnp.zeros((b, 1), jnp.int32), tree.depth[:, :width]], axis=1)
     mask = ancestor_mask(tree.parents[:, :width], spec.shape.max_depth) if width else None
