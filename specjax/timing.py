@@ -31,3 +31,16 @@ def interleaved_medians(programs: dict, repeats: int) -> dict:
 def round_order(n: int, r: int) -> np.ndarray:
     """[n] round `r`'s order of n interleaved timings: a permutation seeded by r."""
     return np.random.default_rng(r).permutation(n)
+
+
+def paired_speedup(base_s: list[float], method_s: list[float]) -> float:
+    """Median over timed rounds of base_s[r] / method_s[r], seconds for the same work in
+    round r. Both ran side by side in each round, so a load that slows a whole round
+    cancels in its ratio; a ratio of the medians keeps it (the medians can come from
+    different rounds), which read identical programs as 0.94-0.98x on a noisy host."""
+    if len(base_s) != len(method_s) or not base_s:
+        raise ValueError(f"paired rounds need equal, non-empty lists; got {len(base_s)} "
+                         f"base and {len(method_s)} method rounds")
+    if min(base_s) <= 0 or min(method_s) <= 0:
+        raise ValueError(f"round times must be positive; got {base_s} and {method_s}")
+    return statistics.median(b / m for b, m in zip(base_s, method_s))

@@ -78,3 +78,28 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     assert len(per_call) == 2 * (5 + 15)
     warm, timed = per_call[:5] + per_call[20:25], per_call[5:20] + per_call[25:]
     assert sum(warm) > 0 and timed == [0] * 30
+
+
+def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
+    """No method runs first in every round, and a method's speedup is the median of its
+    per-round tokens/s ratios to the first method's (a slow round cancels there)."""
+    order = []
+    # tokens/s per (method, timed round): round 1 slowed autoregressive only
+    speeds = {"autoregressive": [10.0, 2.0, 10.0, 10.0], "ngram": [12.0, 12.0, 13.0, 11.0]}
+
+    def fake_run(target, spec, prompts, **kw):
+        if len(prompts) == 1:  # the warm-up
+            return [[1]], {}
+        order.append(spec)
+        r = sum(1 for s in order if s == spec) - 1
+        return [[1]], dict(tokens_per_s=speeds[spec][r])
+
+    monkeypatch.setattr(comparison, "speculative_run", fake_run)
+    rows = compare(None, {m: m for m in speeds}, [[1, 2, 3], [4, 5, 6]], new_tokens=4,
+                   temperatures=(0.0,), batch=1, repeats=4)
+    firsts = [order[i] for i in range(0, len(order), 2)]
+    assert set(firsts) == set(speeds)
+    by = {r["method"]: r for r in rows}
+    assert by["autoregressive"]["speedup"] == 1.0
+    assert by["ngram"]["speedup"] == np.median([1.2, 6.0, 1.3, 1.1])  # 1.25
+    assert by["ngram"]["tokens_per_s"] == 12.0

@@ -17,6 +17,7 @@ import numpy as np
 import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
+from specjax.timing import paired_speedup, round_order
 from specjax.train.speculation import heldout_prompts, speculative_run
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
@@ -46,9 +47,10 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
 
     After one warm-up call per method (compilation, `warmup_prompts`), `repeats` rounds
-    run every method in turn, so that each sees the same machine load; tokens/s is the
-    median over the rounds, the stats are the last round's (greedy ones are the same in
-    every round).
+    run every method once, in a new order each round (`specjax.timing.round_order`), so
+    that each sees the same machine load; tokens/s is the median over the rounds, the
+    speedup the median of each round's ratio to the first method's (`paired_speedup`),
+    the stats are the last round's (greedy ones are the same in every round).
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
@@ -69,19 +71,22 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
 
         for name, spec in speculators.items():
             run(name, spec, warm)  # compiles
-        speeds = {name: [] for name in speculators}
+        names = list(speculators)
+        speeds = {name: [] for name in names}
         last = {}
-        for _ in range(repeats):
-            for name, spec in speculators.items():
-                last[name] = run(name, spec)
+        for r in range(repeats):
+            for i in round_order(len(names), r):  # no method always first
+                name = names[i]
+                last[name] = run(name, speculators[name])
                 speeds[name].append(last[name][1]["tokens_per_s"])
-        base = None
-        for name, (tokens, r) in last.items():
-            tps = float(np.median(speeds[name]))
-            base = base or tps
-            rows.append(dict(r, method=name, temperature=temp, tokens_per_s=tps,
-                             speedup=tps / base,
-                             identical_to_plain=tokens == next(iter(last.values()))[0]))
+        base = names[0]
+        for name in names:
+            tokens, r = last[name]
+            # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
+            rows.append(dict(r, method=name, temperature=temp,
+                             tokens_per_s=float(np.median(speeds[name])),
+                             speedup=paired_speedup(speeds[name], speeds[base]),
+                             identical_to_plain=tokens == last[base][0]))
     return rows
 
 

@@ -47,6 +47,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from specjax import kv_quant
 from specjax.bench.prompts import (
@@ -354,12 +355,14 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     calls = -(-len(ids) // b)
     for name in speculators:
         tokens, stats, _ = results[name][-1]
-        row = _row(category, temp, b, name,
-                   len(ids) * new / statistics.median(r[2] for r in results[name]), stats,
-                   tpot_s=statistics.median(r[1].tpot_s for r in results[name]))
+        walls = [r[2] for r in results[name]]
+        tpots = [r[1].tpot_s for r in results[name]]
+        row = _row(category, temp, b, name, len(ids) * new / statistics.median(walls), stats,
+                   tpot_s=statistics.median(tpots))
         row["loop"] = loop_kind(stats.speculative_calls, calls)
-        reference.setdefault(b, (tokens, row["tokens_per_s"], row["tpot_ms"]))
-        rows.append(_finish(row, tokens, reference[b], log))
+        reference.setdefault(b, Reference(tokens, row["tokens_per_s"], row["tpot_ms"], walls,
+                                          tpots))
+        rows.append(_finish(row, tokens, reference[b], log, walls=walls, tpots=tpots))
     return rows, {name: results[name] for name in peers or {}}
 
 
@@ -374,6 +377,17 @@ def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
         for name in round_order(list(passes), r):
             results[name].append(passes[name]())
     return results
+
+
+class Reference(NamedTuple):
+    """A batch's autoregressive run, what its other rows are measured against: its tokens,
+    tokens/s and TPOT (ms; medians over rounds) and, per timed round, its wall seconds and
+    TPOT seconds (None: compare the medians)."""
+    tokens: list
+    tokens_per_s: float
+    tpot_ms: float | None
+    walls: list[float] | None = None
+    tpots: list[float] | None = None
 
 
 @dataclasses.dataclass
@@ -414,12 +428,12 @@ def _peer_row(name: str, peer: _Peer, results: list, ids, category, run_kw: dict
     """A peer's row at batch 1 from its timed rounds' `results`; llama.cpp's τ from its target
     forward calls (`llamacpp_q4_1` runs other weights: its tokens are not compared)."""
     new = run_kw["new"]
-    row = _row(category, run_kw["temperature"], 1, name,
-               len(ids) * new / statistics.median(r[1] for r in results))
+    walls = [r[1] for r in results]
+    row = _row(category, run_kw["temperature"], 1, name, len(ids) * new / statistics.median(walls))
     calls = [r[2] for r in results]
     if None not in calls:
         row["tau"] = len(ids) * new * len(calls) / sum(calls)  # tokens per target forward
-    return _finish(row, results[-1][0], reference, log, compare=peer.compare)
+    return _finish(row, results[-1][0], reference, log, compare=peer.compare, walls=walls)
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -483,7 +497,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             run_kw = dict(new=new, temperature=temp, seed=seed)
             spec_kw = dict(run_kw, adaptive=adaptive, kv_cache_dtype=kv_cache_dtype,
                            verification=verification)
-            reference = {}  # batch -> (autoregressive tokens, tokens/s, TPOT ms)
+            reference = {}  # batch -> `Reference`
             peers = _peers(hf, hf_methods, llamacpp, ids, run_kw)
             peer_results = {}  # name -> its timed rounds' results
             for b in batches:
@@ -507,13 +521,29 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     return peer_ratios(rows)
 
 
-def _finish(row: dict, tokens, reference, log, compare: bool = True) -> dict:
-    """Speedup over autoregressive (same category, temperature, batch) and, greedy,
-    whether the tokens are its tokens (when `compare`: the same weights); logs the row."""
-    row["speedup"] = row["tokens_per_s"] / reference[1] if reference else None
-    row["decode_speedup"] = (reference[2] / row["tpot_ms"] if reference and row.get("tpot_ms")
+def _paired(base: list[float] | None, method: list[float] | None, base_median: float,
+            method_median: float) -> float:
+    """base / method time: `timing.paired_speedup` over the rounds both were timed in side
+    by side, else the ratio of the medians."""
+    from specjax.timing import paired_speedup
+
+    if base is not None and method is not None and len(base) == len(method):
+        return paired_speedup(base, method)
+    return base_median / method_median
+
+
+def _finish(row: dict, tokens, reference: Reference | None, log, compare: bool = True,
+            walls: list[float] | None = None, tpots: list[float] | None = None) -> dict:
+    """Speedup over autoregressive (same category, temperature, batch; per round where
+    both were timed in the same rounds, `_paired`) and, greedy, whether the tokens are its
+    tokens (when `compare`: the same weights); logs the row. walls, tpots: the row's
+    seconds per timed round (all its prompts; per token after the first)."""
+    row["speedup"] = (_paired(reference.walls, walls, 1 / reference.tokens_per_s,
+                              1 / row["tokens_per_s"]) if reference else None)
+    row["decode_speedup"] = (_paired(reference.tpots, tpots, reference.tpot_ms, row["tpot_ms"])
+                             if reference and reference.tpot_ms and row.get("tpot_ms")
                              else None)
-    row["identical"] = (tokens == reference[0] if reference else None) if (
+    row["identical"] = (tokens == reference.tokens if reference else None) if (
         row["temperature"] == 0 and compare) else None
     log(f"{row['category']:>10} T={row['temperature']:g} batch={row['batch']:<3} "
         f"{row['method']:<16} τ={fmt(row.get('tau'), '.2f')} "

@@ -123,10 +123,12 @@ def _markdown_method_notes(s: dict) -> list[str]:
         "prompt (each prompt length compiles its programs there)",
         "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included, "
         "compilation not); "
-        "speedup (measured) = tokens/s / specjax autoregressive's at the same category, "
-        "temperature and batch, in this run; decode speedup (measured) = autoregressive's "
-        "TPOT / the method's (time per output token after the first, median of the "
-        "rounds): the part of the run the analytical figure models, without the prefill",
+        "speedup (measured) = the median over the timed rounds of each round's ratio of "
+        "the method's tokens/s to specjax autoregressive's at the same category, "
+        "temperature and batch (both ran in that round; `specjax.timing.paired_speedup`); "
+        "decode speedup (measured) = the same for autoregressive's TPOT / the method's "
+        "(time per output token after the first): the part of the run the analytical "
+        "figure models, without the prefill",
         "- vs transformers' best, vs llama.cpp's best = tokens/s / the fastest of that "
         "peer's methods on the same weights (llama.cpp: plain, prompt lookup, draft) at "
         "the same category and temperature in this run; the peers run prompt by prompt "
