@@ -315,9 +315,9 @@ def test_timed_rounds_vary_the_method_order(monkeypatch):
     # the reference is autoregressive's last pass: its tokens are identical to themselves
     assert rows[0]["identical"] is True and rows[1]["identical"] is False
     assert len(peer_results["peer"]) == 4
+    ref = suite.Reference([[4] * 4], [0.1] * 4, [0.01] * 4)  # 40 tokens/s each round
     peer_row = suite._peer_row("peer", peer, peer_results["peer"], [[1, 2]], "docstring",
-                               dict(new=4, temperature=0.0), suite.Reference([[4] * 4], 40.0, 1.0),
-                               lambda _: None)
+                               dict(new=4, temperature=0.0), ref, lambda _: None)
     assert peer_row["tokens_per_s"] == 4 / 0.2 and peer_row["tau"] == 4 * 4 / 8
     assert peer_row["speedup"] == 20.0 / 40.0 and peer_row["identical"] is False
 
@@ -325,25 +325,23 @@ def test_timed_rounds_vary_the_method_order(monkeypatch):
 def test_speedup_is_the_median_of_each_rounds_ratio():
     """A row timed in the same rounds as autoregressive: its speedup is the median of the
     per-round ratios (a load that slows one whole round cancels there), not the ratio of
-    the two medians, which can come from different rounds; without per-round times (or
-    with another round count) the medians' ratio stands."""
+    the two medians, which can come from different rounds; rounds that do not pair up
+    are an error."""
     from specjax.timing import paired_speedup
 
     base, method = [1.0, 4.0, 2.0], [2.0, 4.4, 1.1]  # medians 2.0 and 2.0
-    ref = suite.Reference([[1]], 2.0, 10.0, base, [0.01, 0.04, 0.02])
+    ref = suite.Reference([[1]], base, [0.01, 0.04, 0.02])
     row = suite._finish(dict(category="c", temperature=1.0, batch=1, method="m",
                              tokens_per_s=2.0, tpot_ms=10.0), [[1]], ref, lambda _: None,
                         walls=method, tpots=[0.02, 0.044, 0.011])
     assert row["speedup"] == pytest.approx(4.0 / 4.4) == paired_speedup(base, method)
     assert row["decode_speedup"] == pytest.approx(0.04 / 0.044)
-    same = suite._finish(dict(category="c", temperature=1.0, batch=1, method="m",
-                              tokens_per_s=2.0, tpot_ms=10.0), [[1]], ref, lambda _: None,
-                         walls=method[:2])
-    assert same["speedup"] == 1.0 and same["decode_speedup"] == 1.0
+    with pytest.raises(ValueError, match="3 base and 2 method"):
+        suite._finish(dict(category="c", temperature=1.0, batch=1, method="m",
+                           tokens_per_s=2.0, tpot_ms=10.0), [[1]], ref, lambda _: None,
+                      walls=method[:2])
     with pytest.raises(ValueError, match="positive"):
         paired_speedup([1.0, 0.0], [1.0, 1.0])
-    with pytest.raises(ValueError, match="1 base and 2 method"):
-        paired_speedup([1.0], [1.0, 1.0])
 
 
 def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import numpy as np
 import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
-from specjax.timing import paired_speedup, round_order
+from specjax.timing import balanced_order, paired_speedup
 from specjax.train.speculation import heldout_prompts, speculative_run
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
@@ -47,7 +47,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
 
     After one warm-up call per method (compilation, `warmup_prompts`), `repeats` rounds
-    run every method once, in a new order each round (`specjax.timing.round_order`), so
+    run every method once, in a new order each round (`specjax.timing.balanced_order`), so
     that each sees the same machine load; tokens/s is the median over the rounds, the
     speedup the median of each round's ratio to the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
@@ -75,7 +75,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         speeds = {name: [] for name in names}
         last = {}
         for r in range(repeats):
-            for i in round_order(len(names), r):  # no method always first
+            for i in balanced_order(len(names), r):  # no method always first
                 name = names[i]
                 last[name] = run(name, speculators[name])
                 speeds[name].append(last[name][1]["tokens_per_s"])

@@ -360,8 +360,7 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
         row = _row(category, temp, b, name, len(ids) * new / statistics.median(walls), stats,
                    tpot_s=statistics.median(tpots))
         row["loop"] = loop_kind(stats.speculative_calls, calls)
-        reference.setdefault(b, Reference(tokens, row["tokens_per_s"], row["tpot_ms"], walls,
-                                          tpots))
+        reference.setdefault(b, Reference(tokens, walls, tpots))
         rows.append(_finish(row, tokens, reference[b], log, walls=walls, tpots=tpots))
     return rows, {name: results[name] for name in peers or {}}
 
@@ -380,14 +379,11 @@ def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
 
 
 class Reference(NamedTuple):
-    """A batch's autoregressive run, what its other rows are measured against: its tokens,
-    tokens/s and TPOT (ms; medians over rounds) and, per timed round, its wall seconds and
-    TPOT seconds (None: compare the medians)."""
+    """A batch's autoregressive run, what its other rows are measured against: its tokens
+    and, per timed round, its wall seconds and TPOT seconds."""
     tokens: list
-    tokens_per_s: float
-    tpot_ms: float | None
-    walls: list[float] | None = None
-    tpots: list[float] | None = None
+    walls: list[float]
+    tpots: list[float]
 
 
 @dataclasses.dataclass
@@ -437,22 +433,10 @@ def _peer_row(name: str, peer: _Peer, results: list, ids, category, run_kw: dict
 
 
 def round_order(names: list[str], r: int) -> list[str]:
-    """Round `r`'s method order: row r (mod n) of a Williams design, a balanced Latin
-    square. Over n rounds each of the n methods runs once at every position and, for an
-    even n, right after every other method once; for an odd n > 3 its predecessor still
-    changes from one round to the next. The same programs measured 6-10 % slower when
-    they always ran first in a round, and a plain rotation kept each method's
-    predecessor fixed (autoregressive always ran right after the last peer)."""
-    n = len(names)
-    base, low, high = [0], 1, n - 1  # 0, 1, n - 1, 2, n - 2, ...
-    for j in range(1, n):
-        if j % 2:
-            base.append(low)
-            low += 1
-        else:
-            base.append(high)
-            high -= 1
-    return [names[(b + r) % n] for b in base]
+    """Round `r`'s method order (`specjax.timing.balanced_order`)."""
+    from specjax.timing import balanced_order
+
+    return [names[i] for i in balanced_order(len(names), r)]
 
 
 def loop_kind(speculative_calls: int, calls: int) -> str:
@@ -521,28 +505,17 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     return peer_ratios(rows)
 
 
-def _paired(base: list[float] | None, method: list[float] | None, base_median: float,
-            method_median: float) -> float:
-    """base / method time: `timing.paired_speedup` over the rounds both were timed in side
-    by side, else the ratio of the medians."""
-    from specjax.timing import paired_speedup
-
-    if base is not None and method is not None and len(base) == len(method):
-        return paired_speedup(base, method)
-    return base_median / method_median
-
-
 def _finish(row: dict, tokens, reference: Reference | None, log, compare: bool = True,
             walls: list[float] | None = None, tpots: list[float] | None = None) -> dict:
-    """Speedup over autoregressive (same category, temperature, batch; per round where
-    both were timed in the same rounds, `_paired`) and, greedy, whether the tokens are its
+    """Speedup over autoregressive (same category, temperature, batch; timed in the same
+    rounds, so per round: `timing.paired_speedup`) and, greedy, whether the tokens are its
     tokens (when `compare`: the same weights); logs the row. walls, tpots: the row's
-    seconds per timed round (all its prompts; per token after the first)."""
-    row["speedup"] = (_paired(reference.walls, walls, 1 / reference.tokens_per_s,
-                              1 / row["tokens_per_s"]) if reference else None)
-    row["decode_speedup"] = (_paired(reference.tpots, tpots, reference.tpot_ms, row["tpot_ms"])
-                             if reference and reference.tpot_ms and row.get("tpot_ms")
-                             else None)
+    seconds per timed round (all its prompts; per token after the first; peers: none)."""
+    from specjax.timing import paired_speedup
+
+    row["speedup"] = paired_speedup(reference.walls, walls) if reference else None
+    row["decode_speedup"] = (paired_speedup(reference.tpots, tpots)
+                             if reference and tpots else None)
     row["identical"] = (tokens == reference.tokens if reference else None) if (
         row["temperature"] == 0 and compare) else None
     log(f"{row['category']:>10} T={row['temperature']:g} batch={row['batch']:<3} "
