@@ -10,9 +10,9 @@ on CPU (`python -m specjax.bench.matmul_rows`; figures in docs/benchmarks.md).
 an EAGLE head beside a target in that layout.
 
 It is built on first use and falls back to XLA's matmul where it cannot be
-(`specjax.cpu_kernels`; `SPECJAX_CPU_MATMUL=off` turns it off). Whether streaming 32
-weight rows side by side beats XLA's own product depends on the host's memory system
-(on some 2-core Xeons it reads at half XLA's rate), so before its first use on a weight
+(`specjax.cpu_kernels`; `SPECJAX_CPU_MATMUL=off` turns it off). Whether it beats XLA's
+own product depends on the host and the weight's shape (on some 2-core Xeons the two
+are near ties, 0.8-1.9x either way; docs/benchmarks.md), so before its first use on a weight
 shape the kernel races XLA's matmul on this machine (`kernel_wins`) and takes only the
 shapes it wins; `SPECJAX_CPU_MATMUL=on` skips the race. With jax's persistent
 compilation cache on, the verdicts are kept beside the built kernel (`<library>.race.json`,

@@ -1,20 +1,22 @@
 // y[T, O] = x[T, I] @ w[I, O] in float32 for few rows T (a decode step's 1, a verify's
-// 2-16), as an XLA FFI handler for the CPU backend (`specjax.rows_matmul` builds and
+// 2-32), as an XLA FFI handler for the CPU backend (`specjax.rows_matmul` builds and
 // registers it).
 //
 // Why by hand: XLA:CPU's GEMM of 2-5 rows costs 1.25-1.5x its one-row GEMV although it
 // reads the same weights, and no XLA:CPU backend (Eigen, YNNPACK, oneDNN) streams a
 // weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
 // weight row is read from memory once for all T rows: 32 rows at a time (32 sequential
-// streams), and for each block of 32 columns (64 for one row) the output rows, up to 8
-// at a time, stay in vector registers across those 32. The first group of rows
-// prefetches the next column block of the same weight rows: without it the hardware
-// prefetcher alone does not keep 32 streams ahead of 2-8 rows' arithmetic, and 5 rows
-// cost 1.5x one (with it, 1.2x), nor, on some hosts, ahead of one row (SmolLM2's LM
-// head at one row read 9.5 GB/s with it, 5.7 without, on a 2-core Xeon;
-// docs/benchmarks.md). Each output element sums x[t, i] * w[i, c] in the order of i
-// whatever T is, so a row's result does not depend on how many rows share the call.
-// The columns are split across XLA's intra-op threads.
+// streams), and for each block of 32 columns the output rows, up to 8 at a time, stay
+// in vector registers across those 32. The first group of rows prefetches the next
+// column block of the same weight rows: without it the hardware prefetcher alone does
+// not keep 32 streams ahead of 2-8 rows' arithmetic (5 rows cost 1.5x one; with it,
+// 1.2x). One row (a decode step, memory-bound) instead sweeps the weight rows 8 at a
+// time through its whole chunk of columns, the output in cache: 8 long sequential
+// streams, which read faster than 32 short ones on some 2-core Xeons
+// (docs/benchmarks.md). Each output element sums x[t, i] * w[i, c] in the order of i,
+// one fused multiply-add at a time, in both forms and whatever T is, so a row's result
+// does not depend on how many rows share the call. The columns are split across XLA's
+// intra-op threads.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,29 +29,28 @@ namespace ffi = xla::ffi;
 namespace {
 
 // 16 float32 lanes; GCC/Clang lower it to whatever the target has (-march=native).
-typedef float vf __attribute__((vector_size(64), aligned(4)));
+// may_alias: loads and stores go through the pointer itself. Through memcpy, GCC 12 on
+// a cascadelake (whose tuning prefers 256-bit vectors) copied each vector as two
+// 256-bit halves through the stack and read it back whole, a store-forwarding stall
+// per weight vector that halved the kernel's speed (docs/benchmarks.md).
+typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
 constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
 constexpr int64_t kColumnBlock = 64;  // columns of them the blocks of rows work through
-// Vectors of columns per register block of `rows` rows: one row (a decode step,
-// memory-bound) takes 4, more rows 2 (up to 8 x 2 accumulators).
-constexpr int vecs(int64_t rows) { return rows == 1 ? 4 : 2; }
+constexpr int kVecs = 2;  // vectors of columns per register block (up to 8 x 2 accumulators)
+constexpr int kSweepRows = 8;  // weight rows one row's sweep reads side by side
+constexpr int64_t kSweepColumns = 16384;  // one row's output chunk (64 KB, in L2)
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 
-// y[T rows, columns [c, c + vecs(T) * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
+// y[T rows, columns [c, c + kVecs * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
 // columns]: the T output rows held in registers across the weight rows. kPrefetch: also
 // fetch the same columns of the next column block of these weight rows.
 template <int T, bool kPrefetch>
 void block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t i0,
            int64_t i1, int64_t c) {
-  constexpr int kVecs = vecs(T);
   vf acc[T][kVecs];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < kVecs; ++v) acc[t][v] = load(y + t * out + c + v * kLanes);
@@ -80,11 +81,40 @@ constexpr BlockFn kBlocks[2][kMaxRows] = {
     {block<1, true>, block<2, true>, block<3, true>, block<4, true>, block<5, true>,
      block<6, true>, block<7, true>, block<8, true>}};
 
+// y[0, c0..c1) += x[0, i0..i0 + U) @ w[i0..i0 + U, c0..c1): U weight rows read
+// together, vector by vector, each added into the output in turn.
+template <int U>
+void sweep(const float* x, const float* w, float* y, int64_t out, int64_t i0, int64_t c0,
+           int64_t c1) {
+  const int64_t cv = c0 + (c1 - c0) / kLanes * kLanes;  // whole vectors; tail after
+  for (int64_t c = c0; c < cv; c += kLanes) {
+    vf acc = load(y + c);
+    for (int u = 0; u < U; ++u) acc += x[i0 + u] * load(w + (i0 + u) * out + c);
+    store(y + c, acc);
+  }
+  for (int64_t c = cv; c < c1; ++c)
+    for (int u = 0; u < U; ++u) y[c] += x[i0 + u] * w[(i0 + u) * out + c];
+}
+
+// Columns [c0, c1) of y for one row of x: every weight row in turn, kSweepRows at a
+// time, through chunks of kSweepColumns columns.
+void row_columns(const float* x, const float* w, float* y, int64_t in, int64_t out,
+                 int64_t c0, int64_t c1) {
+  std::memset(y + c0, 0, (c1 - c0) * sizeof(float));
+  for (int64_t cs = c0; cs < c1; cs += kSweepColumns) {
+    const int64_t ce = std::min(c1, cs + kSweepColumns);
+    int64_t i = 0;
+    for (; i + kSweepRows <= in; i += kSweepRows) sweep<kSweepRows>(x, w, y, out, i, cs, ce);
+    for (; i < in; ++i) sweep<1>(x, w, y, out, i, cs, ce);
+  }
+}
+
 // Columns [c0, c1) of y for all rows of x. Weight rows kRowBlock at a time (that many
 // sequential streams); each block of 64 columns of them (8 KB, in L1) serves the rows
 // in groups of up to kMaxRows, so w is read from memory once for any row count.
 void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t c0, int64_t c1) {
+  if (rows == 1) return row_columns(x, w, y, in, out, c0, c1);
   for (int64_t t = 0; t < rows; ++t)
     std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
   const int64_t cv = c0 + (c1 - c0) / kColumnBlock * kColumnBlock;  // blocked; tail after
@@ -93,7 +123,7 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
     for (int64_t c = c0; c < cv; c += kColumnBlock) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        for (int64_t cc = c; cc < c + kColumnBlock; cc += vecs(n) * kLanes)
+        for (int64_t cc = c; cc < c + kColumnBlock; cc += kVecs * kLanes)
           kBlocks[r == 0][n - 1](x + r * in, w, y + r * out, in, out, i0, i1, cc);
       }
     }
