@@ -65,6 +65,7 @@ from specjax.bench.suite_methods import (
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.speculators.eagle import check_tree
+from specjax.timing import balanced_order, paired_speedup
 
 # Which workdir files each method needs (besides the target, always needed).
 _NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
@@ -434,8 +435,6 @@ def _peer_row(name: str, peer: _Peer, results: list, ids, category, run_kw: dict
 
 def round_order(names: list[str], r: int) -> list[str]:
     """Round `r`'s method order (`specjax.timing.balanced_order`)."""
-    from specjax.timing import balanced_order
-
     return [names[i] for i in balanced_order(len(names), r)]
 
 
@@ -505,14 +504,12 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     return peer_ratios(rows)
 
 
-def _finish(row: dict, tokens, reference: Reference | None, log, compare: bool = True,
-            walls: list[float] | None = None, tpots: list[float] | None = None) -> dict:
+def _finish(row: dict, tokens, reference: Reference | None, log, walls: list[float],
+            compare: bool = True, tpots: list[float] | None = None) -> dict:
     """Speedup over autoregressive (same category, temperature, batch; timed in the same
     rounds, so per round: `timing.paired_speedup`) and, greedy, whether the tokens are its
     tokens (when `compare`: the same weights); logs the row. walls, tpots: the row's
-    seconds per timed round (all its prompts; per token after the first; peers: none)."""
-    from specjax.timing import paired_speedup
-
+    seconds per timed round (all its prompts; per token after the first: none for peers)."""
     row["speedup"] = paired_speedup(reference.walls, walls) if reference else None
     row["decode_speedup"] = (paired_speedup(reference.tpots, tpots)
                              if reference and tpots else None)
