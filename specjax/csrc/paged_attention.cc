@@ -26,25 +26,20 @@
 #include <vector>
 
 #include "parallel_items.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// may_alias: vectors are loaded and stored through the pointer itself, not memcpy,
-// which GCC 12 on a cascadelake copied as two 256-bit halves through the stack (the
-// same stall as in rows_matmul.cc, which says more).
-typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
+using specjax::kLanes, specjax::load, specjax::store, specjax::vf;  // vectors.h
 typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kLanes = 16;
 constexpr int kMaxGroup = 8;  // queries whose score chains share each load of keys
 constexpr int kValueGroup = 4;  // queries whose sums share each load of values (4 x 4
                                 // vector accumulators: more would spill)
 constexpr int64_t kChunk = 64;  // head-dim columns a value pass holds (4 vectors)
 
-inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 inline vf splat(float x) { return vf{} + x; }
 
 // exp(x) for x <= 0, to float32 precision (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,

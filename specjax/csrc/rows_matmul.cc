@@ -22,28 +22,20 @@
 #include <cstring>
 
 #include "parallel_items.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 float32 lanes; GCC/Clang lower it to whatever the target has (-march=native).
-// may_alias: loads and stores go through the pointer itself. Through memcpy, GCC 12 on
-// a cascadelake (whose tuning prefers 256-bit vectors) copied each vector as two
-// 256-bit halves through the stack and read it back whole, a store-forwarding stall
-// per weight vector that halved the kernel's speed (docs/benchmarks.md).
-typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int64_t kLanes = 16;
+using specjax::kLanes, specjax::load, specjax::store, specjax::vf;  // vectors.h
 constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
 constexpr int64_t kColumnBlock = 64;  // columns of them the blocks of rows work through
 constexpr int kVecs = 2;  // vectors of columns per register block (up to 8 x 2 accumulators)
 constexpr int kSweepRows = 8;  // weight rows one row's sweep reads side by side
 constexpr int64_t kSweepColumns = 16384;  // one row's output chunk (64 KB, in L2)
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 
 // y[T rows, columns [c, c + kVecs * kLanes)] += x[T rows, i0..i1] @ w[i0..i1, those
 // columns]: the T output rows held in registers across the weight rows. kPrefetch: also
