@@ -48,6 +48,7 @@ KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "rows_matmul.cc", ENV,
 # layers do. One verdict per shape for every row count: each row's result must not
 # depend on how many rows share the call (a verify's token = a decode step's).
 RACE_ROWS, RACE_BYTES, RACE_ROUNDS = (1, 5, 17), 64 << 20, 5
+RACE_FORM = "unrolled"  # how `race_times` lays the copies out: part of a verdict's key
 _log = logging.getLogger(__name__)
 _wins: dict[tuple[int, int], bool] = {}  # (in, out) -> whether the kernel won
 _race_lock = threading.Lock()
@@ -100,7 +101,8 @@ def verdicts_file() -> Path | None:
 
 def _key(shape: tuple[int, int]) -> str:
     """A verdict's key: the shape and what the race timed (a changed race races again)."""
-    return f"{shape[0]}x{shape[1]} rows {','.join(map(str, RACE_ROWS))} bytes {RACE_BYTES}"
+    return (f"{shape[0]}x{shape[1]} rows {','.join(map(str, RACE_ROWS))} bytes {RACE_BYTES}"
+            f" {RACE_FORM}")
 
 
 def _read_verdicts(path: Path) -> dict[str, bool]:
@@ -170,20 +172,29 @@ def verdict(times: dict) -> bool:
 def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
                rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES) -> dict:
     """{rows: {"kernel" | "xla": median seconds}} of products of that many rows with
-    copies of a `shape` weight, one after another in one program (at least `nbytes` of
-    weights, so both read them from memory as a model's layers do): medians over
-    `rounds` interleaved calls (`timing.interleaved_medians`). Seeded inputs; needs the
-    kernel (`available`)."""
+    copies of a `shape` weight, one after another in one program (`race_program`), each
+    copy its own buffer as a model's layers are (at least `nbytes` of weights, so both
+    read them from memory): medians over `rounds` interleaved calls
+    (`timing.interleaved_medians`). Seeded inputs; needs the kernel (`available`)."""
     rng = np.random.default_rng(0)
-    ws = jnp.asarray(rng.standard_normal((race_copies(shape, nbytes), *shape), np.float32))
-    forms = {"kernel": _rows, "xla": jnp.matmul}
+    # Separate buffers, one product each, unrolled: a loop over stacked copies
+    # (`lax.map`) slices each weight into a new buffer first (XLA:CPU's dynamic slice is
+    # a copy), so both forms read it from the last-level cache rather than from memory
+    ws = tuple(jnp.asarray(rng.standard_normal(shape, np.float32))
+               for _ in range(race_copies(shape, nbytes)))
     out = {}
     for r in rows:
         x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
-        calls = {name: (jax.jit(lambda x, ws, f=f: jax.lax.map(lambda w: f(x, w), ws)),
-                        (x, ws)) for name, f in forms.items()}
+        calls = {name: (race_program(form), (x, ws))
+                 for name, form in (("kernel", _rows), ("xla", jnp.matmul))}
         out[r] = timing.interleaved_medians(calls, rounds)
     return out
+
+
+def race_program(form):
+    """(x [R, I], ws: a tuple of [I, O] weights) -> [len(ws), R, O], each weight's product
+    by `form` (`_rows` or `jnp.matmul`), unrolled, each weight read where it lies."""
+    return jax.jit(lambda x, ws: jnp.stack([form(x, w) for w in ws]))
 
 
 def race_copies(shape: tuple[int, int], nbytes: int = RACE_BYTES) -> int:

@@ -28,7 +28,8 @@ def test_a_small_run_prints_every_shape(capsys):
     assert matmul_race.main(["--hidden", "32", "--intermediate", "64", "--kv-width", "16",
                              "--vocab", "128", "--rows", "1,3", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
-    for name, shape in (("q/o", "32x32"), ("k/v", "32x16"), ("gate/up", "32x64"),
+    for name, shape in (("q/o", "32x32"), ("k/v", "32x16"), ("q/k/v", "32x64"),
+                        ("gate/up", "32x64"),
                         ("down", "64x32"), ("LM head", "32x128")):
         assert f"| {name} | {shape} | 3 |" in out
 

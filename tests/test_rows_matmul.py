@@ -169,6 +169,23 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     assert _calls_kernel(rows_matmul.matmul, x, w24)
 
 
+@pytest.mark.parametrize("form", ["kernel", "xla"])
+def test_the_race_reads_every_weight_copy_in_place(form):
+    """The race's program multiplies each copy where it lies: no copy of a weight into a
+    new buffer (a loop over stacked copies, `lax.map`, sliced each one out first, so the
+    products read it from cache, not memory), one product per copy, each right."""
+    fn = {"kernel": rows_matmul._rows, "xla": jnp.matmul}[form]
+    x, w = _data((3, 48), (48, 40))
+    ws = tuple(w + i for i in range(5))
+    program = rows_matmul.race_program(fn)
+    hlo = program.lower(x, ws).compile().as_text()
+    assert "dynamic-slice" not in hlo and "f32[48,40]{1,0} copy(" not in hlo
+    if form == "kernel":
+        assert hlo.count(f'custom_call_target="{rows_matmul.TARGET}"') == len(ws)
+    np.testing.assert_allclose(program(x, ws), np.stack([x @ v for v in ws]), rtol=1e-5,
+                               atol=1e-4)
+
+
 def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tmp_path):
     """With the compilation cache on (the suite turns it on), a verdict is written next
     to the built kernel and read back instead of racing again (a new process starts
@@ -190,15 +207,19 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
         monkeypatch.setattr(rows_matmul, "_wins", {})
         assert rows_matmul.kernel_wins((12, 8)) and not rows_matmul.kernel_wins((12, 24))
     assert raced == [(12, 8), (12, 24)]
-    assert json.loads(path.read_text()) == {"12x24 rows 1,5,17 bytes 67108864": False,
-                                            "12x8 rows 1,5,17 bytes 67108864": True}
+    assert json.loads(path.read_text()) == {
+        "12x24 rows 1,5,17 bytes 67108864 unrolled": False,
+        "12x8 rows 1,5,17 bytes 67108864 unrolled": True}
     path.write_text("{not json")
     monkeypatch.setattr(rows_matmul, "_wins", {})
     assert rows_matmul.kernel_wins((12, 8)) and raced[-1] == (12, 8)
-    assert json.loads(path.read_text()) == {"12x8 rows 1,5,17 bytes 67108864": True}
+    assert json.loads(path.read_text()) == {"12x8 rows 1,5,17 bytes 67108864 unrolled": True}
     monkeypatch.setattr(rows_matmul, "RACE_ROWS", (1, 9))  # a changed race races again
     monkeypatch.setattr(rows_matmul, "_wins", {})
     assert rows_matmul.kernel_wins((12, 8)) and raced.count((12, 8)) == 3
+    monkeypatch.setattr(rows_matmul, "RACE_FORM", "other")  # so does a changed layout
+    monkeypatch.setattr(rows_matmul, "_wins", {})
+    assert rows_matmul.kernel_wins((12, 8)) and raced.count((12, 8)) == 4
     monkeypatch.undo()  # the real verdicts_file, with the cache off
     monkeypatch.setattr(rows_matmul.cpu_kernels, "persistent_dir", lambda: None)
     assert rows_matmul.verdicts_file() is None

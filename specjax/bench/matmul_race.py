@@ -2,7 +2,7 @@
 each weight shape of a model, the weight bytes each form reads per second at 1, 5 and
 17 rows (`specjax.rows_matmul.race_times`, the timing `kernel_wins` decides by, with
 more rounds), and the verdict the race would give. SmolLM2-135M's shapes by default
-(q/o, k/v, gate/up, down, LM head), from its config; no weights are loaded.
+(q/o, k/v, the fused q/k/v, gate/up, down, LM head), from its config; no weights are loaded.
 
   python -m specjax.bench.matmul_race [--hidden 576] [--intermediate 1536] [--kv-width 192]
       [--vocab 49152] [--rows 1,5,17] [--rounds 9]
@@ -18,8 +18,10 @@ from specjax.bench.suite import ints
 
 
 def shapes(hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict:
-    """{name: (in, out)} of a Llama-family model's weight shapes."""
+    """{name: (in, out)} of a Llama-family model's weight shapes (q/k/v: fused, as the
+    decode layout multiplies them, `specjax.model.fuse_qkv`)."""
     return {"q/o": (hidden, hidden), "k/v": (hidden, kv_width),
+            "q/k/v": (hidden, hidden + 2 * kv_width),
             "gate/up": (hidden, intermediate), "down": (intermediate, hidden),
             "LM head": (hidden, vocab)}
 
