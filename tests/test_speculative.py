@@ -522,24 +522,31 @@ def _attention_sensitive_target():
 def test_probes_must_be_worth_the_loops_upkeep(tiny_target, greedy_ref):
     """A row at k = 0 keeps probing only where the chance that its next four probes are
     all accepted (α₁⁴), times the share of the cost drafting would then save, covers what
-    each of its steps costs in the speculative loop (`idle_overhead`); else, from the
-    prior alone, the call runs plain decoding's programs. At 0 the rule is as before."""
+    each of its steps costs in the speculative loop (`idle_overhead`) and what its probes
+    lose against plain steps, spread over the gap between them (`probe_loss`); else,
+    from the prior alone, the call runs plain decoding's programs."""
     import jax.numpy as jnp
 
     from specjax.decoding import policy
-    from specjax.decoding.policy import Rule, probe_value
+    from specjax.decoding.policy import Rule, probe_loss, probe_value
 
     assert bool(probe_value(jnp.asarray([0.5]), jnp.asarray([1.25]), 0.01)[0])  # 0.0125
     assert not bool(probe_value(jnp.asarray([0.5]), jnp.asarray([1.25]), 0.02)[0])
     assert bool(probe_value(jnp.asarray([0.0]), jnp.asarray([1.25]), 0.0)[0])
+    # a probe costing 1.5 plain steps for 1.3 tokens, every 16 steps; one that gains: 0
+    assert float(probe_loss(jnp.asarray([0.3]), 1.5, 16)[0]) == pytest.approx(0.0125)
+    assert float(probe_loss(jnp.asarray([0.6]), 1.5, 16)[0]) == 0.0
     # α₁ 0.3 and a verify of 1.5 plain steps: k = 0 (1.42 tokens at depth 3 cost 1.5), but
     # four accepted probes (α₁ 0.65) would draft depth 3 at 1.27x: worth 0.3⁴ · 0.21 =
-    # 0.0017 of a step
+    # 0.0017 of a step, less than the probes lose every 16 steps (0.0125; a measured
+    # upkeep of 0 made this row probe for ever), more than every 256 (0.00078)
     dear = VerifyCost(jump=0.5).validated()
     rule = Rule(jnp.float32(0.0), jnp.bool_(True), dear, jnp.full((3,), 0.3, jnp.float32))
-    assert policy.may_draft(NGram(k=3), rule, 1)
-    assert policy.may_draft(NGram(k=3), rule.replace(idle=jnp.float32(0.001)), 1)
-    assert not policy.may_draft(NGram(k=3), rule.replace(idle=jnp.float32(0.01)), 1)
+    assert not policy.may_draft(NGram(k=3), rule, 1)
+    sparse = rule.replace(probe_gap=jnp.int32(256))
+    assert policy.may_draft(NGram(k=3), sparse, 1)
+    assert policy.may_draft(NGram(k=3), sparse.replace(idle=jnp.float32(0.0005)), 1)
+    assert not policy.may_draft(NGram(k=3), sparse.replace(idle=jnp.float32(0.001)), 1)
     # a row that drafts at once does not need probes
     sure = rule.replace(prior=jnp.full((3,), 0.9, jnp.float32), idle=jnp.float32(1.0))
     assert policy.may_draft(NGram(k=3), sure, 1)
@@ -1124,12 +1131,15 @@ def test_position_acceptance_takes_a_prior_mean_per_depth():
 
 
 def test_probes_run_only_where_their_outcome_could_change_the_rule(tiny_target):
-    """A k = 0 row probes depth 1 only if accepted probes could make it draft. With a
-    verify forward at 3.2 steps, the default prior (0.75, chained) keeps n-gram off but
-    four accepted probes would put it on, so it probes (steps 15, ...); a calibrated
-    prior with deeper acceptance 0 leaves one-token drafts (at most 2 tokens for 3.2
-    steps) as the best case: no probes at all."""
-    kw = dict(max_new_tokens=40, ignore_eos=True, verify_cost=VerifyCost(jump=2.2))
+    """A k = 0 row probes depth 1 only if accepted probes could make it draft. With
+    verifies of 2, 3 and 5 tokens at 1.8, 2.6 and 3.0 steps, the default prior (0.75,
+    chained) keeps n-gram off (3.05 tokens for 3.0 steps at k = 4, under the 5 % margin)
+    but four accepted probes (α₁ 0.875) would draft k = 4 (3.39 tokens), worth more than
+    the probes lose (1.8 steps for 1.75 tokens, every 16 steps), so it probes (steps 15,
+    ...); a calibrated prior with deeper acceptance 0 leaves one-token drafts (at most
+    1.875 tokens for 1.8 steps) as the best case: no probes at all."""
+    cost = VerifyCost.from_table({1: 1.0, 2: 1.8, 3: 2.6, 5: 3.0})
+    kw = dict(max_new_tokens=40, ignore_eos=True, verify_cost=cost)
     plain = specjax.generate(tiny_target, PROMPTS[:1], **kw)
     spec = NGram(k=4, n_min=1)  # a random model rarely repeats a pair of tokens
     default = specjax.generate(tiny_target, PROMPTS[:1], speculator=spec, **kw)

@@ -175,16 +175,27 @@ def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
 
 
-def probe_value(alpha1, gain, idle):
+def probe_value(alpha1, gain, upkeep):
     """[B] bool: whether keeping a row at k = 0 able to probe is worth its upkeep: the
     chance that its next PROBE_LOOKAHEAD probes are all accepted (alpha1 [B], its
     depth-1 acceptance, to that power) times the share of the cost drafting would then
     save (1 - 1 / gain, gain [B]: tokens per unit of cost at the hopeful α and k over a
-    plain step's) covers what every step at k = 0 costs in the speculative loop
-    (`Rule.idle`). A rough value of the information a probe buys: a row whose drafts are
-    rarely accepted is better decoded by plain decoding's programs than kept probing."""
+    plain step's) covers what every step at k = 0 costs (upkeep [B] or []: the
+    speculative loop's `Rule.idle` and the probes' own loss, `probe_loss`). A rough value
+    of the information a probe buys: a row whose drafts are rarely accepted is better
+    decoded by plain decoding's programs than kept probing."""
     chance = jnp.clip(jnp.asarray(alpha1, jnp.float32), 0.0, 1.0) ** PROBE_LOOKAHEAD
-    return chance * (1.0 - 1.0 / jnp.maximum(gain, 1e-6)) >= idle
+    return chance * (1.0 - 1.0 / jnp.maximum(gain, 1e-6)) >= upkeep
+
+
+def probe_loss(alpha1, probe_cost, gap):
+    """[B] what a row's probes lose against plain steps, per step: a probe costs
+    probe_cost [] (a 2-token verify and one draft call, in plain steps) for 1 + alpha1 [B]
+    tokens, once every `gap` [] steps (its first gap: later ones only grow). A measured
+    upkeep of 0 (`Rule.idle`, a noisy timing clipped at 0) would otherwise make any
+    chance of turning drafting on worth probing for, however rarely drafts are accepted."""
+    loss = jnp.maximum(probe_cost - 1.0 - jnp.asarray(alpha1, jnp.float32), 0.0)
+    return loss / jnp.maximum(jnp.asarray(gap, jnp.float32), 1.0)
 
 
 def slowest_row_z(batch: int) -> float:
@@ -400,7 +411,8 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
 
     A probe drafts depth 1 only, so it is worth its cost only if PROBE_LOOKAHEAD
     accepted probes in a row would make the rule draft, and only where the chance of
-    that covers the speculative loop's upkeep (`probe_value`). active, remaining: [B];
+    that covers the speculative loop's upkeep and what the probes themselves lose
+    (`probe_value`, `probe_loss`). active, remaining: [B];
     context: [] cached tokens the verify attends over (None: the cost tables' own).
     """
     b = counters.hist.shape[0]
@@ -431,10 +443,11 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     own, hopeful_k = best(alpha), best(hopeful)
     g = gains(hopeful)
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
-    worth = (hopeful_k > 0) & probe_value(alpha[:, 0], hopeful_gain, rule.idle)
+    call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
+    upkeep = rule.idle + probe_loss(alpha[:, 0], v[1] + call_cost[1], rule.probe_gap)
+    worth = (hopeful_k > 0) & probe_value(alpha[:, 0], hopeful_gain, upkeep)
     alpha_low = slowest_row_acceptance(alpha, tried, b)
     hopeful_low = slowest_row_acceptance(hopeful, tried.at[:, 0].add(PROBE_LOOKAHEAD), b)
-    call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     depths = tuple(d for d, _ in buckets)
     drafts = call_cost[jnp.max(jnp.where(active, own, 0))]
     pays = speculation_pays(alpha, own, active, remaining, depths, cost + drafts,
