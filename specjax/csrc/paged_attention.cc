@@ -10,12 +10,12 @@
 // straight from the stacked pages [L, K, P, Z, H] (the layer is an operand, so nothing
 // is sliced or copied), and the step's own keys/values may come from beside the pages.
 //
-// Per (row, KV head, block of queries): slots are taken 16 at a time (one vector of
-// lanes); a block's keys are transposed to [H, 16] so each query's 16 scores are one
-// chain of H multiply-adds, the queries sharing each load. Scores go to a scratch row;
+// Per (row, KV head, block of queries): slots are taken kLanes at a time (one vector:
+// 16 with AVX-512, 8 with AVX2); a block's keys are transposed to [H, kLanes] so each
+// query's kLanes scores are one chain of H multiply-adds, the queries sharing each load. Scores go to a scratch row;
 // a second pass takes exp(score - max) and the denominator, and a third sums
 // probability x value slot by slot. Every sum runs in a fixed order of the slot's
-// absolute position (lane = slot mod 16) and of h, so a query's output depends only on
+// absolute position (lane = slot mod kLanes) and of h, so a query's output depends only on
 // the slots it sees: not on how many queries share the call, nor on whether its newer
 // slots came from the pages or from beside them (a chain verify's token gets the bits
 // a one-token step gives it).
@@ -33,12 +33,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using specjax::kLanes, specjax::load, specjax::store, specjax::vf;  // vectors.h
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
+    specjax::vi;  // vectors.h
 constexpr int kMaxGroup = 8;  // queries whose score chains share each load of keys
-constexpr int kValueGroup = 4;  // queries whose sums share each load of values (4 x 4
-                                // vector accumulators: more would spill)
-constexpr int64_t kChunk = 64;  // head-dim columns a value pass holds (4 vectors)
+constexpr int kValueGroup = 4;  // queries whose sums share each load of values
+// head-dim columns a value pass holds: kValueGroup x their vectors of accumulators and
+// the vectors of values must fit the registers (4 x 4 + 4 of 32; 4 x 2 + 2 of 16)
+constexpr int64_t kValueColumns = (specjax::kRegisters >= 32 ? 4 : 2) * kLanes;
+constexpr int64_t kChunk = 64;  // the head dimension's multiple (cpu_attention.takes)
+static_assert(kChunk % kValueColumns == 0 && kChunk % kLanes == 0);
 
 inline vf splat(float x) { return vf{} + x; }
 
@@ -65,7 +68,7 @@ inline vf exp_nonpositive(vf x) {
   return p * scale;
 }
 
-inline float hsum(vf v) {  // lanes 0..15 in order
+inline float hsum(vf v) {  // lanes in order
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
@@ -125,7 +128,8 @@ inline bool sees(const Args& a, int64_t b, int64_t t, int64_t s, int64_t start,
   return a.mask[(b * a.s.T + t) * a.s.T + rel];
 }
 
-// scores[r][s0 .. s0 + 16) for queries qs[0..R) against the transposed keys kt [H, 16].
+// scores[r][s0 .. s0 + kLanes) for queries qs[0..R) against the transposed keys kt
+// [H, kLanes].
 template <int R>
 void score_block(const float* const* qs, const float* kt, int64_t H, vf* acc) {
   vf c[R];
@@ -142,11 +146,12 @@ constexpr ScoreFn kScore[kMaxGroup] = {score_block<1>, score_block<2>, score_blo
                                        score_block<4>, score_block<5>, score_block<6>,
                                        score_block<7>, score_block<8>};
 
-// out[q] columns [c, c + 64) = sum_s p[q][s] v_s for R queries, slots in order.
+// out[q] columns [c, c + kValueColumns) = sum_s p[q][s] v_s for R queries, slots in
+// order.
 template <int R>
 void value_chunk(const float* const* ps, const float* const* vrows, int64_t slots,
-                 int64_t c, vf (*acc)[kChunk / kLanes]) {
-  constexpr int V = kChunk / kLanes;
+                 int64_t c, vf (*acc)[kValueColumns / kLanes]) {
+  constexpr int V = kValueColumns / kLanes;
   vf o[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) o[r][v] = vf{};
@@ -163,7 +168,7 @@ void value_chunk(const float* const* ps, const float* const* vrows, int64_t slot
 }
 
 typedef void (*ValueFn)(const float* const*, const float* const*, int64_t, int64_t,
-                        vf (*)[kChunk / kLanes]);
+                        vf (*)[kValueColumns / kLanes]);
 constexpr ValueFn kValue[kValueGroup] = {value_chunk<1>, value_chunk<2>, value_chunk<3>,
                                          value_chunk<4>};
 
@@ -247,17 +252,18 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   // Pass 3: sum p v over the slots (in order), then divide.
   for (int64_t s = 0; s < slots; ++s) vrows[s] = slot_row(a, a.vp, a.vn, b, kh, s, page_len);
   const float* prow[kValueGroup];
-  vf acc[kValueGroup][kChunk / kLanes];
+  vf acc[kValueGroup][kValueColumns / kLanes];
   for (int64_t g0 = 0; g0 < nq; g0 += kValueGroup) {
     const int n = static_cast<int>(std::min<int64_t>(kValueGroup, nq - g0));
     for (int r = 0; r < n; ++r) prow[r] = scratch.data() + (g0 + r) * padded;
-    for (int64_t c = 0; c < H; c += kChunk) {
+    for (int64_t c = 0; c < H; c += kValueColumns) {
       kValue[n - 1](prow, vrows.data(), slots, c, acc);
       for (int r = 0; r < n; ++r) {
         const int64_t q = q0 + g0 + r;
         float* o = a.out + ((b * d.T + q / G) * d.N + kh * G + q % G) * H + c;
         const float inv = denom[g0 + r];
-        for (int v = 0; v < kChunk / kLanes; ++v) store(o + v * kLanes, acc[r][v] / inv);
+        for (int v = 0; v < kValueColumns / kLanes; ++v)
+          store(o + v * kLanes, acc[r][v] / inv);
       }
     }
   }

@@ -6,8 +6,9 @@
 // reads the same weights, and no XLA:CPU backend (Eigen, YNNPACK, oneDNN) streams a
 // weight matrix once for a few rows at these shapes (docs/benchmarks.md). Here each
 // weight row is read from memory once for all T rows: 32 rows at a time (32 sequential
-// streams), and for each block of 32 columns the output rows, up to 8 at a time, stay
-// in vector registers across those 32. The first group of rows prefetches the next
+// streams), and for each block of two vectors of columns the output rows, as many at a
+// time as the target's vector registers hold (8 with AVX-512, 6 with AVX2), stay in
+// registers across those 32. The first group of rows prefetches the next
 // column block of the same weight rows: without it the hardware prefetcher alone does
 // not keep 32 streams ahead of 2-8 rows' arithmetic (5 rows cost 1.5x one; with it,
 // 1.2x). One row (a decode step, memory-bound) instead sweeps the weight rows 8 at a
@@ -18,8 +19,10 @@
 // does not depend on how many rows share the call. The columns are split across XLA's
 // intra-op threads.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "parallel_items.h"
 #include "vectors.h"
@@ -29,11 +32,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using specjax::kLanes, specjax::load, specjax::store, specjax::vf;  // vectors.h
-constexpr int kMaxRows = 8;       // rows per register block; more go in groups of 8
+using specjax::kLanes, specjax::kRegisters, specjax::load, specjax::store,
+    specjax::vf;  // vectors.h
+constexpr int kVecs = 2;  // vectors of columns per register block
+// rows per register block (more go in groups): their kVecs accumulators each, the
+// kVecs weight vectors and a broadcast must fit the registers, or they spill
+constexpr int kMaxRows = std::min(8, (kRegisters - kVecs - 1) / kVecs);
 constexpr int64_t kRowBlock = 32;  // weight rows streamed side by side
 constexpr int64_t kColumnBlock = 64;  // columns of them the blocks of rows work through
-constexpr int kVecs = 2;  // vectors of columns per register block (up to 8 x 2 accumulators)
+constexpr int64_t kLineFloats = 16;  // floats in a 64-byte cache line
 constexpr int kSweepRows = 8;  // weight rows one row's sweep reads side by side
 constexpr int64_t kSweepColumns = 16384;  // one row's output chunk (64 KB, in L2)
 
@@ -53,7 +60,8 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
     // past the last column block this names memory beyond the row (or the matrix): a
     // prefetch never faults, so it needs no bound
     if (kPrefetch)
-      for (int v = 0; v < kVecs; ++v) __builtin_prefetch(wr + kColumnBlock + v * kLanes);
+      for (int64_t l = 0; l < kVecs * kLanes; l += kLineFloats)
+        __builtin_prefetch(wr + kColumnBlock + l);
     for (int t = 0; t < T; ++t) {
       const float xs = x[t * in + i];
       for (int v = 0; v < kVecs; ++v) acc[t][v] += xs * wv[v];
@@ -65,13 +73,15 @@ void block(const float* x, const float* w, float* y, int64_t in, int64_t out, in
 
 typedef void (*BlockFn)(const float*, const float*, float*, int64_t, int64_t, int64_t,
                         int64_t, int64_t);
+template <bool kPrefetch, size_t... R>
+constexpr std::array<BlockFn, kMaxRows> blocks(std::index_sequence<R...>) {
+  return {block<R + 1, kPrefetch>...};
+}
 // [prefetching][rows - 1]: the first group of rows prefetches, the others find the
 // block in L1.
-constexpr BlockFn kBlocks[2][kMaxRows] = {
-    {block<1, false>, block<2, false>, block<3, false>, block<4, false>, block<5, false>,
-     block<6, false>, block<7, false>, block<8, false>},
-    {block<1, true>, block<2, true>, block<3, true>, block<4, true>, block<5, true>,
-     block<6, true>, block<7, true>, block<8, true>}};
+constexpr std::array<BlockFn, kMaxRows> kBlocks[2] = {
+    blocks<false>(std::make_index_sequence<kMaxRows>()),
+    blocks<true>(std::make_index_sequence<kMaxRows>())};
 
 // y[0, c0..c1) += x[0, i0..i0 + U) @ w[i0..i0 + U, c0..c1): U weight rows read
 // together, vector by vector, each added into the output in turn.

@@ -1,21 +1,41 @@
-// 16-lane float32 vectors for specjax's CPU FFI kernels (rows_matmul.cc,
-// paged_attention.cc): GCC/Clang lower the type to whatever the target has
-// (-march=native).
+// float32 vectors of the target's native width for specjax's CPU FFI kernels
+// (rows_matmul.cc, paged_attention.cc), and how many vector registers it has, so each
+// kernel sizes its register blocks to fit (-march=native picks the branch).
+//
+// Native width, not one fixed 64-byte type: GCC lowers a vector type wider than the
+// target's registers piecewise through the stack (on an AVX2-only AMD EPYC, znver3, a
+// 64-byte type ran the few-row matmul at a quarter of XLA's rate: docs/benchmarks.md,
+// "Few-row matmuls by hand").
 //
 // Loads and stores go through a `may_alias` pointer of the vector type, not memcpy:
 // GCC 12 on a cascadelake (whose tuning prefers 256-bit vectors) compiled a 64-byte
 // memcpy into two 256-bit moves into a stack slot and one 512-bit read back, a
-// store-forwarding stall per vector that halved both kernels' speed
-// (docs/benchmarks.md, "Few-row matmuls by hand").
+// store-forwarding stall per vector that halved both kernels' speed.
 #ifndef SPECJAX_CSRC_VECTORS_H_
 #define SPECJAX_CSRC_VECTORS_H_
 
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#define SPECJAX_VECTOR_BYTES 64
+#define SPECJAX_VECTOR_REGISTERS 32
+#elif defined(__AVX__)
+#define SPECJAX_VECTOR_BYTES 32
+#define SPECJAX_VECTOR_REGISTERS 16
+#elif defined(__aarch64__)
+#define SPECJAX_VECTOR_BYTES 16
+#define SPECJAX_VECTOR_REGISTERS 32
+#else  // SSE2 (every x86-64) and other 128-bit targets
+#define SPECJAX_VECTOR_BYTES 16
+#define SPECJAX_VECTOR_REGISTERS 16
+#endif
+
 namespace specjax {
 
-typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int64_t kLanes = 16;
+typedef float vf __attribute__((vector_size(SPECJAX_VECTOR_BYTES), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(SPECJAX_VECTOR_BYTES), aligned(4)));
+constexpr int64_t kLanes = SPECJAX_VECTOR_BYTES / sizeof(float);
+constexpr int kRegisters = SPECJAX_VECTOR_REGISTERS;  // vector registers the target has
 
 inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
