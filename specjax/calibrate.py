@@ -6,8 +6,9 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
-  depth, its step's overhead and what a step that drafts nothing costs in its loop, as
-  `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take them.
+  depth, its step's overhead per draft depth and what a step that drafts nothing costs
+  in its loop, as `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take
+  them.
 """
 
 from __future__ import annotations
@@ -208,10 +209,11 @@ def fit_verify_cost(ratio: dict[int, float]) -> tuple[float, float]:
 class Calibration:
     """What a calibration pass measured for one speculator at one temperature: the
     acceptance per depth the adaptive rule starts from, and the speculative step's
-    overhead (`step_overhead`); `generate(**c.generate_kwargs())` takes both."""
+    overhead (`step_overhead`), one value or one per draft depth 1..max_depth
+    (`depth_overheads`); `generate(**c.generate_kwargs())` takes them."""
 
     prior: list | None = None
-    overhead: float = 0.0
+    overhead: float | list[float] = 0.0
     proposal: float | None = None  # how often the speculator found a draft when asked
     idle: float = 0.0  # a step at k = 0 in the speculative loop, over a plain one, less 1
 
@@ -257,6 +259,29 @@ def idle_kwargs(speculator, new_tokens: int) -> dict:
                 probe_gap=new_tokens + 1)
 
 
+def shallow_kwargs(speculator, new_tokens: int, cost_ratio: float | None) -> dict:
+    """generate's arguments that keep every row of a speculative call drafting depth 1:
+    a prior α of 1 at depth 1 and 0 deeper, deeper depths never tried so never raised,
+    and no probe due within the call; the draft calls and verify forwards priced as the
+    timed runs price them (`cost_ratio`, the default table), so a row whose depth-1
+    drafts do not pay at all falls to k = 0 and its steps are priced as such."""
+    depth = speculator.shape.max_depth
+    return dict(speculator=speculator, adaptive=True,
+                acceptance_prior=[1.0] + [0.0] * (depth - 1), cost_ratio=cost_ratio,
+                step_overhead=0.0, idle_overhead=0.0, probe_gap=new_tokens + 1)
+
+
+def depth_overheads(shallow: float, full: float, max_depth: int) -> list[float]:
+    """The step's overhead at each draft depth 1..max_depth, linear between what a
+    depth-1 pass (`shallow`) and a full-depth pass (`full`) measured: a deeper tree
+    takes more draft calls' bookkeeping, top-k and reranking, which the verify table and
+    c do not price."""
+    if max_depth <= 1:
+        return [full] * max_depth
+    return [shallow + (full - shallow) * (k - 1) / (max_depth - 1)
+            for k in range(1, max_depth + 1)]
+
+
 def idle_overhead(idle_decode_s: float, idle_steps: int, plain_step_s: float) -> float:
     """What a step that drafts nothing costs inside the speculative loop beyond a plain
     decoding step, in plain steps (>= 0): the speculator's commit and its queue calls,
@@ -299,11 +324,14 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     verify's cost and the loop's own work grow differently with the batch.
 
     Per call, plain decoding and then every speculator at full depth (adaptive=False:
-    every depth is tried whenever the one before was accepted) and drafting nothing
-    (`idle_kwargs`), so that each sees the same machine load. The full-depth pass gives
-    the acceptance per depth, so a good draft drafts deep from its first step, how often
-    the speculator finds a draft, and, timed against the plain pass, the step's overhead
-    (`step_overhead`); the idle pass, what its loop costs where it drafts nothing
+    every depth is tried whenever the one before was accepted), at depth 1
+    (`shallow_kwargs`; speculators deeper than 1) and drafting nothing (`idle_kwargs`),
+    so that each sees the same machine load. The full-depth pass gives the acceptance
+    per depth, so a good draft drafts deep from its first step, and how often the
+    speculator finds a draft; timed against the plain pass, it and the depth-1 pass give
+    the step's overhead at both ends (`step_overhead`, `depth_overheads`): one figure
+    from the full depth would price a one-level tree's step at a four-level tree's
+    bookkeeping. The idle pass gives what its loop costs where it drafts nothing
     (`idle_overhead`). Each pass runs once untimed first (on the first call of each
     shape, `warmup_calls`).
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
@@ -316,16 +344,19 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     out = {}
     for temp in temperatures:
         def passes(i, rows):
-            """Call i's plain pass, then each speculator's full-depth and idle passes."""
+            """Call i's plain pass, then each speculator's full-depth, depth-1 and idle
+            passes."""
             kw = dict(max_new_tokens=new_tokens, temperature=temp, seed=seed + i,
-                      ignore_eos=True)
-            yield "plain", None, generate(target, rows, **kw).stats
+                      ignore_eos=True, verification=verification)
+            yield "plain", None, generate(target, rows, **{**kw, "verification": None}).stats
             for name, spec in specs.items():
-                yield "full", name, generate(
-                    target, rows, **kw, speculator=spec, adaptive=False,
-                    verification=verification,
-                    cost_ratio=cost_ratio_of(cost_ratios, temp, name)).stats
-                yield "idle", name, generate(target, rows, **kw, verification=verification,
+                c = cost_ratio_of(cost_ratios, temp, name)
+                yield "full", name, generate(target, rows, **kw, speculator=spec,
+                                             adaptive=False, cost_ratio=c).stats
+                if spec.shape.max_depth > 1:
+                    yield "shallow", name, generate(
+                        target, rows, **kw, **shallow_kwargs(spec, new_tokens, c)).stats
+                yield "idle", name, generate(target, rows, **kw,
                                              **idle_kwargs(spec, new_tokens)).stats
 
         # A program's first run after compiling is slower by a fixed cost per call, which
@@ -335,26 +366,34 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         for i, rows in warmup_calls(calls):
             for _ in passes(i, rows):
                 pass
-        decode_s = {(kind, name): 0.0 for name in specs for kind in ("full", "idle")}
+        kinds = ("full", "shallow", "idle")
+        decode_s = {(kind, name): 0.0 for name in specs for kind in kinds}
         steps = dict.fromkeys(decode_s, 0)
         decode_s[("plain", None)], steps[("plain", None)] = 0.0, 0
-        stats = {name: [] for name in specs}
+        stats = {key: [] for key in decode_s}
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
                 decode_s[kind, name] += s.wall_s - s.ttft_s
                 steps[kind, name] += loop_steps(s)
-                if kind == "full":
-                    stats[name].append(s)
+                stats[kind, name].append(s)
         plain_step_s = decode_s["plain", None] / max(steps["plain", None], 1)
         out[temp] = {}
-        for name in specs:
-            if not stats[name]:
+        for name, spec in specs.items():
+            if not stats["full", name]:
                 out[temp][name] = Calibration()
                 continue
-            full = merge_stats(stats[name])
+            over = {}
+            for kind in ("full", "shallow"):
+                if stats[kind, name]:
+                    over[kind] = step_overhead(merge_stats(stats[kind, name]),
+                                               decode_s[kind, name], plain_step_s,
+                                               steps[kind, name])
+            full = merge_stats(stats["full", name])
+            depth = spec.shape.max_depth
             out[temp][name] = Calibration(
                 full.acceptance_by_position,
-                step_overhead(full, decode_s["full", name], plain_step_s, steps["full", name]),
+                over["full"] if depth <= 1 else depth_overheads(over["shallow"],
+                                                                over["full"], depth),
                 full.proposal_rate,
                 idle_overhead(decode_s["idle", name], steps["idle", name], plain_step_s))
     return out

@@ -532,7 +532,8 @@ def test_prefilled_state_holds_the_prompt_in_every_row(workdir):
 def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished, heldout):
     """--calibrate N: N prompts per category from other functions than the timed ones,
     one full-depth pass per method, and its acceptance per depth becomes that method's
-    acceptance_prior in the timed runs (recorded in the JSON)."""
+    acceptance_prior in the timed runs (recorded in the JSON, with the step overhead per
+    depth)."""
     _, out, _ = finished
     argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
             "ngram,draft", "--temperatures", "0", "--out", "", "--figures", "",
@@ -543,7 +544,8 @@ def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished,
     assert set(priors) == {"ngram", "draft"} and res["settings"]["calibrate"] == 1
     assert all(len(a) == 2 and all(x is None or 0 <= x <= 1 for x in a)
                for a in priors.values())
-    assert all(p["step_overhead"] >= 0 for p in res["priors"])
+    assert all(len(p["step_overhead"]) == 2 and min(p["step_overhead"]) >= 0
+               for p in res["priors"])
     assert all(r["identical"] for r in res["rows"])  # greedy stays lossless
     docs, tokenizer = heldout
     timed = suite.build_prompt_sets(["docstring"], docs, tokenizer, 2, dict(docstring=64), 0)

@@ -129,7 +129,9 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
         assert set(by_method) == {"ngram", "draft", "eagle3"}
         for cal in by_method.values():
             assert cal["prior"] and all(a is None or 0 <= a <= 1 for a in cal["prior"])
-            assert math.isfinite(cal["overhead"]) and cal["overhead"] >= 0
+            # per draft depth 1..max_depth, measured at both ends
+            assert len(cal["overhead"]) == len(cal["prior"])
+            assert all(math.isfinite(o) and o >= 0 for o in cal["overhead"])
 
 
 def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys):

@@ -913,7 +913,12 @@ def test_step_overhead_prices_the_speculative_step(tiny_target, greedy_ref):
     more = specjax.generate(tiny_target, PROMPTS[:1], **full, step_overhead=0.5).stats
     assert more.verify_cost == pytest.approx(base.verify_cost + 0.5)
     assert more.expected_speedup < base.expected_speedup
-    for bad in (-1.0, float("nan"), "x", True):
+    # per depth: a one-level step free beyond its forward, deeper ones dear: depth 1 only
+    shallow = specjax.generate(tiny_target, PROMPTS[:1], **kw,
+                               step_overhead=[0.0, 10.0, 10.0, 10.0])
+    assert shallow.tokens == greedy_ref[:1] and shallow.stats.drafted > 0
+    assert sum(shallow.stats.accepted_hist[2:]) == 0 and shallow.stats.accepted_hist[1] > 0
+    for bad in (-1.0, float("nan"), "x", True, [0.1, 0.2], [0.1, 0.2, 0.3, -1.0]):
         with pytest.raises(ValueError, match="step_overhead="):
             specjax.generate(tiny_target, PROMPTS[:1], **kw, step_overhead=bad)
 
@@ -967,6 +972,15 @@ def test_step_overhead_is_the_measured_step_less_the_modelled_one():
     assert step_overhead(full, 1.6, 0.0) == 0.0
 
 
+def _pass_kind(speculator, kw) -> str:
+    """Which of `calibrations`' passes a generate call is, from its arguments."""
+    if speculator is None:
+        return "plain"
+    if not kw.get("adaptive", True):
+        return "full"
+    return "shallow" if kw["acceptance_prior"][0] == 1.0 else "idle"
+
+
 def test_calibration_times_warm_programs(monkeypatch):
     """calibrations runs every pass once untimed: a program's first run after compiling
     (here 1 s slower) would otherwise move the step overhead. Timed warm: 16 plain steps
@@ -974,8 +988,9 @@ def test_calibration_times_warm_programs(monkeypatch):
     2 s leave 0.6 steps unmodelled (the first runs would give 0.45). A program is keyed
     by the call's shapes, so the warm-up runs the first call of each shape: here the
     two one-row calls of 2 tokens share a warm-up and the 3-token call has its own.
-    The idle pass (every row at k = 0, no probe due) ran its 16 steps in 1.76 s: 0.1 of
-    a plain step more each."""
+    The depth-1 pass ran 10 steps of one draft call and a 1.2-step verify in 1.8 s: 0.5
+    unmodelled, so the overhead per depth runs 0.5 to 0.6. The idle pass (every row at
+    k = 0, no probe due) ran its 16 steps in 1.76 s: 0.1 of a plain step more each."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
@@ -990,28 +1005,33 @@ def test_calibration_times_warm_programs(monkeypatch):
     spec = NGram(k=4)
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
-        idle = kw.get("probe_gap") is not None
-        ran.append((seed, "idle" if idle else speculator is not None))
-        key = (tuple(map(len, prompts)), speculator, idle)
+        kind = _pass_kind(speculator, kw)
+        ran.append((seed, kind))
+        key = (tuple(map(len, prompts)), kind)
         cold = 1.0 if key not in seen else 0.0
         seen.add(key)
-        if speculator is None or idle:
+        if kind in ("plain", "idle"):
             counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
                           accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
+        elif kind == "shallow":
+            counts = dict(target_calls=10 * ones, draft_calls=10 * ones, drafted=10 * ones,
+                          accepted=6 * ones, cost_ratio=0.1, verify_cost=np.asarray([12.0]))
         else:
             counts = dict(target_calls=10 * ones, draft_calls=20 * ones, drafted=30 * ones,
                           accepted=20 * ones, cost_ratio=0.1, verify_cost=np.asarray([12.0]))
-        decode = 1.6 if speculator is None else 1.76 if idle else 2.0
+        decode = dict(plain=1.6, idle=1.76, shallow=1.8, full=2.0)[kind]
         stats = build_stats(new_tokens=31 * ones, hist=np.zeros((1, 4), np.int64),
                             ttft_s=0.0, decode_s=decode + cold, compile_s=0.0, **counts)
         return SimpleNamespace(stats=stats)
 
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
     out = calibrations(None, {"spec": spec}, [[1, 2], [3, 4], [5, 6, 7]], new_tokens=32)
-    assert out[0.0]["spec"].overhead == pytest.approx(0.6)
+    assert out[0.0]["spec"].overhead == pytest.approx([0.5, 0.5 + 0.1 / 3, 0.5 + 0.2 / 3,
+                                                       0.6])
     assert out[0.0]["spec"].idle == pytest.approx(0.1)
     assert out[0.0]["spec"].generate_kwargs()["idle_overhead"] == pytest.approx(0.1)
-    passes = lambda *seeds: [(s, kind) for s in seeds for kind in (False, True, "idle")]
+    kinds = ("plain", "full", "shallow", "idle")
+    passes = lambda *seeds: [(s, kind) for s in seeds for kind in kinds]
     assert ran == passes(0, 2) + passes(0, 1, 2)  # warm-up passes, then timed ones
 
 
@@ -1032,8 +1052,8 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
     calls, spec = [], NGram(k=4)
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
-        if kw.get("probe_gap") is not None:
-            speculator = None  # the idle pass: timed as plain steps here
+        if _pass_kind(speculator, kw) != "full":
+            speculator = None  # the depth-1 and idle passes: timed as plain steps here
         calls.append((speculator, seed, prompts))
         if speculator is None:
             counts = dict(target_calls=np.asarray([16, 16]), draft_calls=np.zeros(2),
@@ -1052,14 +1072,17 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
     cal = calibrations(None, {"spec": spec}, [[1], [2], [3]], new_tokens=17,
                        batch=2)[0.0]["spec"]
-    assert cal.overhead == pytest.approx(0.6) and cal.proposal == pytest.approx(0.75)
+    assert cal.overhead[-1] == pytest.approx(0.6) and cal.proposal == pytest.approx(0.75)
     assert cal.generate_kwargs()["proposal_prior"] == pytest.approx(0.75)
     assert cal.idle == 0.0  # the idle pass ran as fast as the plain one
-    assert [(s, seed) for s, seed, _ in calls[:3]] == [(None, 0), (spec, 0), (None, 0)]
-    timed = calls[3:]  # after the warm-up passes of the first call (both have one shape)
+    assert [(s, seed) for s, seed, _ in calls[:4]] == [(None, 0), (spec, 0), (None, 0),
+                                                        (None, 0)]
+    timed = calls[4:]  # after the warm-up passes of the first call (both have one shape)
     assert [(s, seed, p) for s, seed, p in timed] == [
         (None, 0, [[1], [2]]), (spec, 0, [[1], [2]]), (None, 0, [[1], [2]]),
-        (None, 1, [[3], [1]]), (spec, 1, [[3], [1]]), (None, 1, [[3], [1]])]
+        (None, 0, [[1], [2]]),
+        (None, 1, [[3], [1]]), (spec, 1, [[3], [1]]), (None, 1, [[3], [1]]),
+        (None, 1, [[3], [1]])]
 
 
 def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():

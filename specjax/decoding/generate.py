@@ -32,7 +32,9 @@ generate's arguments:
     Leviathan et al.'s free verify), for the adaptive rule and the analytical speedup.
   step_overhead: what a speculative step costs beyond its draft calls and verify
     forward, in one-token target steps (None: 0), for the adaptive rule and the
-    analytical speedup; `specjax.calibrate.calibration` measures it.
+    analytical speedup: one number for every depth, or one per draft depth 1..max_depth
+    (building and reranking a deeper tree costs more); `specjax.calibrate.calibration`
+    measures it per depth.
   idle_overhead: what a step that drafts nothing costs inside the speculative loop beyond
     a plain decoding step (the speculator's commit and queue calls, the loop's control
     flow), in one-token target steps (None: 0); a row at k = 0 keeps probing only where
@@ -98,7 +100,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              eos_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              speculator: Speculator | None = None, verification: str | None = None,
              adaptive: bool = True, cost_ratio: float | None = None,
-             verify_cost: VerifyCost | None = None, step_overhead: float | None = None,
+             verify_cost: VerifyCost | None = None,
+             step_overhead: float | Sequence[float] | None = None,
              idle_overhead: float | None = None, probe_gap: int | None = None,
              acceptance_prior: Sequence[float | None] | None = None,
              proposal_prior: float | None = None, layer_layout: str = "auto",
@@ -321,9 +324,9 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
                                            and 0 <= proposal_prior <= 1):
         raise ValueError(f"proposal_prior={proposal_prior!r} must be a rate in [0, 1] "
                          "(None: 1)")
-    for name, value in (("step_overhead", step_overhead), ("idle_overhead", idle_overhead)):
-        if value is not None and not (_is_number(value) and np.isfinite(value) and value >= 0):
-            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    if idle_overhead is not None and not _is_cost(idle_overhead):
+        raise ValueError(f"idle_overhead={idle_overhead!r} must be a finite number >= 0")
+    max_depth = speculator.shape.max_depth if speculator is not None else 0
     if probe_gap is not None and not (isinstance(probe_gap, numbers.Integral)
                                       and not isinstance(probe_gap, (bool, np.bool_))
                                       and 1 <= probe_gap <= 2**24):
@@ -331,10 +334,11 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
     vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated()
-    prior = _prior(acceptance_prior, speculator.shape.max_depth if speculator is not None else 0)
+    prior = _prior(acceptance_prior, max_depth)
     return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
-                                jnp.bool_(per_row), jnp.float32(step_overhead or 0.0),
+                                jnp.bool_(per_row),
+                                jnp.asarray(_overhead(step_overhead, max_depth)),
                                 proposal=jnp.float32(np.nan if proposal_prior is None
                                                      else proposal_prior),
                                 idle=jnp.float32(idle_overhead or 0.0),
@@ -392,6 +396,23 @@ def as_token_lists(model: Model, prompts) -> list[list[int]]:
         validate_tokens(np.asarray(ids), model.config.vocab_size, what=f"prompt {i} token")
         out.append(ids)
     return out
+
+
+def _is_cost(value) -> bool:
+    return _is_number(value) and bool(np.isfinite(value)) and value >= 0
+
+
+def _overhead(step_overhead, max_depth: int) -> np.ndarray:
+    """generate's `step_overhead` as `Rule.overhead`: [max_depth + 1] float32 by draft
+    depth, entry 0 (a step that verifies nothing) as depth 1's. One shape whatever was
+    given, so a call with it runs the same programs as one without."""
+    if step_overhead is None or _is_cost(step_overhead):
+        return np.full((max_depth + 1,), step_overhead or 0.0, np.float32)
+    vals = list(step_overhead) if isinstance(step_overhead, (list, tuple, np.ndarray)) else []
+    if max_depth == 0 or len(vals) != max_depth or not all(map(_is_cost, vals)):
+        raise ValueError(f"step_overhead={step_overhead!r} must be a finite number >= 0 or "
+                         f"max_depth={max_depth} of them, one per draft depth")
+    return np.asarray(vals[:1] + vals, np.float32)
 
 
 def _prior(acceptance_prior, max_depth: int) -> np.ndarray:

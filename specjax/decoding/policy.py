@@ -46,9 +46,10 @@ class Rule:
     # [] bool: each row decides as if it ran alone (verify costs at batch 1, no
     # batch-wide verify width), so a row's tokens do not depend on its batch
     per_row: jax.Array = np.bool_(False)
-    # [] the speculative step's cost beyond its draft calls and verify forward (tree
-    # building, the verifier, the commit), in one-token target steps; measured by
-    # `specjax.calibrate.step_overhead` (`generate(step_overhead=)`)
+    # [Dm+1] or [] the speculative step's cost beyond its draft calls and verify forward
+    # (tree building, the verifier, the commit), in one-token target steps, by draft
+    # depth (entry 0: a step that verifies nothing); measured by
+    # `specjax.calibrate.calibrations` (`generate(step_overhead=)`, `overhead_at`)
     overhead: jax.Array = np.float32(0.0)
     # [] the expected gain over plain decoding a depth k > 0 must show (`DRAFT_MARGIN`)
     margin: jax.Array = np.float32(DRAFT_MARGIN)
@@ -383,6 +384,13 @@ def attended_tokens(backend: str | None, capacity: int, lengths, head_dim: int |
     return jnp.max(jnp.asarray(lengths)).astype(jnp.float32)
 
 
+def overhead_at(overhead, depths: np.ndarray) -> jax.Array:
+    """`Rule.overhead` at each of `depths` (static ints): by depth, or one value for
+    every depth."""
+    o = jnp.atleast_1d(jnp.asarray(overhead, jnp.float32))
+    return o[np.minimum(depths, o.shape[0] - 1)]
+
+
 def may_draft(spec: Speculator, rule: Rule, batch: int, context: int = 0) -> bool:
     """Whether a `generate` call of `batch` rows whose attention reads `context` cached
     tokens at first (`attended`) that starts from the rule's prior could ever draft.
@@ -418,8 +426,10 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     b = counters.hist.shape[0]
     rows = jnp.where(rule.per_row, 1.0, float(b))  # the batch the rule prices
     inputs = np.asarray([w + 1 for _, w in buckets])  # verified tokens per bucket
-    cost = rule.vcost.speculative(inputs, rows, context) + rule.overhead
-    spent = rule.vcost.speculative(np.append(inputs, 1), b, context) + rule.overhead
+    depths = tuple(d for d, _ in buckets)
+    over = overhead_at(rule.overhead, np.asarray(depths + (0,)))  # [NB+1]
+    cost = rule.vcost.speculative(inputs, rows, context) + over[:-1]
+    spent = rule.vcost.speculative(np.append(inputs, 1), b, context) + over
     per_k = np.asarray(bucket_per_depth(buckets))
     calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
@@ -448,7 +458,6 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     worth = (hopeful_k > 0) & probe_value(alpha[:, 0], hopeful_gain, upkeep)
     alpha_low = slowest_row_acceptance(alpha, tried, b)
     hopeful_low = slowest_row_acceptance(hopeful, tried.at[:, 0].add(PROBE_LOOKAHEAD), b)
-    depths = tuple(d for d, _ in buckets)
     drafts = call_cost[jnp.max(jnp.where(active, own, 0))]
     pays = speculation_pays(alpha, own, active, remaining, depths, cost + drafts,
                             rule.margin, alpha_low)
