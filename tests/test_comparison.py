@@ -72,12 +72,12 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     specs = {"ngram": NGram(k=3), "draft": DraftModel.create(tiny_draft, k=3,
                                                               target=tiny_target)}
     calibrations(tiny_target, specs, prompts, new_tokens=8, temperatures=(0.0, 1.0))
-    # per temperature: one call's 5 warm-up passes (plain, then each speculator at full
-    # depth and idle), then 3 calls' 5 timed passes
+    # per temperature: one call's 7 warm-up passes (plain, then each speculator at full
+    # depth, at depth 1 and idle), then 3 calls' 7 timed passes
     per_call = [c for _, c in calls]
-    assert len(per_call) == 2 * (5 + 15)
-    warm, timed = per_call[:5] + per_call[20:25], per_call[5:20] + per_call[25:]
-    assert sum(warm) > 0 and timed == [0] * 30
+    assert len(per_call) == 2 * (7 + 21)
+    warm, timed = per_call[:7] + per_call[28:35], per_call[7:28] + per_call[35:]
+    assert sum(warm) > 0 and timed == [0] * 42
 
 
 def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
