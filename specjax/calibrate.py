@@ -275,10 +275,8 @@ def depth_overheads(shallow: float, full: float, max_depth: int) -> list[float]:
     """The step's overhead at each draft depth 1..max_depth, linear between what a
     depth-1 pass (`shallow`) and a full-depth pass (`full`) measured: a deeper tree
     takes more draft calls' bookkeeping, top-k and reranking, which the verify table and
-    c do not price."""
-    if max_depth <= 1:
-        return [full] * max_depth
-    return [shallow + (full - shallow) * (k - 1) / (max_depth - 1)
+    c do not price. One depth: the full-depth pass's figure."""
+    return [shallow + (full - shallow) * (k - 1) / max(max_depth - 1, 1)
             for k in range(1, max_depth + 1)]
 
 
@@ -389,11 +387,10 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                                                decode_s[kind, name], plain_step_s,
                                                steps[kind, name])
             full = merge_stats(stats["full", name])
-            depth = spec.shape.max_depth
             out[temp][name] = Calibration(
                 full.acceptance_by_position,
-                over["full"] if depth <= 1 else depth_overheads(over["shallow"],
-                                                                over["full"], depth),
+                depth_overheads(over.get("shallow", over["full"]), over["full"],
+                                spec.shape.max_depth),
                 full.proposal_rate,
                 idle_overhead(decode_s["idle", name], steps["idle", name], plain_step_s))
     return out
