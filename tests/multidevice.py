@@ -23,8 +23,11 @@ def run_cases(path: str, marker: str, keyword: str | None = None, timeout: int =
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     select = ["-m", marker] + (["-k", keyword] if keyword else [])
+    # -n 0: in-process; the suite's `-n auto --dist loadfile` would start workers for one
+    # file, of which one runs it all (each start imports jax: ~15 s a call)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", *select],
+        [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-n", "0",
+         *select],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
