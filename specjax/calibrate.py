@@ -24,7 +24,7 @@ import numpy as np
 from specjax import rng
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.decoding.cost import VerifyCost
+from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.policy import attended_tokens
 from specjax.model import Model, init_model, step, step_kv
 from specjax.speculators.base import ProposeContext
@@ -247,15 +247,18 @@ def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: flo
     return max(measured - modelled, 0.0)
 
 
-def idle_kwargs(speculator, new_tokens: int) -> dict:
+def idle_kwargs(speculator, new_tokens: int, verify_cost: VerifyCost | None = None) -> dict:
     """generate's arguments that keep every row of a speculative call at k = 0 with no
     probe, yet not settled: the loop a call that could still draft runs while its rows
     draft nothing (`idle_overhead`). A prior α of 0 keeps k at 0; free draft calls and
     verify forwards make four accepted probes look worth drafting, so the rows stay
-    able to probe (not settled); and no probe is due within the call."""
+    able to probe (not settled); and no probe is due within the call. The free verify
+    takes `verify_cost`'s form (`VerifyCost.free`; None: `VerifyCost()`), so that with
+    the cost model the other passes run, this pass runs their compiled loop."""
+    free = (verify_cost if verify_cost is not None else VerifyCost()).free()
     return dict(speculator=speculator, adaptive=True,
                 acceptance_prior=[0.0] * speculator.shape.max_depth, cost_ratio=0.0,
-                verify_cost=VerifyCost(), step_overhead=0.0, idle_overhead=0.0,
+                verify_cost=free, step_overhead=0.0, idle_overhead=0.0,
                 probe_gap=new_tokens + 1)
 
 
@@ -354,8 +357,8 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                 if spec.shape.max_depth > 1:
                     yield "shallow", name, generate(
                         target, rows, **kw, **shallow_kwargs(spec, new_tokens, c)).stats
-                yield "idle", name, generate(target, rows, **kw,
-                                             **idle_kwargs(spec, new_tokens)).stats
+                yield "idle", name, generate(target, rows, **kw, **idle_kwargs(
+                    spec, new_tokens, default_verify_cost(target.config))).stats
 
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:

@@ -62,7 +62,9 @@ def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
 
 def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, monkeypatch):
     """`specjax.calibrate.calibrations` warms up on the first call of each shape only; the
-    timed passes of the other calls, at both temperatures, compile nothing."""
+    timed passes of the other calls, at both temperatures, compile nothing; and a
+    speculator's depth-1 and idle passes run the loop its full-depth pass compiled (the
+    idle pass's free verify takes the default cost model's form, `VerifyCost.free`)."""
     import specjax.decoding.generate as generate_mod
     from specjax.calibrate import calibrations
 
@@ -78,6 +80,9 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     assert len(per_call) == 2 * (7 + 21)
     warm, timed = per_call[:7] + per_call[28:35], per_call[7:28] + per_call[35:]
     assert sum(warm) > 0 and timed == [0] * 42
+    # warm-up order: plain, then (full, depth 1, idle) per speculator
+    assert per_call[1] > 0 and per_call[4] > 0
+    assert per_call[2:4] == per_call[5:7] == [0, 0]
 
 
 def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):

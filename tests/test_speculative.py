@@ -343,6 +343,27 @@ def test_verify_cost_model_and_its_stats(tiny_target, greedy_ref):
     assert "0.5·[T > 1]" in vc.describe()
 
 
+def test_a_free_verify_keeps_the_cost_models_form():
+    """`VerifyCost.free`: every forward costs one plain step, at any batch and context,
+    in the same pytree structure and shapes as the model it came from (so the loop
+    compiled for that model runs it), and validated as generate validates."""
+    import numpy as np
+
+    from specjax.decoding.cost import VERIFY_COST
+
+    for cost in (VERIFY_COST["cpu"], VERIFY_COST["cpu-xla"], VERIFY_COST["gpu"],
+                 VerifyCost.from_table({1: 1.0, 2: 1.5, 5: 2.0})):
+        free = cost.free().validated()
+        shapes = lambda c: jax.tree.map(np.shape, c.validated())  # noqa: E731
+        assert jax.tree.structure(free) == jax.tree.structure(cost.validated())
+        assert shapes(free) == shapes(cost)
+        for rows in (1, 4, 16, 64):
+            for context in (None, 64, 4096):
+                got = free.speculative(np.asarray([1, 2, 5, 17, 300]), rows, context)
+                np.testing.assert_allclose(got, 1.0, rtol=1e-6)
+        assert float(cost.speculative(5, 1)) > 1.0  # the model it came from is not free
+
+
 def test_per_position_acceptance_model():
     """E[tokens] from per-position acceptance: a constant α is Leviathan's closed form;
     all-or-nothing drafts (α_1 low, then certain) are worth drafting deep, which one

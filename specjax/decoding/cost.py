@@ -141,6 +141,20 @@ class VerifyCost:
         switch): times 1 + branch."""
         return self.relative(tokens_per_row, rows, context) * (1.0 + self.branch)
 
+    def free(self) -> "VerifyCost":
+        """A free verify (every forward costs one plain step) in this model's form: its
+        tables, if any, with every cost 1. The loop takes the cost model as traced
+        numbers of a given structure, so the program compiled for this model also runs
+        the free one (the idle calibration pass, `calibrate.idle_kwargs`), where
+        `VerifyCost()` would compile another."""
+        ones = lambda x: None if x is None else np.ones_like(np.asarray(x, np.float32))  # noqa: E731
+        measured = None
+        if self.measured is not None:
+            measured = np.stack([np.asarray(self.measured[0], np.float32),
+                                 ones(self.measured[1])])
+        return VerifyCost(measured=measured, rows=self.rows, by_rows=ones(self.by_rows),
+                          contexts=self.contexts, far=ones(self.far))
+
     def describe(self) -> str:
         log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
         out = f"v(T) = {log}"
