@@ -55,7 +55,9 @@ def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
                                   if r["temperature"] == 0)
     warm = [c for (_, _, p), c in per_call if len(p) == 1]
     timed = [c for (_, _, p), c in per_call if len(p) == 4]
-    assert len(warm) == 6 and len(timed) == 12
+    # two rounds per method, one call for a method on plain decoding's programs
+    plain = sum(r["loop"] == "plain" for r in rows)
+    assert len(warm) == 6 and len(timed) == 12 - plain
     assert sum(warm) > 0  # the warm-up compiled (the cache was empty) ...
     assert timed == [0] * 12  # ... and nothing was left for the timed rounds
 
@@ -85,6 +87,35 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     assert per_call[2:4] == per_call[5:7] == [0, 0]
 
 
+def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch):
+    """A speculator whose warm-up ran plain decoding's programs (no speculative call)
+    runs once after the rounds, for its tokens and stats, and reports the first
+    method's tokens/s at a speedup of 1; the other methods are timed every round."""
+    order = []
+    speeds = {"autoregressive": [10.0, 9.0, 11.0], "ngram": [12.0, 12.0, 13.0]}
+
+    def fake_run(target, spec, prompts, **kw):
+        calls = 0 if spec == "draft" else 1  # the rule never lets the draft draft
+        if len(prompts) == 1:  # the warm-up
+            return [[1]], dict(speculative_calls=calls)
+        order.append(spec)
+        r = sum(1 for s in order if s == spec) - 1
+        return [[1]], dict(speculative_calls=calls,
+                           tokens_per_s=speeds.get(spec, [99.0])[min(r, 2)])
+
+    monkeypatch.setattr(comparison, "speculative_run", fake_run)
+    names = ["autoregressive", "ngram", "draft"]
+    rows = compare(None, {m: m for m in names}, [[1, 2, 3], [4, 5, 6]], new_tokens=4,
+                   temperatures=(0.0,), batch=1, repeats=3)
+    assert order.count("autoregressive") == order.count("ngram") == 3
+    assert order.count("draft") == 1 and order[-1] == "draft"  # after the rounds, once
+    by = {r["method"]: r for r in rows}
+    assert by["draft"]["loop"] == "plain" and by["ngram"]["loop"] == "speculative"
+    assert by["draft"]["tokens_per_s"] == 10.0 and by["draft"]["speedup"] == 1.0
+    assert by["draft"]["identical_to_plain"]
+    assert by["ngram"]["tokens_per_s"] == 12.0
+
+
 def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
     """No method runs first in every round, and a method's speedup is the median of its
     per-round tokens/s ratios to the first method's (a slow round cancels there)."""
@@ -93,8 +124,8 @@ def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
     speeds = {"autoregressive": [10.0, 2.0, 10.0, 10.0], "ngram": [12.0, 12.0, 13.0, 11.0]}
 
     def fake_run(target, spec, prompts, **kw):
-        if len(prompts) == 1:  # the warm-up
-            return [[1]], {}
+        if len(prompts) == 1:  # the warm-up: every call ran the speculative loop
+            return [[1]], dict(speculative_calls=1)
         order.append(spec)
         r = sum(1 for s in order if s == spec) - 1
         return [[1]], dict(tokens_per_s=speeds[spec][r])

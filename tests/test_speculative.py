@@ -1046,7 +1046,10 @@ def test_calibration_times_warm_programs(monkeypatch):
         return SimpleNamespace(stats=stats)
 
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
-    out = calibrations(None, {"spec": spec}, [[1, 2], [3, 4], [5, 6, 7]], new_tokens=32)
+    # the fake generate runs nothing; the target's config only picks the default cost model
+    # (whose free form the idle pass takes)
+    target = SimpleNamespace(config=None)
+    out = calibrations(target, {"spec": spec}, [[1, 2], [3, 4], [5, 6, 7]], new_tokens=32)
     assert out[0.0]["spec"].overhead == pytest.approx([0.5, 0.5 + 0.1 / 3, 0.5 + 0.2 / 3,
                                                        0.6])
     assert out[0.0]["spec"].idle == pytest.approx(0.1)
@@ -1091,8 +1094,8 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
         return SimpleNamespace(stats=stats)
 
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
-    cal = calibrations(None, {"spec": spec}, [[1], [2], [3]], new_tokens=17,
-                       batch=2)[0.0]["spec"]
+    cal = calibrations(SimpleNamespace(config=None), {"spec": spec}, [[1], [2], [3]],
+                       new_tokens=17, batch=2)[0.0]["spec"]
     assert cal.overhead[-1] == pytest.approx(0.6) and cal.proposal == pytest.approx(0.75)
     assert cal.generate_kwargs()["proposal_prior"] == pytest.approx(0.75)
     assert cal.idle == 0.0  # the idle pass ran as fast as the plain one

@@ -51,6 +51,12 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     that each sees the same machine load; tokens/s is the median over the rounds, the
     speedup the median of each round's ratio to the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
+    A speculator whose warm-up ran plain decoding's programs in every call (the rule
+    saw that drafting could never pay, `policy.may_draft`, which reads the prompts'
+    shapes and the rule, not the prompts) runs them in every call of the rounds too:
+    timing it would time the first method's programs again. It runs once after the
+    rounds, for its tokens and stats, and reports the first method's tokens/s with a
+    speedup of 1 (`loop` "plain"; else "speculative").
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
@@ -69,23 +75,29 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                                        cost_ratios, temp, name),
                                    calibration=(priors or {}).get(temp, {}).get(name))
 
-        for name, spec in speculators.items():
-            run(name, spec, warm)  # compiles
         names = list(speculators)
-        speeds = {name: [] for name in names}
+        base = names[0]
+        warmed = {name: run(name, spec, warm) for name, spec in speculators.items()}  # compiles
+        plain = [name for name in names[1:] if speculators[name] is not None
+                 and warmed[name][1]["speculative_calls"] == 0]
+        timed = [name for name in names if name not in plain]
+        speeds = {name: [] for name in timed}
         last = {}
         for r in range(repeats):
-            for i in balanced_order(len(names), r):  # no method always first
-                name = names[i]
+            for i in balanced_order(len(timed), r):  # no method always first
+                name = timed[i]
                 last[name] = run(name, speculators[name])
                 speeds[name].append(last[name][1]["tokens_per_s"])
-        base = names[0]
+        for name in plain:  # the first method's programs: its tokens and stats, untimed
+            last[name] = run(name, speculators[name])
         for name in names:
             tokens, r = last[name]
             # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
+            same = speeds.get(name, speeds[base])
             rows.append(dict(r, method=name, temperature=temp,
-                             tokens_per_s=float(np.median(speeds[name])),
-                             speedup=paired_speedup(speeds[name], speeds[base]),
+                             loop="plain" if name in plain else "speculative",
+                             tokens_per_s=float(np.median(same)),
+                             speedup=paired_speedup(same, speeds[base]),
                              identical_to_plain=tokens == last[base][0]))
     return rows
 
@@ -107,6 +119,12 @@ def table(rows: list) -> str:
         lines.append(f"| {r['method']} | {r['temperature']:g} | {r['alpha']:.3f} | "
                      f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
                      f"{r['analytical']:.2f}× | {same} |")
+    plain = [f"{r['method']} at T = {r['temperature']:g}" for r in rows
+             if r.get("loop") == "plain"]  # rows of an earlier version have no loop
+    if plain:
+        lines += ["", "On plain decoding's programs (the rule saw that drafting could never "
+                  "pay; run once, not re-timed: autoregressive's tokens/s): "
+                  + ", ".join(plain) + "."]
     return "\n".join(lines)
 
 

@@ -84,4 +84,5 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
                         mean_verified=s.mean_verified, tokens_per_s=s.tokens_per_s,
                         ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
                         accepted_hist=s.accepted_hist, compile_s=s.compile_s,
+                        speculative_calls=s.speculative_calls, calls=len(parts),
                         acceptance_by_position=s.acceptance_by_position)
