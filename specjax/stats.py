@@ -233,3 +233,14 @@ def _row(new, calls, dcalls, drafted, accepted, verified, c, vsum, ttft_s, decod
                 wall_s=wall, ttft_s=ttft_s,
                 tpot_s=decode_s / decode_tokens if decode_tokens else 0.0,
                 tokens_per_s=new / wall if wall > 0 else 0.0)
+
+
+def loop_kind(speculative_calls: int, calls: int) -> str:
+    """Which loop a method's `generate` calls ran: "plain" (plain decoding's programs, the
+    rule having seen that drafting could never pay, `policy.may_draft`), "speculative",
+    or "s/n speculative" where only s of the n calls did."""
+    if speculative_calls == 0:
+        return "plain"
+    if speculative_calls == calls:
+        return "speculative"
+    return f"{speculative_calls}/{calls} speculative"

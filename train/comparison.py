@@ -17,6 +17,7 @@ import numpy as np
 import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
+from specjax.stats import loop_kind
 from specjax.timing import balanced_order, paired_speedup
 from specjax.train.speculation import heldout_prompts, speculative_run
 
@@ -56,7 +57,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     shapes and the rule, not the prompts) runs them in every call of the rounds too:
     timing it would time the first method's programs again. It runs once after the
     rounds, for its tokens and stats, and reports the first method's tokens/s with a
-    speedup of 1 (`loop` "plain"; else "speculative").
+    speedup of 1 (`loop`: `specjax.stats.loop_kind`).
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
@@ -79,7 +80,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         base = names[0]
         warmed = {name: run(name, spec, warm) for name, spec in speculators.items()}  # compiles
         plain = [name for name in names[1:] if speculators[name] is not None
-                 and warmed[name][1]["speculative_calls"] == 0]
+                 and loop_kind(warmed[name][1]["speculative_calls"],
+                               warmed[name][1]["calls"]) == "plain"]
         timed = [name for name in names if name not in plain]
         speeds = {name: [] for name in timed}
         last = {}
@@ -95,7 +97,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
             same = speeds.get(name, speeds[base])
             rows.append(dict(r, method=name, temperature=temp,
-                             loop="plain" if name in plain else "speculative",
+                             loop=loop_kind(r["speculative_calls"], r["calls"]),
                              tokens_per_s=float(np.median(same)),
                              speedup=paired_speedup(same, speeds[base]),
                              identical_to_plain=tokens == last[base][0]))

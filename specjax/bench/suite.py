@@ -65,6 +65,7 @@ from specjax.bench.suite_methods import (
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.speculators.eagle import check_tree
+from specjax.stats import loop_kind
 from specjax.timing import balanced_order, paired_speedup
 
 # Which workdir files each method needs (besides the target, always needed).
@@ -436,17 +437,6 @@ def _peer_row(name: str, peer: _Peer, results: list, ids, category, run_kw: dict
 def round_order(names: list[str], r: int) -> list[str]:
     """Round `r`'s method order (`specjax.timing.balanced_order`)."""
     return [names[i] for i in balanced_order(len(names), r)]
-
-
-def loop_kind(speculative_calls: int, calls: int) -> str:
-    """Which loop a method's `generate` calls ran: "plain" (plain decoding's programs, the
-    rule having seen that drafting could never pay, `policy.may_draft`), "speculative",
-    or "s/n speculative" where only s of the n calls did."""
-    if speculative_calls == 0:
-        return "plain"
-    if speculative_calls == calls:
-        return "speculative"
-    return f"{speculative_calls}/{calls} speculative"
 
 
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
