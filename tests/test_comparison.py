@@ -113,6 +113,7 @@ def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch):
     assert by["draft"]["loop"] == "plain" and by["ngram"]["loop"] == "speculative"
     assert by["draft"]["tokens_per_s"] == 10.0 and by["draft"]["speedup"] == 1.0
     assert by["draft"]["identical_to_plain"]
+    assert [r["timed"] for r in rows] == [True, True, False]
     assert by["ngram"]["tokens_per_s"] == 12.0
 
 

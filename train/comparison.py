@@ -57,7 +57,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     shapes and the rule, not the prompts) runs them in every call of the rounds too:
     timing it would time the first method's programs again. It runs once after the
     rounds, for its tokens and stats, and reports the first method's tokens/s with a
-    speedup of 1 (`loop`: `specjax.stats.loop_kind`).
+    speedup of 1 (`timed` False; `loop`: `specjax.stats.loop_kind`).
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
@@ -98,6 +98,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             same = speeds.get(name, speeds[base])
             rows.append(dict(r, method=name, temperature=temp,
                              loop=loop_kind(r["speculative_calls"], r["calls"]),
+                             timed=name not in plain,
                              tokens_per_s=float(np.median(same)),
                              speedup=paired_speedup(same, speeds[base]),
                              identical_to_plain=tokens == last[base][0]))
@@ -122,7 +123,7 @@ def table(rows: list) -> str:
                      f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
                      f"{r['analytical']:.2f}× | {same} |")
     plain = [f"{r['method']} at T = {r['temperature']:g}" for r in rows
-             if r.get("loop") == "plain"]  # rows of an earlier version have no loop
+             if not r.get("timed", True)]  # rows of an earlier version were all timed
     if plain:
         lines += ["", "On plain decoding's programs (the rule saw that drafting could never "
                   "pay; run once, not re-timed: autoregressive's tokens/s): "
