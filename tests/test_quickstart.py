@@ -115,6 +115,13 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     vocab = np.load(tmp_path / "draft_vocab" / "vocab.npy")
     assert vocab.shape == (96,) and len(set(vocab.tolist())) == 96
     assert res["settings"]["stages"]["draft_vocab"]["size"] == 96
+    # ...and trained on them: its head's kept rows, the loss over them
+    assert res["settings"]["stages"]["draft"]["vocab"] == 96
+    method = json.loads((tmp_path / "draft" / "config.json").read_text())["identity"]["method"]
+    assert method["vocab"]["size"] == 96
+    evals = [json.loads(line) for line in (tmp_path / "draft" / "metrics.jsonl").read_text(
+    ).splitlines() if json.loads(line)["split"] == "eval"]
+    assert evals and 0 < evals[-1]["in_vocab"] <= 1
     summary = json.loads((tmp_path / "eagle3" / "summary.json").read_text())
     assert summary["features"] == "online" and "speculative" not in summary  # the table's
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]

@@ -141,7 +141,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
             train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
             divergence: str = "tvd", temperature: float = 1.0, source: str = "corpus",
             prompt_len: int = 16, sample_temperature: float = 1.0,
-            draft_init_dir: str | Path | None = None, data_parallel: bool = False,
+            draft_init_dir: str | Path | None = None, vocab=None, data_parallel: bool = False,
             mesh_shape: Mapping[str, int] | None = None,
             stop_at: int | None = None) -> JobResult:
     """Distills the target at `target_dir` (HF layout with tokenizer.json) into a draft.
@@ -149,6 +149,8 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
     The draft takes the target's vocabulary size and special ids (whatever
     `draft_config` says) and is exported with the target's tokenizer.
     `draft_init_dir`: start from this HF checkpoint's params instead of random ones.
+    `vocab`: target ids [Vd] the draft's LM head keeps (`draft_vocab`), so it trains the
+    distribution `DraftModel.create(vocab=)` proposes from; the export keeps every row.
     `mesh_shape` (see `job_mesh`): the target is loaded straight onto the mesh, split over
     `model` with the draft; `data_parallel`: a 1-D data mesh.
     """
@@ -170,7 +172,8 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
     data = build_data(data_config, target.tokenizer, train_config.seed)
     method = Distill(draft_config, target.config, divergence=divergence,
                      temperature=temperature, source=source, prompt_len=prompt_len,
-                     sample_temperature=sample_temperature)
+                     sample_temperature=sample_temperature,
+                     vocab=None if vocab is None else tuple(np.sort(np.asarray(vocab)).tolist()))
     result = train(method, data, train_config, workdir, frozen=target.params, init_params=init,
                    mesh=mesh, stop_at=stop_at,
                    settings=_settings("distill", data_config, target_dir=str(target_dir),

@@ -167,7 +167,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
       acceptance on that many other held-out prompts as the rule's prior.
     repeats: interleaved timed rounds; the table reports the median.
     draft_vocab_size: the draft proposes only the corpus's this many most frequent ids,
-      its LM head trimmed to them (`DraftModel.create(vocab=)`); None keeps them all.
+      its LM head trimmed to them in training and decoding (`DraftModel.create(vocab=)`);
+      None keeps them all.
     """
     from specjax.checkpoint.packaged import smollm2
 
@@ -180,26 +181,27 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     target_model = jobs.load_target(export, "the quickstart", expect_target)
     layers = tuple(i % target_model.config.num_layers for i in draft_layers)
 
-    def distill(d: Path) -> None:
-        init = d / "init"
-        specjax.save_hf(draft_from_target(target_model, layers), init)
-        jobs.distill(d, export, target_model.config.replace(num_layers=len(layers)),
-                     draft_train, data_config, draft_init_dir=init)
-
     from specjax.speculators import DraftModel, NGram
     from specjax.speculators.draft_model import VOCAB_FILE, load_vocab
 
     specs, draft = {"autoregressive": None, "ngram": NGram(k=k)}, None
     if layers:
-        ddir = _stage(workdir, "draft", distill,
-                      dict(common, layers=list(layers), train=_jsonable(draft_train)))
-        draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
-        vocab = None
+        vocab, trimmed = None, {}
         if draft_vocab_size is not None and draft_vocab_size < target_model.config.vocab_size:
             vdir = _stage(workdir, DRAFT_VOCAB_DIR, lambda d: jobs.draft_vocab(
                 d, target_model, draft_vocab_size, data_config),
                 dict(common, size=draft_vocab_size))
-            vocab = load_vocab(vdir / VOCAB_FILE)
+            vocab, trimmed = load_vocab(vdir / VOCAB_FILE), {"vocab": draft_vocab_size}
+
+        def distill(d: Path) -> None:  # trained on the ids it will propose
+            init = d / "init"
+            specjax.save_hf(draft_from_target(target_model, layers), init)
+            jobs.distill(d, export, target_model.config.replace(num_layers=len(layers)),
+                         draft_train, data_config, draft_init_dir=init, vocab=vocab)
+
+        ddir = _stage(workdir, "draft", distill, dict(common, layers=list(layers),
+                                                      train=_jsonable(draft_train), **trimmed))
+        draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
         specs["draft"] = DraftModel.create(draft, k=k, target=target_model, vocab=vocab)
     specs.update(_head_specs(workdir, export, target_model, head_stages, common,
                              num_prompts, prompt_len, new_tokens, seed, k, record_tau=False))

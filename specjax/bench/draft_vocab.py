@@ -43,6 +43,13 @@ def sizes_arg(text: str, ap) -> tuple:
     return tuple(out)
 
 
+def at_least_one(ap, args, names) -> None:
+    """`ap.error` naming the first flag among `names` (argparse dests) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+
+
 def training_counts(done_file: Path, tokenizer, vocab_size: int) -> np.ndarray:
     """[V] counts of each target id in the run's training documents (its DONE.json's
     corpus settings), counted as the quickstart counts them for its draft vocabulary."""
@@ -104,9 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     args = ap.parse_args(argv)
     sizes = sizes_arg(args.sizes, ap)
-    for flag in ("prompts", "prompt_tokens", "k", "new"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    at_least_one(ap, args, ("prompts", "prompt_tokens", "k", "new"))
     from specjax.bench.prompts import ALL_CATEGORIES
     from specjax.bench.suite import Workdir
 

@@ -11,15 +11,18 @@ inside the step from the step's rng (so resuming stays exact).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.model import init_params
+from specjax.speculators.draft_model import check_vocab, trimmed_head
 from specjax.train import losses
-from specjax.train.forward import causal_logits
+from specjax.train.forward import causal_forward, causal_logits
 from specjax.train.methods.pretrain import next_token_metrics
 from specjax.train.sampler import sample_continuation
 
@@ -37,6 +40,7 @@ class Distill:
     source: str = "corpus"  # "corpus": teacher forcing on data; "target": target samples
     prompt_len: int = 16  # source="target": corpus tokens kept as the prompt
     sample_temperature: float = 1.0  # source="target": the target's sampling temperature
+    vocab: tuple[int, ...] | None = None  # sorted target ids the draft's head keeps; None: all
     name: ClassVar[str] = "distill"
 
     def __post_init__(self):
@@ -50,6 +54,12 @@ class Distill:
             raise ValueError(f"temperature={self.temperature} must be positive")
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len={self.prompt_len} must be at least 1")
+        if self.vocab is not None:
+            ids = tuple(int(i) for i in np.asarray(check_vocab(self.vocab,
+                                                               self.draft.vocab_size)))
+            if ids != tuple(self.vocab):
+                raise ValueError("Distill vocab must be sorted target ids; got "
+                                 f"{list(self.vocab[:8])}...")
 
     def init(self, rng: jax.Array) -> Any:
         return init_params(self.draft, rng)
@@ -67,30 +77,50 @@ class Distill:
         return tokens, mask * (jnp.arange(t) >= self.prompt_len - 1)[None, :]
 
     def _logits(self, draft_params, target_params, tokens):
+        """(target logits [B, T, V], draft logits [B, T, V] or [B, T, Vd] on `vocab`)."""
         target_logits = jax.lax.stop_gradient(causal_logits(self.target, target_params, tokens))
-        return target_logits, causal_logits(self.draft, draft_params, tokens)
+        if self.vocab is None:
+            return target_logits, causal_logits(self.draft, draft_params, tokens)
+        _, hidden = causal_forward(self.draft, draft_params, tokens, return_logits=False)
+        head = trimmed_head(self.draft, draft_params, jnp.asarray(self.vocab, jnp.int32))
+        return target_logits, jnp.einsum("btd,dv->btv", hidden.final, head.astype(
+            hidden.final.dtype), preferred_element_type=jnp.float32)
 
     def loss_fn(self, draft_params, target_params, batch, rng):
         tokens, mask = self._tokens(target_params, batch, rng)
         p, q = self._logits(draft_params, target_params, tokens)
-        loss = losses.divergence(self.divergence)(p, q, mask, self.temperature)
-        return loss, {"agreement": losses.top1_agreement(p, q, mask)}
+        loss = losses.divergence(self.divergence)(p, q, mask, self.temperature,
+                                                  vocab=self.vocab)
+        return loss, {"agreement": losses.top1_agreement(p, q, mask, self.vocab)}
 
     def eval_metrics(self, draft_params, target_params, batch):
         """Teacher-forced on held-out text: every divergence, the draft's CE, and
-        `agreement` (draft argmax == target argmax), the greedy acceptance proxy."""
+        `agreement` (draft argmax == target argmax), the greedy acceptance proxy. With
+        `vocab`, `draft_ce` is over the positions whose next token the draft can propose
+        (`in_vocab`, their share)."""
         tokens, mask = batch["tokens"], batch["mask"]
         p, q = self._logits(draft_params, target_params, tokens)
-        out = {name: fn(p, q, mask, self.temperature)
+        out = {name: fn(p, q, mask, self.temperature, vocab=self.vocab)
                for name, fn in losses.DIVERGENCES.items()}
         out["loss"] = out[self.divergence]
-        out["agreement"] = losses.top1_agreement(p, q, mask)
-        out["draft_ce"] = next_token_metrics(q, tokens, mask)["loss"]
+        out["agreement"] = losses.top1_agreement(p, q, mask, self.vocab)
+        if self.vocab is None:
+            out["draft_ce"] = next_token_metrics(q, tokens, mask)["loss"]
+            return out
+        ids = jnp.asarray(self.vocab, jnp.int32)
+        nxt = tokens[:, 1:]  # next_token_metrics' targets: the token after each position
+        slot = jnp.clip(jnp.searchsorted(ids, nxt), 0, ids.shape[0] - 1)
+        kept = (ids[slot] == nxt).astype(mask.dtype) * mask[:, 1:]
+        out["in_vocab"] = losses.masked_mean(kept, mask[:, 1:])
+        out["draft_ce"] = losses.cross_entropy(q[:, :-1], slot, kept)
         return out
 
     def describe(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(draft=self.draft.to_hf_dict(), target=self.target.to_hf_dict())
+        if self.vocab is not None:  # its ids by size and digest, not 8,192 numbers
+            fields["vocab"] = {"size": len(self.vocab), "sha256": hashlib.sha256(
+                np.asarray(self.vocab, np.int32).tobytes()).hexdigest()}
         return {"name": self.name, **fields}
 
     def param_configs(self) -> tuple[ModelConfig, ModelConfig]:
