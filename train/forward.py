@@ -61,3 +61,16 @@ def frozen_hidden(config: ModelConfig, params: Any, batch: dict, layers: Sequenc
         raise ValueError(f"offline features carry {have} decoder layers; {layers=} are needed")
     return Hidden(final=batch[FINAL_KEY].astype(dt),
                   layers=tuple(stacked[:, :, k].astype(dt) for k in range(have)))
+
+
+def kept_logits(config: ModelConfig, params: Any, h: jax.Array, ids: jax.Array) -> jax.Array:
+    """The LM head at target ids `ids` [Vk] only (a draft vocabulary): final-normed hidden
+    h [..., D] -> float32 logits [..., Vk] (the tied embedding's rows or the untied head's
+    columns at `ids`). Their softmax is the whole distribution restricted to `ids` and
+    renormalised, for Vk of the V columns' work."""
+    if config.tie_word_embeddings:
+        w = jnp.take(params["embed_tokens"]["embedding"], ids, axis=0)  # [Vk, D]
+        return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+    w = jnp.take(params["lm_head"]["kernel"], ids, axis=1)  # [D, Vk]
+    return jnp.einsum("...D,DV->...V", h, w.astype(h.dtype), preferred_element_type=jnp.float32)

@@ -7,13 +7,6 @@ q at every position (DistillSpec, Zhou et al. 2024):
   TVD         1/2 sum |p - q|                       1 - TVD is the acceptance rate of
                                                     speculative sampling at that position
 Logits are float32 [B, T, V]; `temperature` divides both sides' logits.
-
-A draft whose LM head keeps only some target ids (`vocab` [Vd], sorted; its logits
-[B, T, Vd]) proposes nothing else. Every divergence then compares its q with the
-target's distribution renormalized on `vocab`, as EAGLE-3 trains its reduced
-vocabulary. That q = p_V / p(V) is the unique optimum, and it accepts all the mass p(V)
-any such draft can; the TVD to the unrenormalized p is flat wherever q >= p on
-`vocab` (each is acceptance-optimal), so it gives no signal toward the target's ranking.
 """
 
 from __future__ import annotations
@@ -40,31 +33,23 @@ def accuracy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Arra
     return masked_mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32), mask)
 
 
-def _log_probs(target_logits, draft_logits, temperature, vocab=None):
-    """(log p, log q) on the draft's ids: the target's distribution renormalized on
-    `vocab` (None: every id), the draft's over its own logits."""
-    target_logits = target_logits.astype(jnp.float32)
-    if vocab is not None:
-        target_logits = jnp.take(target_logits, jnp.asarray(vocab), axis=-1)
-    return (jax.nn.log_softmax(target_logits / temperature, axis=-1),
+def _log_probs(target_logits, draft_logits, temperature):
+    return (jax.nn.log_softmax(target_logits.astype(jnp.float32) / temperature, axis=-1),
             jax.nn.log_softmax(draft_logits.astype(jnp.float32) / temperature, axis=-1))
 
 
-def forward_kl(target_logits, draft_logits, mask, temperature: float = 1.0,
-               vocab=None) -> jax.Array:
-    logp, logq = _log_probs(target_logits, draft_logits, temperature, vocab)
+def forward_kl(target_logits, draft_logits, mask, temperature: float = 1.0) -> jax.Array:
+    logp, logq = _log_probs(target_logits, draft_logits, temperature)
     return masked_mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1), mask)
 
 
-def reverse_kl(target_logits, draft_logits, mask, temperature: float = 1.0,
-               vocab=None) -> jax.Array:
-    logp, logq = _log_probs(target_logits, draft_logits, temperature, vocab)
+def reverse_kl(target_logits, draft_logits, mask, temperature: float = 1.0) -> jax.Array:
+    logp, logq = _log_probs(target_logits, draft_logits, temperature)
     return masked_mean(jnp.sum(jnp.exp(logq) * (logq - logp), axis=-1), mask)
 
 
-def total_variation(target_logits, draft_logits, mask, temperature: float = 1.0,
-                    vocab=None) -> jax.Array:
-    logp, logq = _log_probs(target_logits, draft_logits, temperature, vocab)
+def total_variation(target_logits, draft_logits, mask, temperature: float = 1.0) -> jax.Array:
+    logp, logq = _log_probs(target_logits, draft_logits, temperature)
     return masked_mean(0.5 * jnp.sum(jnp.abs(jnp.exp(logp) - jnp.exp(logq)), axis=-1), mask)
 
 
@@ -81,11 +66,7 @@ def divergence(name: str) -> Callable[..., jax.Array]:
     return DIVERGENCES[name]
 
 
-def top1_agreement(target_logits, draft_logits, mask, vocab=None) -> jax.Array:
-    """Share of positions where the draft's argmax (an id of `vocab` when its head keeps
-    only those) is the target's: the greedy acceptance proxy."""
-    pick = jnp.argmax(draft_logits, -1)
-    if vocab is not None:
-        pick = jnp.asarray(vocab)[pick]
-    same = jnp.argmax(target_logits, -1) == pick
+def top1_agreement(target_logits, draft_logits, mask) -> jax.Array:
+    """Share of positions where the draft's argmax is the target's: the greedy acceptance proxy."""
+    same = jnp.argmax(target_logits, -1) == jnp.argmax(draft_logits, -1)
     return masked_mean(same.astype(jnp.float32), mask)

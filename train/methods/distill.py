@@ -20,9 +20,9 @@ import numpy as np
 
 from specjax.config import ModelConfig
 from specjax.model import init_params
-from specjax.speculators.draft_model import check_vocab, trimmed_head
+from specjax.speculators.draft_model import check_vocab
 from specjax.train import losses
-from specjax.train.forward import causal_forward, causal_logits
+from specjax.train.forward import causal_forward, causal_logits, kept_logits
 from specjax.train.methods.pretrain import next_token_metrics
 from specjax.train.sampler import sample_continuation
 
@@ -77,33 +77,37 @@ class Distill:
         return tokens, mask * (jnp.arange(t) >= self.prompt_len - 1)[None, :]
 
     def _logits(self, draft_params, target_params, tokens):
-        """(target logits [B, T, V], draft logits [B, T, V] or [B, T, Vd] on `vocab`)."""
-        target_logits = jax.lax.stop_gradient(causal_logits(self.target, target_params, tokens))
+        """(target logits, draft logits) [B, T, V], or [B, T, Vk] both at `vocab`: the
+        softmax of the target's is its distribution renormalised on the kept ids, all
+        the divergences need, so neither side computes the other V - Vk columns."""
         if self.vocab is None:
-            return target_logits, causal_logits(self.draft, draft_params, tokens)
-        _, hidden = causal_forward(self.draft, draft_params, tokens, return_logits=False)
-        head = trimmed_head(self.draft, draft_params, jnp.asarray(self.vocab, jnp.int32))
-        return target_logits, jnp.einsum("btd,dv->btv", hidden.final, head.astype(
-            hidden.final.dtype), preferred_element_type=jnp.float32)
+            target_logits = causal_logits(self.target, target_params, tokens)
+            return (jax.lax.stop_gradient(target_logits),
+                    causal_logits(self.draft, draft_params, tokens))
+        ids = jnp.asarray(self.vocab, jnp.int32)
+        _, target = causal_forward(self.target, target_params, tokens, return_logits=False)
+        _, draft = causal_forward(self.draft, draft_params, tokens, return_logits=False)
+        return (jax.lax.stop_gradient(kept_logits(self.target, target_params, target.final,
+                                                  ids)),
+                kept_logits(self.draft, draft_params, draft.final, ids))
 
     def loss_fn(self, draft_params, target_params, batch, rng):
         tokens, mask = self._tokens(target_params, batch, rng)
         p, q = self._logits(draft_params, target_params, tokens)
-        loss = losses.divergence(self.divergence)(p, q, mask, self.temperature,
-                                                  vocab=self.vocab)
-        return loss, {"agreement": losses.top1_agreement(p, q, mask, self.vocab)}
+        loss = losses.divergence(self.divergence)(p, q, mask, self.temperature)
+        return loss, {"agreement": losses.top1_agreement(p, q, mask)}
 
     def eval_metrics(self, draft_params, target_params, batch):
         """Teacher-forced on held-out text: every divergence, the draft's CE, and
         `agreement` (draft argmax == target argmax), the greedy acceptance proxy. With
-        `vocab`, `draft_ce` is over the positions whose next token the draft can propose
-        (`in_vocab`, their share)."""
+        `vocab`, both over the kept ids (as EAGLE-3's), and `draft_ce` over the positions
+        whose next token the draft can propose (`in_vocab`, their share)."""
         tokens, mask = batch["tokens"], batch["mask"]
         p, q = self._logits(draft_params, target_params, tokens)
-        out = {name: fn(p, q, mask, self.temperature, vocab=self.vocab)
+        out = {name: fn(p, q, mask, self.temperature)
                for name, fn in losses.DIVERGENCES.items()}
         out["loss"] = out[self.divergence]
-        out["agreement"] = losses.top1_agreement(p, q, mask, self.vocab)
+        out["agreement"] = losses.top1_agreement(p, q, mask)
         if self.vocab is None:
             out["draft_ce"] = next_token_metrics(q, tokens, mask)["loss"]
             return out

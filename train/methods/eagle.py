@@ -42,7 +42,7 @@ from specjax.heads.eagle import (
     target_features,
 )
 from specjax.train import losses
-from specjax.train.forward import frozen_hidden, head_logits, positions_for
+from specjax.train.forward import frozen_hidden, head_logits, kept_logits, positions_for
 
 
 def _smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -53,19 +53,6 @@ def _smooth_l1(x: jax.Array, y: jax.Array) -> jax.Array:
 def _soft_ce(p: jax.Array, logits: jax.Array) -> jax.Array:
     """-sum p log softmax(logits) over the last axis: [..., V] -> [...]."""
     return -jnp.sum(p * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
-
-
-def draft_vocab_logits(config: ModelConfig, target_params: Any, h: jax.Array,
-                       d2t: jax.Array) -> jax.Array:
-    """The target's LM head at the draft vocabulary's ids only: h [..., D] -> float32
-    logits [..., Vd] (the tied embedding's rows or the untied head's columns at d2t)."""
-    if config.tie_word_embeddings:
-        w = jnp.take(target_params["embed_tokens"]["embedding"], d2t, axis=0)  # [Vd, D]
-        return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
-                          preferred_element_type=jnp.float32)
-    w = jnp.take(target_params["lm_head"]["kernel"], d2t, axis=1)  # [D, Vd]
-    return jnp.einsum("...D,DV->...V", h, w.astype(h.dtype),
-                      preferred_element_type=jnp.float32)
 
 
 def ttt_mask(steps: int, t: int) -> np.ndarray:
@@ -150,7 +137,7 @@ class TrainEagle:
         else:
             # The target's distribution restricted to the draft vocabulary and renormalised
             # is the softmax of its logits at those ids: only Vd of the V LM-head columns.
-            logits = draft_vocab_logits(self.target, frozen["target"], hidden.final, d2t)
+            logits = kept_logits(self.target, frozen["target"], hidden.final, d2t)
         index = tuple(self.hidden_layers.index(i) for i in self.head.hidden_layers)
         return jax.lax.stop_gradient(logits), target_features(self.head, hidden, index)
 
