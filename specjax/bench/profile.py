@@ -11,7 +11,8 @@ rows also show the bandwidth they reach.
       [--speculator ngram|draft|eagle] [--workdir RUN] [--llamacpp GGUF]
 
 Plain decoding by default; `--speculator` profiles that method's loop at full depth (the
-draft and the EAGLE head a quickstart run in `--workdir` trained). A speculative step's
+draft and the EAGLE head a quickstart run in `--workdir` trained), or with `--shallow`
+drafting one level a step. A speculative step's
 phases (the adaptive rule, the draft calls and tree, the verification, the commit) are
 parts of their own: the decode loop runs each in a `jax.named_scope`.
 `--llamacpp` times llama.cpp's decode step beside specjax's, untraced, one row at a time
@@ -182,16 +183,20 @@ def weight_bytes(config, itemsize: int = 4) -> dict[str, int]:
 
 
 def profile(model, prompts: list[list[int]], new_tokens: int, dump_dir: str,
-            trace_dir: str, speculator=None) -> dict:
+            trace_dir: str, speculator=None, shallow: bool = False) -> dict:
     """Runs `generate` once to compile (XLA dumps the loop's HLO to dump_dir), once under
-    jax.profiler, and returns `breakdown` of the traced loop."""
+    jax.profiler, and returns `breakdown` of the traced loop. `speculator` drafts at full
+    depth every step, or with `shallow` one level, as calibration's depth-1 pass runs it
+    (`specjax.calibrate.shallow_kwargs`)."""
     import jax
 
     import specjax
+    from specjax.calibrate import shallow_kwargs
 
     kw = dict(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     if speculator is not None:
-        kw.update(speculator=speculator, adaptive=False)
+        kw.update(shallow_kwargs(speculator, new_tokens, None) if shallow
+                  else dict(speculator=speculator, adaptive=False))
     specjax.generate(model, prompts, **kw)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         specjax.generate(model, prompts, **kw)
@@ -250,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speculator", choices=("none", "ngram", "draft", "eagle"),
                     default="none", help="profile this method's loop at full depth (draft, "
                     "eagle: the trained ones of --workdir)")
+    ap.add_argument("--shallow", action="store_true",
+                    help="the speculator drafts one level a step (calibration's depth-1 "
+                    "pass) instead of its full depth")
     ap.add_argument("--workdir", default=None,
                     help="a quickstart run directory: its target (unless --target) and its "
                     "draft or EAGLE head")
@@ -269,6 +277,8 @@ def main(argv=None) -> int:
                  f"--top={args.top} >= 0")
     if args.llamacpp and args.batch != 1:
         ap.error(f"--llamacpp times one sequence: it needs --batch 1 (got {args.batch})")
+    if args.shallow and args.speculator == "none":
+        ap.error("--shallow needs a --speculator")
     if args.speculator in ("draft", "eagle") and args.workdir is None:
         ap.error(f"--speculator {args.speculator} needs --workdir (a quickstart run that "
                  "trained it)")
@@ -303,7 +313,7 @@ def main(argv=None) -> int:
         spec = build_speculators(model, draft=draft, eagle=eagle,
                                  draft_vocab=paths.get("draft_vocab"))[args.speculator]
     result = profile(model, prompts[:args.batch], args.new, dump_dir,
-                     tempfile.mkdtemp(prefix="specjax_trace_"), spec)
+                     tempfile.mkdtemp(prefix="specjax_trace_"), spec, args.shallow)
     print(markdown(result, model.config, args.batch))
     if args.top:
         print("\n" + markdown_kinds(result, args.top))

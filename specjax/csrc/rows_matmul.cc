@@ -14,9 +14,13 @@
 // 1.2x). One row (a decode step, memory-bound) instead sweeps the weight rows 8 at a
 // time through its whole chunk of columns, the output in cache: 8 long sequential
 // streams, which read faster than 32 short ones on some 2-core Xeons
-// (docs/benchmarks.md). Each output element sums x[t, i] * w[i, c] in the order of i,
-// one fused multiply-add at a time, in both forms and whatever T is, so a row's result
-// does not depend on how many rows share the call. The columns are split across XLA's
+// (docs/benchmarks.md). Two to four rows sweep the same way, four weight rows at a time
+// over two vectors of columns, each output row in turn: on an AVX2-only AMD EPYC the
+// register blocks above read a wide weight (an LM head) from memory at half the
+// sweep's speed at those rows (docs/benchmarks.md, "Few-row matmuls by hand"); from
+// five rows on they are as fast or faster. Each output element sums x[t, i] * w[i, c]
+// in the order of i, one fused multiply-add at a time, in every form and whatever T is,
+// so a row's result does not depend on how many rows share the call. The columns are split across XLA's
 // intra-op threads.
 #include <algorithm>
 #include <array>
@@ -111,12 +115,59 @@ void row_columns(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
+constexpr int64_t kFewRows = 4;  // rows that sweep (`few_columns`); more: register blocks
+constexpr int kFewSweep = 4;  // weight rows a few rows' sweep reads side by side
+constexpr int kFewVecs = 2;  // vectors of columns per step (one broadcast of x serves both)
+
+// y[T rows, c0..c1) += x[T rows, i0..i0 + U) @ w[i0..i0 + U, c0..c1): U weight rows
+// read together, kFewVecs vectors at a time, each output row added in turn.
+template <int U>
+void sweep_rows(const float* x, const float* w, float* y, int64_t rows, int64_t in,
+                int64_t out, int64_t i0, int64_t c0, int64_t c1) {
+  constexpr int64_t kStep = kFewVecs * kLanes;
+  const int64_t cv = c0 + (c1 - c0) / kStep * kStep;  // whole steps; tail after
+  for (int64_t c = c0; c < cv; c += kStep) {
+    vf wv[U][kFewVecs];
+    for (int u = 0; u < U; ++u)
+      for (int v = 0; v < kFewVecs; ++v) wv[u][v] = load(w + (i0 + u) * out + c + v * kLanes);
+    for (int64_t t = 0; t < rows; ++t) {
+      vf acc[kFewVecs];
+      for (int v = 0; v < kFewVecs; ++v) acc[v] = load(y + t * out + c + v * kLanes);
+      for (int u = 0; u < U; ++u) {
+        const float xs = x[t * in + i0 + u];
+        for (int v = 0; v < kFewVecs; ++v) acc[v] += xs * wv[u][v];
+      }
+      for (int v = 0; v < kFewVecs; ++v) store(y + t * out + c + v * kLanes, acc[v]);
+    }
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = cv; c < c1; ++c)
+      for (int u = 0; u < U; ++u) y[t * out + c] += x[t * in + i0 + u] * w[(i0 + u) * out + c];
+}
+
+// Columns [c0, c1) of y for 2..kFewRows rows of x: as `row_columns`, the chunk of
+// columns shrunk with the rows so that their outputs stay in L2.
+void few_columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
+                 int64_t out, int64_t c0, int64_t c1) {
+  for (int64_t t = 0; t < rows; ++t)
+    std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
+  const int64_t span = std::max<int64_t>(kLanes, kSweepColumns / rows / kLanes * kLanes);
+  for (int64_t cs = c0; cs < c1; cs += span) {
+    const int64_t ce = std::min(c1, cs + span);
+    int64_t i = 0;
+    for (; i + kFewSweep <= in; i += kFewSweep)
+      sweep_rows<kFewSweep>(x, w, y, rows, in, out, i, cs, ce);
+    for (; i < in; ++i) sweep_rows<1>(x, w, y, rows, in, out, i, cs, ce);
+  }
+}
+
 // Columns [c0, c1) of y for all rows of x. Weight rows kRowBlock at a time (that many
 // sequential streams); each block of 64 columns of them (8 KB, in L1) serves the rows
 // in groups of up to kMaxRows, so w is read from memory once for any row count.
 void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t c0, int64_t c1) {
   if (rows == 1) return row_columns(x, w, y, in, out, c0, c1);
+  if (rows <= kFewRows) return few_columns(x, w, y, rows, in, out, c0, c1);
   for (int64_t t = 0; t < rows; ++t)
     std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
   const int64_t cv = c0 + (c1 - c0) / kColumnBlock * kColumnBlock;  // blocked; tail after
