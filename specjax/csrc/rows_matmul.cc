@@ -20,8 +20,8 @@
 // sweep's speed at those rows (docs/benchmarks.md, "Few-row matmuls by hand"); from
 // five rows on they are as fast or faster. Each output element sums x[t, i] * w[i, c]
 // in the order of i, one fused multiply-add at a time, in every form and whatever T is,
-// so a row's result does not depend on how many rows share the call. The columns are split across XLA's
-// intra-op threads.
+// so a row's result does not depend on how many rows share the call. The columns are
+// split across XLA's intra-op threads.
 #include <algorithm>
 #include <array>
 #include <cstdint>

@@ -8,8 +8,11 @@ step's cost does not depend on them). Every size runs the trainer's own jitted s
 compiled first, then timed in interleaved rounds (`specjax.timing.interleaved_medians`);
 the target's forward alone is timed beside them, the part no trimming removes.
 
-  python -m specjax.bench.distill_step [--target CKPT] [--layers 0,-1]
-      [--sizes all,8192] [--batch 8] [--seq-len 128] [--repeats 5] [--files 24]
+  python -m specjax.train.step_time [--target CKPT] [--layers 0,-1] [--kept 8192]
+      [--batch 8] [--seq-len 128] [--repeats 5] [--files 24]
+
+(A training measurement, so it lives in `specjax.train`: the benchmarks never import
+training.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.bench.draft_vocab import ALL, at_least_one, sizes_arg
+ALL = "all"  # the draft's head over every id
 
 
 def programs(target, layers: tuple[int, ...], vocabs: dict, batch: int, seq_len: int,
@@ -63,7 +66,7 @@ def vocabularies(target, sizes, files: int) -> dict:
 
     out = {}
     for size in sizes:
-        if size == ALL or size >= target.config.vocab_size:
+        if size == ALL:
             out[ALL] = None
             continue
         ids = corpus_vocab(CorpusConfig(max_files=files), target.tokenizer,
@@ -84,21 +87,23 @@ def report(seconds: dict) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench.distill_step",
+    ap = argparse.ArgumentParser(prog="python -m specjax.train.step_time",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None,
                     help="checkpoint (anything specjax.load reads; default: packaged SmolLM2)")
     ap.add_argument("--layers", default="0,-1",
                     help="the target's decoder layers the draft is sliced from")
-    ap.add_argument("--sizes", default="all,8192")
+    ap.add_argument("--kept", type=int, default=8192,
+                    help="the kept ids timed against the whole vocabulary")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--files", type=int, default=24, help="stdlib files counted for the ids")
     args = ap.parse_args(argv)
-    sizes = sizes_arg(args.sizes, ap)
-    at_least_one(ap, args, ("batch", "seq_len", "repeats", "files"))
+    for name in ("kept", "batch", "seq_len", "repeats", "files"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     try:
         layers = tuple(int(x) for x in args.layers.split(","))
     except ValueError:
@@ -110,8 +115,10 @@ def main(argv=None) -> None:
 
     target = specjax.load(str(args.target or smollm2()), dtype="float32")
     layers = tuple(i % target.config.num_layers for i in layers)
-    progs = programs(target, layers, vocabularies(target, sizes, args.files), args.batch,
-                     args.seq_len)
+    if args.kept >= target.config.vocab_size:
+        ap.error(f"--kept={args.kept} must be below the target's {target.config.vocab_size} ids")
+    progs = programs(target, layers, vocabularies(target, (ALL, args.kept), args.files),
+                     args.batch, args.seq_len)
     for fn, fargs in progs.values():  # compile
         jax.block_until_ready(fn(*fargs))
     print(f"{args.batch} x {args.seq_len} tokens a step, draft layers {list(layers)}, "
