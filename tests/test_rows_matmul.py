@@ -38,7 +38,8 @@ def _data(shape_x, shape_w, seed=0):
 
 
 @pytest.mark.parametrize("rows", range(1, rows_matmul.MAX_ROWS + 1))
-@pytest.mark.parametrize("inner, out", [(37, 53), (64, 200), (16, 7), (96, 1024)])
+@pytest.mark.parametrize("inner, out", [(37, 53), (64, 200), (16, 7), (96, 1024),
+                                        (21, 1603)])  # wide: 2-8 rows sweep
 def test_kernel_matches_numpy_at_every_row_count(rows, inner, out):
     # column counts off the 16-lane vectors and the 64-column chunks, rows off the
     # kernel's 16-row blocks: every tail path
@@ -60,11 +61,13 @@ def test_leading_axes_are_rows():
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     # each output sums over the inner axis in one order whatever the row count, so a
     # verify row equals the same row decoded alone, bit for bit
-    x, w = _data((rows_matmul.MAX_ROWS, 300), (300, 500))
-    alone = np.asarray(jax.jit(rows_matmul.matmul)(x[:1], w))
-    for rows in range(2, rows_matmul.MAX_ROWS + 1):
-        together = np.asarray(jax.jit(rows_matmul.matmul)(x[:rows], w))
-        np.testing.assert_array_equal(together[:1], alone)
+    # (a narrow weight takes register blocks from 2 rows on, a wide one sweeps 2-8 rows)
+    for out in (500, 1700):
+        x, w = _data((rows_matmul.MAX_ROWS, 300), (300, out))
+        alone = np.asarray(jax.jit(rows_matmul.matmul)(x[:1], w))
+        for rows in range(2, rows_matmul.MAX_ROWS + 1):
+            together = np.asarray(jax.jit(rows_matmul.matmul)(x[:rows], w))
+            np.testing.assert_array_equal(together[:1], alone, err_msg=f"{out=} {rows=}")
 
 
 @pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),

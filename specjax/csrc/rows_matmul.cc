@@ -14,14 +14,15 @@
 // 1.2x). One row (a decode step, memory-bound) instead sweeps the weight rows 8 at a
 // time through its whole chunk of columns, the output in cache: 8 long sequential
 // streams, which read faster than 32 short ones on some 2-core Xeons
-// (docs/benchmarks.md). Two to four rows sweep the same way, four weight rows at a time
-// over two vectors of columns, each output row in turn: on an AVX2-only AMD EPYC the
-// register blocks above read a wide weight (an LM head) from memory at half the
-// sweep's speed at those rows (docs/benchmarks.md, "Few-row matmuls by hand"); from
-// five rows on they are as fast or faster. Each output element sums x[t, i] * w[i, c]
-// in the order of i, one fused multiply-add at a time, in every form and whatever T is,
-// so a row's result does not depend on how many rows share the call. The columns are
-// split across XLA's intra-op threads.
+// (docs/benchmarks.md). Two to eight rows of a wide weight (1,536 columns or more: the
+// MLP's gate and up, an LM head) sweep the same way, four weight rows at a time over
+// two vectors of columns, each output row in turn: on an AVX2-only AMD EPYC the
+// register blocks above read an LM head from memory at half the sweep's speed at
+// those rows, while on narrower weights (attention projections, the MLP's down) they
+// stay the faster form (docs/benchmarks.md, "Few-row matmuls by hand"). Each output
+// element sums x[t, i] * w[i, c] in the order of i, one fused multiply-add at a time, in
+// every form and whatever T is, so a row's result does not depend on how many rows
+// share the call. The columns are split across XLA's intra-op threads.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -115,7 +116,8 @@ void row_columns(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
-constexpr int64_t kFewRows = 4;  // rows that sweep (`few_columns`); more: register blocks
+constexpr int64_t kFewRows = 8;  // rows that sweep (`few_columns`) a wide weight...
+constexpr int64_t kWide = 1536;  // ...of at least this many columns; else register blocks
 constexpr int kFewSweep = 4;  // weight rows a few rows' sweep reads side by side
 constexpr int kFewVecs = 2;  // vectors of columns per step (one broadcast of x serves both)
 
@@ -167,7 +169,7 @@ void few_columns(const float* x, const float* w, float* y, int64_t rows, int64_t
 void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t c0, int64_t c1) {
   if (rows == 1) return row_columns(x, w, y, in, out, c0, c1);
-  if (rows <= kFewRows) return few_columns(x, w, y, rows, in, out, c0, c1);
+  if (rows <= kFewRows && out >= kWide) return few_columns(x, w, y, rows, in, out, c0, c1);
   for (int64_t t = 0; t < rows; ++t)
     std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
   const int64_t cv = c0 + (c1 - c0) / kColumnBlock * kColumnBlock;  // blocked; tail after
