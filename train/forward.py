@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from specjax.config import ModelConfig
 from specjax.model import module_for, step
 from specjax.models.transformer import Hidden, Transformer
+from specjax.speculators.draft_model import trimmed_head
 
 # Batch keys of offline features (`specjax.train.features.OfflineData`), beside tokens and mask:
 FINAL_KEY = "target_final"  # [B, T, D] the target's final-normed hidden state
@@ -65,12 +66,9 @@ def frozen_hidden(config: ModelConfig, params: Any, batch: dict, layers: Sequenc
 
 def kept_logits(config: ModelConfig, params: Any, h: jax.Array, ids: jax.Array) -> jax.Array:
     """The LM head at target ids `ids` [Vk] only (a draft vocabulary): final-normed hidden
-    h [..., D] -> float32 logits [..., Vk] (the tied embedding's rows or the untied head's
-    columns at `ids`). Their softmax is the whole distribution restricted to `ids` and
-    renormalised, for Vk of the V columns' work."""
-    if config.tie_word_embeddings:
-        w = jnp.take(params["embed_tokens"]["embedding"], ids, axis=0)  # [Vk, D]
-        return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
-                          preferred_element_type=jnp.float32)
-    w = jnp.take(params["lm_head"]["kernel"], ids, axis=1)  # [D, Vk]
-    return jnp.einsum("...D,DV->...V", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    h [..., D] -> float32 logits [..., Vk], by the head's columns at `ids` as a trimmed
+    draft model takes them (`draft_model.trimmed_head`). Their softmax is the whole
+    distribution restricted to `ids` and renormalised, for Vk of the V columns' work."""
+    head = trimmed_head(config, params, ids)  # [D, Vk]
+    return jnp.einsum("...D,DV->...V", h, head.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
