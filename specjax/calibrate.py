@@ -292,6 +292,13 @@ def idle_overhead(idle_decode_s: float, idle_steps: int, plain_step_s: float) ->
     return max(idle_decode_s / idle_steps / plain_step_s - 1.0, 0.0)
 
 
+def fastest_step(stats: list[GenerationStats]) -> tuple[float, int]:
+    """(decode seconds, loop steps) of the call among `stats` with the fewest seconds per
+    loop step ((0.0, 0) for none, or none that stepped)."""
+    ran = [(s.wall_s - s.ttft_s, loop_steps(s)) for s in stats if loop_steps(s) > 0]
+    return min(ran, key=lambda t: t[0] / t[1], default=(0.0, 0))
+
+
 def loop_steps(stats: GenerationStats) -> int:
     """The loop steps a `generate` call (or calls, merged) ran: each call runs until its
     longest-running row is done, so the most target calls of any of its rows."""
@@ -334,7 +341,10 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     from the full depth would price a one-level tree's step at a four-level tree's
     bookkeeping. The idle pass gives what its loop costs where it drafts nothing
     (`idle_overhead`). Each pass runs once untimed first (on the first call of each
-    shape, `warmup_calls`).
+    shape, `warmup_calls`), at the first temperature only: temperature is traced, so
+    every temperature runs the same programs. Each pass is priced at its fastest call
+    (seconds per loop step, `fastest_step`): on a shared host noise only adds time, and
+    one slowed pass of a few seconds would read as a large overhead.
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
     (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
@@ -343,7 +353,7 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     specs = {name: spec for name, spec in speculators.items() if spec is not None}
     calls = filled_batches(list(prompts), batch)
     out = {}
-    for temp in temperatures:
+    for n, temp in enumerate(temperatures):
         def passes(i, rows):
             """Call i's plain pass, then each speculator's full-depth, depth-1 and idle
             passes."""
@@ -363,21 +373,18 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:
         # every program runs once before the timed pass. A call's programs depend on its
-        # shapes only, so one call per shape runs them all.
-        for i, rows in warmup_calls(calls):
+        # shapes only (not on the temperature), so one call per shape, at the first
+        # temperature, runs them all.
+        for i, rows in warmup_calls(calls) if n == 0 else ():
             for _ in passes(i, rows):
                 pass
-        kinds = ("full", "shallow", "idle")
-        decode_s = {(kind, name): 0.0 for name in specs for kind in kinds}
-        steps = dict.fromkeys(decode_s, 0)
-        decode_s[("plain", None)], steps[("plain", None)] = 0.0, 0
-        stats = {key: [] for key in decode_s}
+        stats = {("plain", None): []}
+        stats.update({(kind, name): [] for name in specs for kind in ("full", "shallow", "idle")})
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
-                decode_s[kind, name] += s.wall_s - s.ttft_s
-                steps[kind, name] += loop_steps(s)
                 stats[kind, name].append(s)
-        plain_step_s = decode_s["plain", None] / max(steps["plain", None], 1)
+        plain_s, plain_steps = fastest_step(stats["plain", None])
+        plain_step_s = plain_s / max(plain_steps, 1)
         out[temp] = {}
         for name, spec in specs.items():
             if not stats["full", name]:
@@ -386,16 +393,16 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
             over = {}
             for kind in ("full", "shallow"):
                 if stats[kind, name]:
-                    over[kind] = step_overhead(merge_stats(stats[kind, name]),
-                                               decode_s[kind, name], plain_step_s,
-                                               steps[kind, name])
+                    secs, steps = fastest_step(stats[kind, name])
+                    over[kind] = step_overhead(merge_stats(stats[kind, name]), secs,
+                                               plain_step_s, steps)
             full = merge_stats(stats["full", name])
             out[temp][name] = Calibration(
                 full.acceptance_by_position,
                 depth_overheads(over.get("shallow", over["full"]), over["full"],
                                 spec.shape.max_depth),
                 full.proposal_rate,
-                idle_overhead(decode_s["idle", name], steps["idle", name], plain_step_s))
+                idle_overhead(*fastest_step(stats["idle", name]), plain_step_s))
     return out
 
 

@@ -63,8 +63,9 @@ def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
 
 
 def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, monkeypatch):
-    """`specjax.calibrate.calibrations` warms up on the first call of each shape only; the
-    timed passes of the other calls, at both temperatures, compile nothing; and a
+    """`specjax.calibrate.calibrations` warms up on the first call of each shape at the
+    first temperature only (temperature is traced: the programs are shared); the timed
+    passes of every call, at both temperatures, compile nothing; and a
     speculator's depth-1 and idle passes run the loop its full-depth pass compiled (the
     idle pass's free verify takes the default cost model's form, `VerifyCost.free`)."""
     import specjax.decoding.generate as generate_mod
@@ -76,11 +77,11 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     specs = {"ngram": NGram(k=3), "draft": DraftModel.create(tiny_draft, k=3,
                                                               target=tiny_target)}
     calibrations(tiny_target, specs, prompts, new_tokens=8, temperatures=(0.0, 1.0))
-    # per temperature: one call's 7 warm-up passes (plain, then each speculator at full
-    # depth, at depth 1 and idle), then 3 calls' 7 timed passes
+    # one call's 7 warm-up passes (plain, then each speculator at full depth, at depth 1
+    # and idle), then per temperature 3 calls' 7 timed passes
     per_call = [c for _, c in calls]
-    assert len(per_call) == 2 * (7 + 21)
-    warm, timed = per_call[:7] + per_call[28:35], per_call[7:28] + per_call[35:]
+    assert len(per_call) == 7 + 2 * 21
+    warm, timed = per_call[:7], per_call[7:]
     assert sum(warm) > 0 and timed == [0] * 42
     # warm-up order: plain, then (full, depth 1, idle) per speculator
     assert per_call[1] > 0 and per_call[4] > 0

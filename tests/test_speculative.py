@@ -1059,6 +1059,41 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert ran == passes(0, 2) + passes(0, 1, 2)  # warm-up passes, then timed ones
 
 
+def test_calibration_prices_each_pass_at_its_fastest_call(monkeypatch):
+    """A call slowed by the host (a full-depth pass at twice its time, a plain pass at
+    three times) does not move the step overhead: each pass is priced at its fastest
+    call. Quiet: 16 plain steps in 1.6 s, 10 full-depth steps in 2 s (0.6 unmodelled
+    past 2 draft calls at c = 0.1 and a 1.2-step verify); summed over the calls, the
+    slowed passes would read 0.2 (8 s over 30 full-depth steps against 8 s over 48
+    plain ones)."""
+    import numpy as np
+
+    import specjax.decoding.generate as generate_mod
+    from specjax.calibrate import calibrations
+    from specjax.stats import build_stats
+
+    ones, spec = np.ones(1, np.int64), NGram(k=4)
+    slowed = {(1, "full"): 2.0, (2, "plain"): 3.0}  # (seed, pass) -> time factor
+
+    def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
+        kind = _pass_kind(speculator, kw)
+        if kind == "full":
+            counts = dict(target_calls=10 * ones, draft_calls=20 * ones, drafted=30 * ones,
+                          accepted=20 * ones, cost_ratio=0.1, verify_cost=np.asarray([12.0]))
+        else:  # plain, and the depth-1 and idle passes timed as plain steps here
+            counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
+                          accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
+        decode = (2.0 if kind == "full" else 1.6) * slowed.get((seed, kind), 1.0)
+        stats = build_stats(new_tokens=31 * ones, hist=np.zeros((1, 4), np.int64),
+                            ttft_s=0.0, decode_s=decode, compile_s=0.0, **counts)
+        return SimpleNamespace(stats=stats)
+
+    monkeypatch.setattr(generate_mod, "generate", fake_generate)
+    cal = calibrations(SimpleNamespace(config=None), {"spec": spec}, [[1], [2], [3]],
+                       new_tokens=32)[0.0]["spec"]
+    assert cal.overhead[-1] == pytest.approx(0.6) and cal.idle == 0.0
+
+
 def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
     """At batch 2, three prompts fill two calls (the first repeated), and the overhead
     is per loop step, which runs until the call's slowest row: rows of 10 and 6 target
