@@ -108,12 +108,16 @@ def setting(kind: str):
     return Distill(DRAFT, TARGET), target_params(), None
 
 
+# the workdirs of `trained`, removed when the process exits
+_WORKDIRS = tempfile.TemporaryDirectory(prefix="specjax-train-sharding-")
+
+
 @functools.lru_cache(maxsize=None)
 def trained(kind: str, mesh_name: str | None):
     """Two steps of `kind` on the mesh (None: one device), in a fresh workdir."""
     method, frozen, init = setting(kind)
     mesh = mesh_of(mesh_name) if mesh_name else None
-    workdir = tempfile.mkdtemp(prefix=f"{kind}-{mesh_name}-")
+    workdir = tempfile.mkdtemp(prefix=f"{kind}-{mesh_name}-", dir=_WORKDIRS.name)
     result = train(method, data(), config(), workdir, frozen=frozen, init_params=init,
                    mesh=mesh)
     return result, train_losses(result.workdir)
