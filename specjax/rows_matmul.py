@@ -22,6 +22,7 @@ take the same shapes without racing again; delete that file to race again.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -170,12 +171,15 @@ def verdict(times: dict) -> bool:
 
 
 def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
-               rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES) -> dict:
+               rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES,
+               forms: dict | None = None) -> dict:
     """{rows: {"kernel" | "xla": median seconds}} of products of that many rows with
     copies of a `shape` weight, one after another in one program (`race_program`), each
     copy its own buffer as a model's layers are (at least `nbytes` of weights, so both
     read them from memory): medians over `rounds` interleaved calls
-    (`timing.interleaved_medians`). Seeded inputs; needs the kernel (`available`)."""
+    (`timing.interleaved_medians`). Seeded inputs; needs the kernel (`available`).
+    forms: {name: product (x, w) -> x @ w} to time instead of the kernel and XLA's."""
+    forms = forms or {"kernel": _rows, "xla": jnp.matmul}
     rng = np.random.default_rng(0)
     # Separate buffers, one product each, unrolled: a loop over stacked copies
     # (`lax.map`) slices each weight into a new buffer first (XLA:CPU's dynamic slice is
@@ -185,8 +189,7 @@ def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
     out = {}
     for r in rows:
         x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
-        calls = {name: (race_program(form), (x, ws))
-                 for name, form in (("kernel", _rows), ("xla", jnp.matmul))}
+        calls = {name: (race_program(form), (x, ws)) for name, form in forms.items()}
         out[r] = timing.interleaved_medians(calls, rounds)
     return out
 
@@ -202,20 +205,43 @@ def race_copies(shape: tuple[int, int], nbytes: int = RACE_BYTES) -> int:
     return max(1, min(64, -(-nbytes // (4 * shape[0] * shape[1]))))
 
 
-@jax.custom_jvp
-def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:  # [R, I] @ [I, O] -> [R, O]
+# How the kernel multiplies 2..FEW_ROWS rows (its `form` attribute): by the weight's
+# width (what models run, `sweeps`), or forced to one form, to time the two side by
+# side (`python -m specjax.bench.matmul_race --kernel-forms`). Every form gives the same
+# bits. The constants are rows_matmul.cc's kFewRows, kWideRows, kWide and kVeryWide.
+FORMS = {"by width": 0, "register blocks": 1, "sweep": 2}
+FEW_ROWS, WIDE_ROWS, WIDE, VERY_WIDE = 8, 4, 1536, 4096
+
+
+def sweeps(rows: int, out: int) -> bool:
+    """Whether the kernel's width rule sweeps `rows` rows of a weight of `out` columns
+    (else register blocks; one row has its own sweep)."""
+    return 2 <= rows <= FEW_ROWS and (out >= VERY_WIDE or (out >= WIDE and rows <= WIDE_ROWS))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _kernel(x: jax.Array, w: jax.Array, form: int = 0) -> jax.Array:  # [R, I] @ [I, O]
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, form=np.int64(form))
 
 
 @_kernel.defjvp
-def _kernel_jvp(primals, tangents):  # differentiable: tangents through XLA's matmul
+def _kernel_jvp(form, primals, tangents):  # differentiable: tangents through XLA's matmul
     (x, w), (dx, dw) = primals, tangents
-    return _kernel(x, w), dx @ w + x @ dw
+    return _kernel(x, w, form), dx @ w + x @ dw
 
 
-def _rows(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., I] @ [I, O] by the kernel
-    return _kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+def in_form(name: str):
+    """The kernel's product (x, w) -> x @ w with 2..FEW_ROWS rows in form `name` (a key
+    of `FORMS`), whatever the weight's width."""
+    if name not in FORMS:
+        raise ValueError(f"kernel form {name!r} is not one of {sorted(FORMS)}")
+    return functools.partial(_rows, form=FORMS[name])
+
+
+def _rows(x: jax.Array, w: jax.Array, form: int = 0) -> jax.Array:
+    """[..., I] @ [I, O] -> [..., O] by the kernel, 2-8 rows in `form` (`FORMS`)."""
+    return _kernel(x.reshape(-1, x.shape[-1]), w, form).reshape(*x.shape[:-1], w.shape[1])
 
 
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,

@@ -41,3 +41,26 @@ def test_bad_flags_name_the_value(capsys):
     with pytest.raises(SystemExit):
         matmul_race.main(["--rounds", "0"])
     assert "(576, 1536, 192, 49152, 0)" in capsys.readouterr().err
+
+
+def test_kernel_forms_run_every_shape_and_name_the_form_the_kernel_takes(capsys):
+    """--kernel-forms: register blocks against the sweep per weight shape, and the form
+    the kernel's width rule takes (`rows_matmul.sweeps`): an LM head's width sweeps at 2
+    and 5 rows, gate/up's at 2 only."""
+    wide, very_wide = rows_matmul.WIDE, rows_matmul.VERY_WIDE
+    assert matmul_race.main(["--hidden", "32", "--intermediate", str(wide), "--kv-width",
+                             "16", "--vocab", str(very_wide), "--rows", "2,5", "--rounds",
+                             "1", "--kernel-forms"]) == 0
+    out = capsys.readouterr().out
+    assert f"| gate/up | 32x{wide} | 2 |" in out and f"| LM head | 32x{very_wide} | 5 |" in out
+    assert out.count("| sweep |") == 3 and out.count("| register blocks |") == 9
+    times = {2: {"register blocks": 0.004, "sweep": 0.002}}
+    row = matmul_race.form_rows("LM head", (64, very_wide), times)[0]
+    assert row["sweep_gbs"] == pytest.approx(2 * row["blocks_gbs"]) and row["takes"] == "sweep"
+
+
+def test_kernel_forms_take_only_the_rows_where_they_differ(capsys):
+    for rows in ("1,2", f"2,{rows_matmul.FEW_ROWS + 1}"):
+        with pytest.raises(SystemExit):
+            matmul_race.main(["--kernel-forms", "--rows", rows])
+        assert f"--rows={rows} with --kernel-forms" in capsys.readouterr().err

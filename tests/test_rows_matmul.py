@@ -70,6 +70,30 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
             np.testing.assert_array_equal(together[:1], alone, err_msg=f"{out=} {rows=}")
 
 
+def test_the_width_rule_sweeps_few_rows_of_wide_weights():
+    sweeps, wide, very = rows_matmul.sweeps, rows_matmul.WIDE, rows_matmul.VERY_WIDE
+    assert [sweeps(r, very) for r in (1, 2, 8, 9)] == [False, True, True, False]
+    assert [sweeps(r, wide) for r in (2, 4, 5)] == [True, True, False]
+    assert not sweeps(2, wide - 1)
+
+
+def test_every_kernel_form_gives_the_same_bits():
+    """The register blocks and the sweep, forced on a narrow and a wide weight at every
+    row count they serve (2..FEW_ROWS), give the same bits as the form the width picks,
+    and as numpy's product within float32 rounding; a form outside `FORMS` is named."""
+    for out in (200, rows_matmul.WIDE + 64):
+        x, w = _data((rows_matmul.FEW_ROWS, 300), (300, out))
+        for rows in range(2, rows_matmul.FEW_ROWS + 1):
+            got = {name: np.asarray(jax.jit(rows_matmul.in_form(name))(x[:rows], w))
+                   for name in rows_matmul.FORMS}
+            for name, y in got.items():
+                np.testing.assert_array_equal(y, got["by width"], err_msg=f"{name} {out=}")
+            np.testing.assert_allclose(got["sweep"], x[:rows].astype(np.float64) @ w,
+                                       rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="'fast'"):
+        rows_matmul.in_form("fast")
+
+
 @pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),
                                             ((2, 32), jnp.bfloat16)])
 def test_more_rows_or_other_dtypes_run_xlas_matmul(x_shape, dtype):

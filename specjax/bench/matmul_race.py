@@ -4,8 +4,13 @@ each weight shape of a model, the weight bytes each form reads per second at 1, 
 more rounds), and the verdict the race would give. SmolLM2-135M's shapes by default
 (q/o, k/v, the fused q/k/v, gate/up, down, LM head), from its config; no weights are loaded.
 
+`--kernel-forms` times the kernel's two forms for 2-8 rows against each other instead
+(register blocks, and the sweep it takes for wide weights at few rows,
+`rows_matmul.sweeps`), on the same copies of each weight: the figures its width rule
+rests on.
+
   python -m specjax.bench.matmul_race [--hidden 576] [--intermediate 1536] [--kv-width 192]
-      [--vocab 49152] [--rows 1,5,17] [--rounds 9]
+      [--vocab 49152] [--rows 1,5,17] [--rounds 9] [--kernel-forms [--rows 2,3,4,5,8]]
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import sys
 
 from specjax import rows_matmul
 from specjax.bench.suite import ints
+
+FORM_ROWS = (2, 3, 4, 5, 8)  # --kernel-forms' default row counts
 
 
 def shapes(hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict:
@@ -36,6 +43,26 @@ def rows_of(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
                  verdict="kernel" if wins else "XLA") for r, t in times.items()]
 
 
+def form_rows(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
+    """One row per row count: GB/s of weights each kernel form read, and the form the
+    kernel takes there by the weight's width."""
+    nbytes = rows_matmul.race_copies(shape) * shape[0] * shape[1] * 4
+    return [dict(weight=name, shape=f"{shape[0]}x{shape[1]}", rows=r,
+                 blocks_gbs=nbytes / t["register blocks"] / 1e9,
+                 sweep_gbs=nbytes / t["sweep"] / 1e9,
+                 takes="sweep" if rows_matmul.sweeps(r, shape[1]) else "register blocks")
+            for r, t in times.items()]
+
+
+def forms_markdown(rows: list[dict]) -> str:
+    lines = ["| weight | shape | rows | register blocks GB/s | sweep GB/s | sweep time / "
+             "blocks | the kernel takes |", "|---|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['weight']} | {r['shape']} | {r['rows']} | {r['blocks_gbs']:.2f} | "
+              f"{r['sweep_gbs']:.2f} | {r['blocks_gbs'] / r['sweep_gbs']:.2f} | "
+              f"{r['takes']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| weight | shape | rows | kernel GB/s | XLA GB/s | kernel / XLA | race picks |",
              "|---|---|---:|---:|---:|---:|---|"]
@@ -52,10 +79,18 @@ def main(argv=None) -> int:
     for flag, default in (("--hidden", 576), ("--intermediate", 1536), ("--kv-width", 192),
                           ("--vocab", 49152)):
         ap.add_argument(flag, type=int, default=default)
-    ap.add_argument("--rows", default=",".join(map(str, rows_matmul.RACE_ROWS)))
+    ap.add_argument("--rows", default=None, help="row counts (default: the race's "
+                    f"{','.join(map(str, rows_matmul.RACE_ROWS))}; with --kernel-forms "
+                    f"{','.join(map(str, FORM_ROWS))})")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--kernel-forms", action="store_true",
+                    help="time the kernel's register blocks against its sweep at 2-8 rows")
     args = ap.parse_args(argv)
-    rows = ints(args.rows, "--rows", ap)
+    rows = ints(args.rows or ",".join(map(str, FORM_ROWS if args.kernel_forms
+                                           else rows_matmul.RACE_ROWS)), "--rows", ap)
+    if args.kernel_forms and not all(2 <= r <= rows_matmul.FEW_ROWS for r in rows):
+        ap.error(f"--rows={args.rows} with --kernel-forms: the forms differ at 2-"
+                 f"{rows_matmul.FEW_ROWS} rows only")
     dims = (args.hidden, args.intermediate, args.kv_width, args.vocab, args.rounds)
     if min(dims) < 1:
         ap.error(f"sizes and --rounds must be >= 1, got {dims}")
@@ -64,9 +99,14 @@ def main(argv=None) -> int:
               f"{rows_matmul.ENV}=off)", file=sys.stderr)
         return 2
     out = []
+    forms = {name: rows_matmul.in_form(name) for name in ("register blocks", "sweep")}
     for name, shape in shapes(*dims[:4]).items():
-        out += rows_of(name, shape, rows_matmul.race_times(shape, rows, args.rounds))
-    print(markdown(out))
+        if args.kernel_forms:
+            out += form_rows(name, shape, rows_matmul.race_times(shape, rows, args.rounds,
+                                                                 forms=forms))
+        else:
+            out += rows_of(name, shape, rows_matmul.race_times(shape, rows, args.rounds))
+    print(forms_markdown(out) if args.kernel_forms else markdown(out))
     return 0
 
 

@@ -14,12 +14,13 @@
 // 1.2x). One row (a decode step, memory-bound) instead sweeps the weight rows 8 at a
 // time through its whole chunk of columns, the output in cache: 8 long sequential
 // streams, which read faster than 32 short ones on some 2-core Xeons
-// (docs/benchmarks.md). Two to eight rows of a wide weight (1,536 columns or more: the
-// MLP's gate and up, an LM head) sweep the same way, four weight rows at a time over
-// two vectors of columns, each output row in turn: on an AVX2-only AMD EPYC the
-// register blocks above read an LM head from memory at half the sweep's speed at
-// those rows, while on narrower weights (attention projections, the MLP's down) they
-// stay the faster form (docs/benchmarks.md, "Few-row matmuls by hand"). Each output
+// (docs/benchmarks.md). Two to eight rows of an LM head (4,096 columns or more), and
+// two to four of the MLP's gate and up (1,536 or more), sweep the same way, four weight
+// rows at a time over two vectors of columns, each output row in turn: on an AVX2-only
+// AMD EPYC the register blocks above read an LM head from memory at 0.6x the sweep's
+// speed at those rows, while on narrower weights (attention projections, the MLP's
+// down), and on gate and up from 5 rows, they stay the faster form
+// (docs/benchmarks.md, "Few-row matmuls by hand"). Each output
 // element sums x[t, i] * w[i, c] in the order of i, one fused multiply-add at a time, in
 // every form and whatever T is, so a row's result does not depend on how many rows
 // share the call. The columns are split across XLA's intra-op threads.
@@ -116,8 +117,11 @@ void row_columns(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
-constexpr int64_t kFewRows = 8;  // rows that sweep (`few_columns`) a wide weight...
-constexpr int64_t kWide = 1536;  // ...of at least this many columns; else register blocks
+// Rows that sweep (`few_columns`) a weight of kWide columns or more (the MLP's gate
+// and up): kWideRows; of kVeryWide or more (an LM head): kFewRows. Else register
+// blocks (`python -m specjax.bench.matmul_race --kernel-forms`).
+constexpr int64_t kFewRows = 8, kWideRows = 4;
+constexpr int64_t kWide = 1536, kVeryWide = 4096;
 constexpr int kFewSweep = 4;  // weight rows a few rows' sweep reads side by side
 constexpr int kFewVecs = 2;  // vectors of columns per step (one broadcast of x serves both)
 
@@ -163,13 +167,20 @@ void few_columns(const float* x, const float* w, float* y, int64_t rows, int64_t
   }
 }
 
+// How 2..kFewRows rows multiply (the call's `form` attribute): by the width rule, or
+// forced either way, for timing the two side by side (`python -m
+// specjax.bench.matmul_race --kernel-forms`). One row and more rows ignore it.
+enum Form : int64_t { kByWidth = 0, kRegisterBlocks = 1, kSweep = 2 };
+
 // Columns [c0, c1) of y for all rows of x. Weight rows kRowBlock at a time (that many
 // sequential streams); each block of 64 columns of them (8 KB, in L1) serves the rows
 // in groups of up to kMaxRows, so w is read from memory once for any row count.
 void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
-             int64_t out, int64_t c0, int64_t c1) {
+             int64_t out, int64_t c0, int64_t c1, int64_t form) {
   if (rows == 1) return row_columns(x, w, y, in, out, c0, c1);
-  if (rows <= kFewRows && out >= kWide) return few_columns(x, w, y, rows, in, out, c0, c1);
+  const bool by_width = out >= kVeryWide || (out >= kWide && rows <= kWideRows);
+  const bool sweep = form == kSweep || (form == kByWidth && by_width);
+  if (rows <= kFewRows && sweep) return few_columns(x, w, y, rows, in, out, c0, c1);
   for (int64_t t = 0; t < rows; ++t)
     std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
   const int64_t cv = c0 + (c1 - c0) / kColumnBlock * kColumnBlock;  // blocked; tail after
@@ -189,7 +200,9 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
 }
 
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t form) {
+  if (form < kByWidth || form > kSweep)
+    return ffi::Error::InvalidArgument("form must be 0 (by width), 1 or 2");
   const auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [in, out]");
   const int64_t in = wd[0], out = wd[1];
@@ -209,7 +222,7 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float* ys = y->typed_data();
   specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
     const int64_t c0 = k * per;
-    columns(xs, ws, ys, rows, in, out, c0, std::min(out, c0 + per));
+    columns(xs, ws, ys, rows, in, out, c0, std::min(out, c0 + per), form);
   });
   return ffi::Error::Success();
 }
@@ -221,4 +234,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_rows_matmul, RowsMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("form"));
