@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.cli_args import at_least_one
+
 ALL = "all"  # the draft's head over every id
 
 
@@ -101,9 +103,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--files", type=int, default=24, help="stdlib files counted for the ids")
     args = ap.parse_args(argv)
-    for name in ("kept", "batch", "seq_len", "repeats", "files"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    at_least_one(ap, args, ("kept", "batch", "seq_len", "repeats", "files"))
     try:
         layers = tuple(int(x) for x in args.layers.split(","))
     except ValueError:

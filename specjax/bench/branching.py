@@ -28,6 +28,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from specjax.cli_args import at_least_one
+
 
 def programs(config, params, steps: int, with_cache: bool = False):
     """name -> fn(cache, token [B, 1], position [B, 1]) -> last token, per variant
@@ -109,9 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
     a = ap.parse_args(argv)
-    for name, value in (("steps", a.steps), ("context", a.context), ("repeats", a.repeats)):
-        if value < 1:
-            ap.error(f"--{name}={value} must be >= 1")
+    at_least_one(ap, a, ("steps", "context", "repeats"))
     res = measure(a.steps, a.context, a.repeats)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.steps} steps from a "
           f"{a.context}-token context, median of {a.repeats} interleaved rounds")

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.cli_args import at_least_one
+
 BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=8,
                     num_heads=8, num_kv_heads=4, max_position_embeddings=2048,
                     rms_norm_eps=1e-5)
@@ -200,9 +202,7 @@ def main(argv=None) -> int:
         batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     except ValueError:
         parser.error(f"--batch-sizes={args.batch_sizes!r} must be comma-separated integers")
-    for name in ("new_tokens", "prompt_len", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    at_least_one(parser, args, ("new_tokens", "prompt_len", "repeats"))
     result = run(args.new_tokens, batch_sizes, args.prompt_len, args.repeats)
     command = " ".join(["python -m specjax.bench.decode", *(argv if argv is not None
                                                               else sys.argv[1:])])

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.cli_args import at_least_one
+
 ALL = "all"
 
 
@@ -41,13 +43,6 @@ def sizes_arg(text: str, ap) -> tuple:
             ap.error(f"--sizes={text!r}: {value} must be >= 1")
         out.append(value)
     return tuple(out)
-
-
-def at_least_one(ap, args, names) -> None:
-    """`ap.error` naming the first flag among `names` (argparse dests) below 1."""
-    for name in names:
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
 
 
 def training_counts(done_file: Path, tokenizer, vocab_size: int) -> np.ndarray:

@@ -37,6 +37,7 @@ import numpy as np
 from specjax import rows_matmul
 from specjax.bench.suite import ints
 from specjax.calibrate import NO_YNN
+from specjax.cli_args import at_least_one
 from specjax.model import fuse_qkv
 from specjax.models.transformer import FUSED_QKV
 from specjax.timing import interleaved_medians
@@ -171,9 +172,8 @@ def main(argv=None) -> int:
                          f"(default: its MAX_ROWS, {rows_matmul.MAX_ROWS})")
     args = ap.parse_args(argv)
     rows = ints(args.rows, "--rows", ap)
-    for flag in ("hidden", "intermediate", "layers", "repeats", "kv_width", "kernel_max_rows"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    at_least_one(ap, args, ("hidden", "intermediate", "layers", "repeats", "kv_width",
+                            "kernel_max_rows"))
     forms = ATTENTION_FORMS if args.attention else FORMS
     if "rows kernel" in forms and not rows_matmul.available():
         forms = tuple(f for f in forms if f != "rows kernel")  # it warned why

@@ -25,6 +25,7 @@ import numpy as np
 from specjax import cpu_attention
 from specjax.attention import reference_attention_with_new, reference_paged_attention
 from specjax.bench.suite import ints
+from specjax.cli_args import at_least_one
 from specjax.timing import interleaved_medians
 from specjax.xla_options import compile_decode
 
@@ -122,9 +123,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     queries = ints(args.queries, "--queries", ap)
     contexts = ints(args.contexts, "--contexts", ap)
-    for flag in ("layers", "kv_heads", "group", "head_dim", "repeats"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    at_least_one(ap, args, ("layers", "kv_heads", "group", "head_dim", "repeats"))
     if args.head_dim % cpu_attention.HEAD_MULTIPLE:
         ap.error(f"--head-dim={args.head_dim} must be a multiple of "
                  f"{cpu_attention.HEAD_MULTIPLE} (the kernel's)")

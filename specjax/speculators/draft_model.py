@@ -255,21 +255,22 @@ class DraftModel(Speculator):
         return DraftState(cache, queue)
 
 
-def check_vocab(vocab, vocab_size: int, at_least: int = 1) -> jax.Array:
+def check_vocab(vocab, vocab_size: int, at_least: int = 1,
+                what: str = "DraftModel vocab") -> jax.Array:
     """`vocab` as sorted [Vd] int32 after checking it: 1-D, distinct ids in
     [0, vocab_size), at least `at_least` of them (a tree's branching). Sorted, so the
-    draft's argmax breaks ties toward the lower id, as over the whole vocabulary."""
+    draft's argmax breaks ties toward the lower id, as over the whole vocabulary.
+    `what` names the argument in the errors."""
     ids = np.asarray(vocab)
     if ids.ndim != 1 or ids.shape[0] < at_least or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"DraftModel vocab must be a 1-D array of at least {at_least} integer "
+        raise ValueError(f"{what} must be a 1-D array of at least {at_least} integer "
                          f"target ids; got shape {ids.shape}, dtype {ids.dtype}")
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
-        raise ValueError(f"DraftModel vocab holds ids outside [0, {vocab_size}): "
-                         f"{bad[:5].tolist()}")
+        raise ValueError(f"{what} holds ids outside [0, {vocab_size}): {bad[:5].tolist()}")
     uniq, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
-        raise ValueError(f"DraftModel vocab repeats ids: {uniq[counts > 1][:5].tolist()}")
+        raise ValueError(f"{what} repeats ids: {uniq[counts > 1][:5].tolist()}")
     return jnp.asarray(uniq, jnp.int32)
 
 

@@ -55,8 +55,8 @@ class Distill:
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len={self.prompt_len} must be at least 1")
         if self.vocab is not None:
-            ids = tuple(int(i) for i in np.asarray(check_vocab(self.vocab,
-                                                               self.draft.vocab_size)))
+            ids = tuple(int(i) for i in np.asarray(check_vocab(
+                self.vocab, self.draft.vocab_size, what="Distill vocab")))
             if ids != tuple(self.vocab):
                 raise ValueError("Distill vocab must be sorted target ids; got "
                                  f"{list(self.vocab[:8])}...")
