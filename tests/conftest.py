@@ -55,6 +55,29 @@ from specjax.config import tiny_llama
 specjax.compile_cache.enable()
 
 
+# The longest test files (2-core CPU, 2026-11-29: 10, 5, 3 min... down to 1 min), run
+# first. xdist hands out whole files (`--dist loadfile`) in collection order
+# (`--no-loadscope-reorder`: by default it orders them by their number of tests, which
+# put the one-test notebooks and the few-test quickstart last, running alone for
+# minutes after the other worker had finished); longest first, the short files at the
+# end fill the gaps. A file missing here only runs later.
+_LONGEST_FIRST = ("tests/test_speculative.py", "tests/test_speculators_heads.py",
+                  "tests/test_quickstart.py", "tests/test_bench_suite.py",
+                  "tests/test_sharding.py", "tests/test_draft_vocab.py",
+                  "tests/test_real_smollm2.py", "tests/test_export.py",
+                  "tests/test_train_heads.py", "tests/test_decode_outputs.py",
+                  "tests/test_verify_exact.py", "tests/test_models.py",
+                  "notebooks/01_quickstart.ipynb", "tests/test_kv_quant.py",
+                  "tests/test_seeds.py", "tests/test_example_speculator.py",
+                  "notebooks/02_train_eagle_head.ipynb", "tests/test_train_sharding.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files in `_LONGEST_FIRST` first, in its order; the rest after, as collected."""
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def pytest_unconfigure(config):
     """Removes the run's cache directory, in the process that created it."""
     if _RUN_CACHE is not None:
