@@ -205,22 +205,25 @@ def race_copies(shape: tuple[int, int], nbytes: int = RACE_BYTES) -> int:
     return max(1, min(64, -(-nbytes // (4 * shape[0] * shape[1]))))
 
 
-# How the kernel multiplies 2..FEW_ROWS rows (its `form` attribute): by the weight's
-# width (what models run, `sweeps`), or forced to one form, to time the two side by
-# side (`python -m specjax.bench.matmul_race --kernel-forms`). Every form gives the same
-# bits. The constants are rows_matmul.cc's kFewRows, kWideRows, kWide and kVeryWide.
-FORMS = {"by width": 0, "register blocks": 1, "sweep": 2}
-FEW_ROWS, WIDE_ROWS, WIDE, VERY_WIDE = 8, 4, 1536, 4096
+# How the kernel multiplies 2..FEW_ROWS rows (its `form` attribute, FEW_ROWS its
+# kFewRows): the form `sweeps` picks by the weight's width, or one forced, to time the
+# two side by side (`python -m specjax.bench.matmul_race --kernel-forms`). Every form
+# gives the same bits.
+FORMS = {"register blocks": 1, "sweep": 2}
+FEW_ROWS = 8
+# Rows that sweep a weight of WIDE columns or more (the MLP's gate and up): WIDE_ROWS;
+# of VERY_WIDE or more (an LM head): FEW_ROWS (docs/benchmarks.md, "Few-row matmuls").
+WIDE_ROWS, WIDE, VERY_WIDE = 4, 1536, 4096
 
 
 def sweeps(rows: int, out: int) -> bool:
-    """Whether the kernel's width rule sweeps `rows` rows of a weight of `out` columns
-    (else register blocks; one row has its own sweep)."""
+    """Whether `rows` rows of a weight of `out` columns go through the kernel's sweep
+    (else register blocks; one row has its own sweep either way)."""
     return 2 <= rows <= FEW_ROWS and (out >= VERY_WIDE or (out >= WIDE and rows <= WIDE_ROWS))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _kernel(x: jax.Array, w: jax.Array, form: int = 0) -> jax.Array:  # [R, I] @ [I, O]
+def _kernel(x: jax.Array, w: jax.Array, form: int) -> jax.Array:  # [R, I] @ [I, O]
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, form=np.int64(form))
 
@@ -233,15 +236,19 @@ def _kernel_jvp(form, primals, tangents):  # differentiable: tangents through XL
 
 def in_form(name: str):
     """The kernel's product (x, w) -> x @ w with 2..FEW_ROWS rows in form `name` (a key
-    of `FORMS`), whatever the weight's width."""
+    of `FORMS`), whatever the weight's width (`sweeps` aside)."""
     if name not in FORMS:
         raise ValueError(f"kernel form {name!r} is not one of {sorted(FORMS)}")
     return functools.partial(_rows, form=FORMS[name])
 
 
-def _rows(x: jax.Array, w: jax.Array, form: int = 0) -> jax.Array:
-    """[..., I] @ [I, O] -> [..., O] by the kernel, 2-8 rows in `form` (`FORMS`)."""
-    return _kernel(x.reshape(-1, x.shape[-1]), w, form).reshape(*x.shape[:-1], w.shape[1])
+def _rows(x: jax.Array, w: jax.Array, form: int | None = None) -> jax.Array:
+    """[..., I] @ [I, O] -> [..., O] by the kernel, 2-8 rows in `form` (a value of
+    `FORMS`; None: the one `sweeps` picks)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if form is None:
+        form = FORMS["sweep" if sweeps(rows.shape[0], w.shape[1]) else "register blocks"]
+    return _kernel(rows, w, form).reshape(*x.shape[:-1], w.shape[1])
 
 
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,

@@ -79,15 +79,17 @@ def test_the_width_rule_sweeps_few_rows_of_wide_weights():
 
 def test_every_kernel_form_gives_the_same_bits():
     """The register blocks and the sweep, forced on a narrow and a wide weight at every
-    row count they serve (2..FEW_ROWS), give the same bits as the form the width picks,
-    and as numpy's product within float32 rounding; a form outside `FORMS` is named."""
+    row count they serve (2..FEW_ROWS), give the same bits as the form the width picks
+    (`rows_matmul.matmul`), and as numpy's product within float32 rounding; a form
+    outside `FORMS` is named."""
     for out in (200, rows_matmul.WIDE + 64):
         x, w = _data((rows_matmul.FEW_ROWS, 300), (300, out))
         for rows in range(2, rows_matmul.FEW_ROWS + 1):
             got = {name: np.asarray(jax.jit(rows_matmul.in_form(name))(x[:rows], w))
                    for name in rows_matmul.FORMS}
+            by_width = np.asarray(jax.jit(rows_matmul.matmul)(x[:rows], w))
             for name, y in got.items():
-                np.testing.assert_array_equal(y, got["by width"], err_msg=f"{name} {out=}")
+                np.testing.assert_array_equal(y, by_width, err_msg=f"{name} {out=}")
             np.testing.assert_allclose(got["sweep"], x[:rows].astype(np.float64) @ w,
                                        rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="'fast'"):

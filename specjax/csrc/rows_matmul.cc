@@ -117,11 +117,7 @@ void row_columns(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
-// Rows that sweep (`few_columns`) a weight of kWide columns or more (the MLP's gate
-// and up): kWideRows; of kVeryWide or more (an LM head): kFewRows. Else register
-// blocks (`python -m specjax.bench.matmul_race --kernel-forms`).
-constexpr int64_t kFewRows = 8, kWideRows = 4;
-constexpr int64_t kWide = 1536, kVeryWide = 4096;
+constexpr int64_t kFewRows = 8;  // the most rows the sweep (`few_columns`) takes
 constexpr int kFewSweep = 4;  // weight rows a few rows' sweep reads side by side
 constexpr int kFewVecs = 2;  // vectors of columns per step (one broadcast of x serves both)
 
@@ -167,10 +163,10 @@ void few_columns(const float* x, const float* w, float* y, int64_t rows, int64_t
   }
 }
 
-// How 2..kFewRows rows multiply (the call's `form` attribute): by the width rule, or
-// forced either way, for timing the two side by side (`python -m
+// How 2..kFewRows rows multiply: the call's `form` attribute, chosen by the caller's
+// width rule (`specjax.rows_matmul.sweeps`, timed per weight shape by `python -m
 // specjax.bench.matmul_race --kernel-forms`). One row and more rows ignore it.
-enum Form : int64_t { kByWidth = 0, kRegisterBlocks = 1, kSweep = 2 };
+enum Form : int64_t { kRegisterBlocks = 1, kSweep = 2 };
 
 // Columns [c0, c1) of y for all rows of x. Weight rows kRowBlock at a time (that many
 // sequential streams); each block of 64 columns of them (8 KB, in L1) serves the rows
@@ -178,9 +174,7 @@ enum Form : int64_t { kByWidth = 0, kRegisterBlocks = 1, kSweep = 2 };
 void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
              int64_t out, int64_t c0, int64_t c1, int64_t form) {
   if (rows == 1) return row_columns(x, w, y, in, out, c0, c1);
-  const bool by_width = out >= kVeryWide || (out >= kWide && rows <= kWideRows);
-  const bool sweep = form == kSweep || (form == kByWidth && by_width);
-  if (rows <= kFewRows && sweep) return few_columns(x, w, y, rows, in, out, c0, c1);
+  if (rows <= kFewRows && form == kSweep) return few_columns(x, w, y, rows, in, out, c0, c1);
   for (int64_t t = 0; t < rows; ++t)
     std::memset(y + t * out + c0, 0, (c1 - c0) * sizeof(float));
   const int64_t cv = c0 + (c1 - c0) / kColumnBlock * kColumnBlock;  // blocked; tail after
@@ -201,8 +195,8 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
 
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t form) {
-  if (form < kByWidth || form > kSweep)
-    return ffi::Error::InvalidArgument("form must be 0 (by width), 1 or 2");
+  if (form != kRegisterBlocks && form != kSweep)
+    return ffi::Error::InvalidArgument("form must be 1 (register blocks) or 2 (sweep)");
   const auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [in, out]");
   const int64_t in = wd[0], out = wd[1];
