@@ -1,8 +1,12 @@
-"""Checks the command-line tools share on their parsed arguments."""
+"""What the command-line tools share: checks on their parsed arguments, and spellings."""
 
 from __future__ import annotations
 
 import argparse
+
+# A vocabulary-size flag's spelling of the whole vocabulary (`--sizes all,8192`): the
+# draft's head over every id, as `bench.draft_vocab` and `train.step_time` take it.
+ALL = "all"
 
 
 def at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> None:

@@ -1317,7 +1317,7 @@ def test_a_speculator_is_laid_out_once_across_generate_calls(tiny_target, tiny_d
                                                              monkeypatch):
     """`generate` converts a speculator's weights to the decode layout once per speculator
     object and layout (`decoding.programs.LayoutCache`), not on every call; another
-    speculator object is converted anew."""
+    layout, or another speculator object, is converted anew."""
     from specjax.decoding.generate import LAYOUTS
 
     LAYOUTS.clear()
@@ -1325,14 +1325,16 @@ def test_a_speculator_is_laid_out_once_across_generate_calls(tiny_target, tiny_d
     lay_out = DraftModel.for_decoding
     monkeypatch.setattr(DraftModel, "for_decoding",
                         lambda self, layout="auto": calls.append(layout) or lay_out(self, layout))
-    spec = DraftModel.create(tiny_draft, k=2)
-    outs = [specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec).tokens
-            for _ in range(2)]
+    spec = DraftModel.create(tiny_draft, k=3)
+    # test_greedy_is_lossless[draft]'s settings: its compiled programs serve these calls
+    outs = [specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+                             speculator=spec).tokens for _ in range(2)]
     assert calls == ["auto"] and outs[0] == outs[1]
-    specjax.generate(tiny_target, PROMPTS, max_new_tokens=4, speculator=spec,
-                     layer_layout="scan")
-    specjax.generate(tiny_target, PROMPTS, max_new_tokens=4,
-                     speculator=DraftModel.create(tiny_draft, k=2))
+    # the cache generate reads (`_for_decoding`), asked as generate asks it; a draft
+    # decoding in the scan layout is tests/sharding_cases.py's (meshes decode scanned)
+    assert LAYOUTS.get(spec, "auto") is LAYOUTS.get(spec, "auto")
+    LAYOUTS.get(spec, "scan")
+    LAYOUTS.get(DraftModel.create(tiny_draft, k=3), "auto")
     assert calls == ["auto", "scan", "auto"]
 
 

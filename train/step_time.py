@@ -23,9 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.cli_args import at_least_one
-
-ALL = "all"  # the draft's head over every id
+from specjax.cli_args import ALL, at_least_one
 
 
 def programs(target, layers: tuple[int, ...], vocabs: dict, batch: int, seq_len: int,

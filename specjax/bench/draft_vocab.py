@@ -23,9 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.cli_args import at_least_one
-
-ALL = "all"
+from specjax.cli_args import ALL, at_least_one
 
 
 def sizes_arg(text: str, ap) -> tuple:
