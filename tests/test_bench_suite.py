@@ -322,6 +322,43 @@ def test_timed_rounds_vary_the_method_order(monkeypatch):
     assert peer_row["speedup"] == 20.0 / 40.0 and peer_row["identical"] is False
 
 
+def test_a_method_on_plain_programs_reports_autoregressives_rounds(monkeypatch):
+    """A speculator whose warm-up ran plain decoding's programs in every call is not
+    timed in the rounds (it would time autoregressive's programs again): it runs once
+    after them, for its tokens and stats, with autoregressive's tokens/s and a speedup
+    of exactly 1; a speculator that drafted in any call is timed in every round."""
+    from specjax.bench import speculative
+
+    order = []
+
+    def fake_pass(target, spec, ids, *, batch, **kw):
+        order.append(spec)
+        drafted = {"autoregressive": 0, "ngram": 0, "draft": 1}[spec]  # calls that drafted
+        stats = SimpleNamespace(acceptance_rate=0.0, mean_accepted_length=1.0, mean_k=0.0,
+                                cost_ratio=0.1, expected_speedup=1.0, ttft_s=0.01,
+                                expected_speedup_free_verify=1.0, expected_speedup_iid=1.0,
+                                tpot_s=0.01 * len(order), speculative_calls=drafted)
+        return [[7] * 4, [7] * 4], stats, 0.1 * len(order)  # every pass slower
+
+    monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
+    names = ["autoregressive", "ngram", "draft"]
+    reference = {}
+    rows, _ = suite._specjax_rows(None, {n: n for n in names}, [[1, 2], [3, 4]], "docstring",
+                                  0.0, 2, {}, {n: {} for n in names}, 4, 3, reference,
+                                  lambda _: None)
+    assert order[:3] == names  # the warm-up
+    rounds = order[3:-1]
+    assert sorted(rounds) == sorted(["autoregressive", "draft"] * 3) and order[-1] == "ngram"
+    ar, ngram, draft = rows
+    assert (ngram["loop"], ngram["timed"]) == ("plain", False)
+    assert (draft["loop"], draft["timed"]) == ("speculative", True)
+    assert ngram["tokens_per_s"] == ar["tokens_per_s"] and ngram["speedup"] == 1.0
+    assert ngram["decode_speedup"] == 1.0 and ngram["identical"] is True
+    assert draft["speedup"] != 1.0  # timed in its own rounds
+    assert "| plain, untimed |" in suite_report.table(rows)
+    assert "| speculative |" in suite_report.table(rows)
+
+
 def test_speedup_is_the_median_of_each_rounds_ratio():
     """A row timed in the same rounds as autoregressive: its speedup is the median of the
     per-round ratios (a load that slows one whole round cancels there), not the ratio of
@@ -382,7 +419,7 @@ def test_suite_writes_its_section_and_plots(finished):
         assert f"### {c}" in section
     for m in suite.SPECJAX_METHODS + suite.HF_METHODS:
         assert f"| {m} |" in section
-    assert re.search(r"\| 0 \| 1 \| eagle \| (plain|speculative) \| 0\.", section)
+    assert re.search(r"\| 0 \| 1 \| eagle \| (plain, untimed|speculative) \| 0\.", section)
     # no loop, α, τ or k for transformers
     assert "| 1 | 1 | hf_prompt_lookup | – | – | – | – |" in section
     for name in suite_report.FIGURES:

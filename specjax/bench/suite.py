@@ -343,6 +343,12 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
     length compiles its programs), then `repeats` interleaved timed rounds in
     `round_order`; the first method (autoregressive) becomes the batch's `reference`.
+    A speculator whose warm-up ran plain decoding's programs in every call (the rule saw
+    that drafting could never pay: `policy.may_draft` reads the prompts' shapes and the
+    rule, not their tokens) runs them in every pass: timing it would time
+    autoregressive's programs again, noise that reads as a loss or a gain. It runs once
+    after the rounds, for its tokens and stats, and reports autoregressive's rounds
+    (`timed` False), as the quickstart's comparison does.
     peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
     Returns the specjax rows and {peer: its timed rounds' results}."""
     from specjax.bench import speculative
@@ -352,27 +358,39 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     warm = dict(passes)
     for name, peer in (peers or {}).items():
         passes[name], warm[name] = peer.timed, peer.warm
-    results = _interleaved(passes, warm, repeats)
-    rows = []
+    warmed = {name: fn() for name, fn in warm.items()}  # compiles
     calls = -(-len(ids) // b)
+    base, *others = list(speculators)
+    plain = [name for name in others if speculators[name] is not None
+             and loop_kind(warmed[name][1].speculative_calls, calls) == "plain"]
+    results = _rounds({n: f for n, f in passes.items() if n not in plain}, repeats)
+    for name in plain:  # autoregressive's programs: its tokens and stats, untimed
+        results[name] = [passes[name]()]
+    rows = []
     for name in speculators:
         tokens, stats, _ = results[name][-1]
-        walls = [r[2] for r in results[name]]
-        tpots = [r[1].tpot_s for r in results[name]]
+        timed = results[name if name not in plain else base]
+        walls = [r[2] for r in timed]
+        tpots = [r[1].tpot_s for r in timed]
         row = _row(category, temp, b, name, len(ids) * new / statistics.median(walls), stats,
                    tpot_s=statistics.median(tpots))
         row["loop"] = loop_kind(stats.speculative_calls, calls)
+        row["timed"] = name not in plain
         reference.setdefault(b, Reference(tokens, walls, tpots))
         rows.append(_finish(row, tokens, reference[b], log, walls=walls, tpots=tpots))
     return rows, {name: results[name] for name in peers or {}}
 
 
 def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
-    """{name: each timed round's result}: every `warm` call once, then `repeats` rounds
-    running each of `passes` once in `round_order`, so that methods timed side by side
-    see the same machine load."""
+    """{name: each timed round's result}: every `warm` call once, then `_rounds`."""
     for fn in warm.values():
         fn()
+    return _rounds(passes, repeats)
+
+
+def _rounds(passes: dict, repeats: int) -> dict[str, list]:
+    """{name: each round's result}: `repeats` rounds running each of `passes` once in
+    `round_order`, so that methods timed side by side see the same machine load."""
     results = {name: [] for name in passes}
     for r in range(repeats):
         for name in round_order(list(passes), r):

@@ -52,7 +52,7 @@ def table(rows: list[dict]) -> str:
              "|:---:|"]
     for r in rows:
         lines.append(
-            f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {r.get('loop', '–')} | "
+            f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {_loop(r)} | "
             f"{fmt(r.get('alpha'), '.3f')} | {fmt(r.get('tau'), '.2f')} | "
             f"{fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | "
             f"{fmt(r['speedup'], '.2f')}× | {fmt(r.get('decode_speedup'), '.2f')}× | "
@@ -61,6 +61,13 @@ def table(rows: list[dict]) -> str:
             f"{fmt(r.get('cost_ratio'), '.3f')} | {fmt(r.get('vs_transformers'), '.2f')}× | "
             f"{fmt(r.get('vs_llamacpp'), '.2f')}× | {fmt(r['identical'])} |")
     return "\n".join(lines).replace("–×", "–")
+
+
+def _loop(row: dict) -> str:
+    """The loop column: the loop the method ran, and whether it was timed (rows of
+    earlier runs were all timed)."""
+    loop = row.get("loop", "–")
+    return f"{loop}, untimed" if row.get("timed", True) is False else loop
 
 
 _DESCRIBE = {
@@ -152,8 +159,9 @@ def _markdown_method_notes(s: dict) -> list[str]:
         "are not reported for them",
         "- loop: which loop specjax's `generate` calls ran. plain: plain decoding's own "
         "programs, because the calibrated rule saw that drafting could never pay "
-        "(`policy.may_draft`); such a cell differs from autoregressive's only by the "
-        "machine's spread between runs of the same programs",
+        "(`policy.may_draft`); \"plain, untimed\": such a method runs once after the "
+        "rounds, for its tokens and stats, and reports autoregressive's rounds (timing "
+        "the same programs again would only measure the machine's spread)",
         "- greedy identical: the tokens equal specjax autoregressive's at the same batch "
         "(`hf_*`: at batch 1), token for token", ""]
 
