@@ -259,6 +259,14 @@ def test_loop_kind_names_the_loop_the_calls_ran():
     assert suite.loop_kind(1, 4) == "1/4 speculative"
 
 
+def test_untimed_methods_are_those_after_the_baseline_that_never_drafted():
+    from specjax.stats import untimed_methods
+    specs = {"autoregressive": None, "ngram": object(), "draft": object(), "hf": None}
+    calls = {"autoregressive": (0, 4), "ngram": (1, 4), "draft": (0, 4), "hf": (0, 4)}
+    # the baseline and the peers (no speculator) are always timed; one drafting call is enough
+    assert untimed_methods(specs, calls) == ["draft"]
+
+
 @pytest.mark.parametrize("n", [2, 4, 5, 8, 9])
 def test_round_order_moves_every_method_and_its_predecessor(n):
     """Over n rounds every method runs once at every position (a Latin square); from one

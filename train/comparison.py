@@ -17,7 +17,7 @@ import numpy as np
 import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
-from specjax.stats import loop_kind
+from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import balanced_order, paired_speedup
 from specjax.train.speculation import heldout_prompts, speculative_run
 
@@ -79,9 +79,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         names = list(speculators)
         base = names[0]
         warmed = {name: run(name, spec, warm) for name, spec in speculators.items()}  # compiles
-        plain = [name for name in names[1:] if speculators[name] is not None
-                 and loop_kind(warmed[name][1]["speculative_calls"],
-                               warmed[name][1]["calls"]) == "plain"]
+        plain = untimed_methods(speculators, {n: (r["speculative_calls"], r["calls"])
+                                              for n, (_, r) in warmed.items()})
         timed = [name for name in names if name not in plain]
         speeds = {name: [] for name in timed}
         last = {}

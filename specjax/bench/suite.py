@@ -65,7 +65,7 @@ from specjax.bench.suite_methods import (
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.speculators.eagle import check_tree
-from specjax.stats import loop_kind
+from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import balanced_order, paired_speedup
 
 # Which workdir files each method needs (besides the target, always needed).
@@ -360,9 +360,9 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
         passes[name], warm[name] = peer.timed, peer.warm
     warmed = {name: fn() for name, fn in warm.items()}  # compiles
     calls = -(-len(ids) // b)
-    base, *others = list(speculators)
-    plain = [name for name in others if speculators[name] is not None
-             and loop_kind(warmed[name][1].speculative_calls, calls) == "plain"]
+    base = next(iter(speculators))
+    plain = untimed_methods(speculators, {n: (warmed[n][1].speculative_calls, calls)
+                                          for n in speculators})
     results = _rounds({n: f for n, f in passes.items() if n not in plain}, repeats)
     for name in plain:  # autoregressive's programs: its tokens and stats, untimed
         results[name] = [passes[name]()]
