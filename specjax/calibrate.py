@@ -1,8 +1,8 @@
 """Calibration: the measured numbers `generate`'s adaptive draft length and analytical
 speedup take, as library functions (the benchmarks and the quickstart call them).
 
-- `measured_cost_ratio(s)`: c, a draft call's wall time over a target step's, as
-  `generate(cost_ratio=)` takes it.
+- `measured_cost_ratio(s)`, `draft_cost_ratios`: c, a draft call's wall time over a
+  target step's, as `generate(cost_ratio=)` takes it.
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
@@ -14,8 +14,6 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,34 +39,43 @@ NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 def measured_cost_ratio(target: Model, speculator, *, context: int = 128,
                         repeats: int = 20, seed: int = 0, temperature: float = 0.0,
                         batch: int = 1) -> float:
-    """c as Leviathan et al. define it, measured: the wall time of one draft call
-    relative to one target decode step (T = 1), both over `batch` rows and as `generate`
-    runs them (its layer layout and compiler options, timed interleaved). The ratio
-    moves with the batch (a small draft's fixed work per call is spread over more rows,
-    and the target step turns from a GEMV into a GEMM), so time it at the batch it will
-    price.
+    """c as Leviathan et al. define it, measured at one temperature (`draft_cost_ratios`)."""
+    return draft_cost_ratios(target, speculator, (temperature,), context=context,
+                             repeats=repeats, seed=seed, batch=batch)[temperature]
+
+
+def draft_cost_ratios(target: Model, speculator, temperatures=(0.0,), *, context: int = 128,
+                      repeats: int = 20, seed: int = 0, batch: int = 1) -> dict[float, float]:
+    """{temperature: c}, c as Leviathan et al. define it, measured: the wall time of one
+    draft call relative to one target decode step (T = 1), both over `batch` rows and as
+    `generate` runs them (its layer layout and compiler options, timed interleaved). The
+    ratio moves with the batch (a small draft's fixed work per call is spread over more
+    rows, and the target step turns from a GEMV into a GEMM), so time it at the batch it
+    will price.
 
     The draft side is the speculator's whole `propose` at full depth after a
     `context`-token prompt (the draft model's queue forward and chain, Medusa's heads,
     EAGLE's tree levels with their top-k and reranking), divided by the draft calls it
     makes there (`DraftCost.calls_per_step`). Parameter counts miss exactly that work
     around the matmuls, which on a CPU is a large share of a small draft's time. 0 for
-    a speculator without draft calls (n-gram). temperature > 0 times the sampling draft
-    (`measured_cost_ratios`)."""
+    a speculator without draft calls (n-gram). The sampling settings are an argument of
+    the one compiled propose, as in `generate` (temperature is traced there): each
+    temperature times the code it runs (sampling costs a draft more than argmax) with
+    no second compile."""
     from specjax.decoding.state import LoopState
     from specjax.inspect import prefilled_state
+    from specjax.sampling import Sampling
 
     calls = speculator.cost.calls_per_step
     if calls == 0:
-        return 0.0
+        return {t: 0.0 for t in temperatures}
     cfg = target.config
     spec = speculator.for_decoding()
     params = target.decode_params()  # the layout generate uses
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).tolist()
-    state, sampling = prefilled_state(target, prompt, spec, params=params,
-                                      temperature=temperature, batch=batch)
+    state, _ = prefilled_state(target, prompt, spec, params=params, batch=batch)
 
-    def propose(p, sp, st: LoopState):
+    def propose(p, sp, st: LoopState, sampling: Sampling):
         ctx = ProposeContext(st.tokens, st.lengths, ~st.done, sampling,
                              rng.step_keys(st.keys, st.lengths, rng.PROPOSE),
                              jnp.full_like(st.lengths, sp.shape.max_depth))
@@ -78,35 +85,29 @@ def measured_cost_ratio(target: Model, speculator, *, context: int = 128,
         root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
         return step(cfg, p, st.cache, root, (st.lengths - 1)[:, None])[0]
 
-    fns = [(compile_decode(jax.jit(fn).lower(*args)), args)
-           for fn, args in ((propose, (params, spec, state)), (target_step, (params, state)))]
-    times = [[], []]
-    for f, args in fns:
+    draft = compile_decode(jax.jit(propose).lower(params, spec, state, Sampling.create()))
+    fns = {"target": (compile_decode(jax.jit(target_step).lower(params, state)),
+                      (params, state))}
+    fns.update({t: (draft, (params, spec, state, Sampling.create(t))) for t in temperatures})
+    for f, args in fns.values():
         jax.block_until_ready(f(*args))  # first run
-    for _ in range(repeats):  # interleaved: both see the same machine load
-        for i, (f, args) in enumerate(fns):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[i].append(time.perf_counter() - t0)
-    draft_s, target_s = (statistics.median(t) for t in times)
-    return draft_s / calls / target_s
+    med = interleaved_medians(fns, repeats)  # every program beside the same machine load
+    return {t: med[t] / calls / med["target"] for t in temperatures}
 
 
 def measured_cost_ratios(target: Model, speculators: dict,
                          temperatures=(0.0,), batch: int = 1) -> dict:
-    """{temperature: {method: `measured_cost_ratio`}} at `batch` rows for every
-    speculator (None: autoregressive, skipped). Sampling costs the draft more than argmax
-    does, and any T > 0 runs the same sampling code, so c is measured once greedy and
-    once sampled."""
-    greedy = [t for t in temperatures if t == 0]
-    sampled = [t for t in temperatures if t > 0]
-    out = {}
-    for group in (greedy, sampled):
-        if group:
-            c = {name: measured_cost_ratio(target, spec, temperature=group[0], batch=batch)
-                 for name, spec in speculators.items() if spec is not None}
-            out.update({t: c for t in group})
-    return out
+    """{temperature: {method: c}} at `batch` rows for every speculator (None:
+    autoregressive, skipped; `draft_cost_ratios`). Sampling costs the draft more than
+    argmax does, and any T > 0 runs the same sampling code, so c is measured once greedy
+    and once sampled, from one compiled propose per speculator."""
+    timed = tuple(dict.fromkeys([t for t in temperatures if t == 0][:1]
+                                + [t for t in temperatures if t > 0][:1]))
+    per = {name: draft_cost_ratios(target, spec, timed, batch=batch)
+           for name, spec in speculators.items() if spec is not None}
+    # every T > 0 takes the first sampled temperature's c
+    of = lambda t: t if t in timed else next(u for u in timed if (u > 0) == (t > 0))
+    return {t: {name: c[of(t)] for name, c in per.items()} for t in temperatures}
 
 
 def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, default=None):

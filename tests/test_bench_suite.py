@@ -538,16 +538,16 @@ def test_token_wise_verification_runs_beside_block(workdir, finished, monkeypatc
 def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, monkeypatch):
     """c (a draft call's cost relative to a target step) moves with the batch, so the
     suite measures it at every batch it times and each row's adaptive rule and
-    analytical figure use its own batch's (`measured_cost_ratio(batch=)`)."""
+    analytical figure use its own batch's (`draft_cost_ratios(batch=)`)."""
     from specjax import calibrate
 
     _, out, _ = finished
     asked = []
 
-    def fake(target, spec, temperature, batch):
+    def fake(target, spec, temperatures, batch):
         asked.append(batch)
-        return 0.01 * batch
-    monkeypatch.setattr(calibrate, "measured_cost_ratio", fake)
+        return {t: 0.01 * batch for t in temperatures}
+    monkeypatch.setattr(calibrate, "draft_cost_ratios", fake)
     argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
             "draft", "--temperatures", "0", "--batches", "1,2", "--out", "", "--figures",
             "", "--json", str(out / "batches.json")]

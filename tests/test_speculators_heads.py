@@ -294,12 +294,16 @@ def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
 def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
     """`measured_cost_ratio` runs any speculator's full-depth propose as generate lays it
     out (decode params, `for_decoding`) after a prompt; n-gram makes no draft calls."""
-    from specjax.calibrate import measured_cost_ratio
+    from specjax.calibrate import draft_cost_ratios, measured_cost_ratio
     from specjax.speculators import NGram
 
     c = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20, repeats=2,
                             temperature=1.0 if name == "draft_tree" else 0.0)
     assert np.isfinite(c) and c > 0
+    if name == "draft_tree":  # both temperatures from one compiled propose
+        both = draft_cost_ratios(tiny_target, _make(name, tiny_target), (0.0, 1.0),
+                                 context=20, repeats=2)
+        assert set(both) == {0.0, 1.0} and all(np.isfinite(v) and v > 0 for v in both.values())
     if name == "eagle2":  # over several rows (the tree's top-k and reranking per row)
         c3 = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20,
                                  repeats=2, batch=3)
@@ -314,11 +318,12 @@ def test_measured_cost_ratios_time_greedy_and_sampled_drafts_apart(tiny_target, 
     from specjax.speculators import NGram
 
     calls = []
-    monkeypatch.setattr(calibrate, "measured_cost_ratio", lambda target, spec, temperature, batch: (
-        calls.append((spec.k, temperature, batch)) or spec.k + temperature))
+    monkeypatch.setattr(calibrate, "draft_cost_ratios", lambda target, spec, temperatures, batch: (
+        calls.append((spec.k, temperatures, batch)) or {t: spec.k + t for t in temperatures}))
     specs = {"autoregressive": None, "a": NGram(k=2), "b": NGram(k=3)}
     got = calibrate.measured_cost_ratios(tiny_target, specs, temperatures=(0.7, 0.0, 1.0))
-    assert sorted(calls) == [(2, 0.0, 1), (2, 0.7, 1), (3, 0.0, 1), (3, 0.7, 1)]
+    # one measurement per speculator, greedy and the first sampled temperature in it
+    assert sorted(calls) == [(2, (0.0, 0.7), 1), (3, (0.0, 0.7), 1)]
     assert got == {0.0: {"a": 2.0, "b": 3.0}, 0.7: {"a": 2.7, "b": 3.7},
                    1.0: {"a": 2.7, "b": 3.7}}
 

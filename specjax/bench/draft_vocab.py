@@ -55,7 +55,7 @@ def training_counts(done_file: Path, tokenizer, vocab_size: int) -> np.ndarray:
 def measure(target, draft, vocabs: dict, prompts: dict, *, k: int, new: int) -> list[dict]:
     """One row per (size, category, temperature): c, coverage, acceptance, τ, analytical."""
     from specjax.bench.speculative import specjax_pass
-    from specjax.calibrate import measured_cost_ratio
+    from specjax.calibrate import draft_cost_ratios
     from specjax.speculators import DraftModel
 
     greedy = {cat: specjax_pass(target, None, ps, new=new, batch=len(ps))[0]
@@ -63,7 +63,7 @@ def measure(target, draft, vocabs: dict, prompts: dict, *, k: int, new: int) -> 
     rows = []
     for size, ids in vocabs.items():
         spec = DraftModel.create(draft, k=k, target=target, vocab=ids)
-        costs = {t: measured_cost_ratio(target, spec, temperature=t) for t in (0.0, 1.0)}
+        costs = draft_cost_ratios(target, spec, (0.0, 1.0))
         kept = np.ones(target.config.vocab_size, bool) if ids is None else np.isin(
             np.arange(target.config.vocab_size), ids)
         for cat, ps in prompts.items():
