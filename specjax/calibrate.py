@@ -61,7 +61,8 @@ def draft_cost_ratios(target: Model, speculator, temperatures=(0.0,), *, context
     a speculator without draft calls (n-gram). The sampling settings are an argument of
     the one compiled propose, as in `generate` (temperature is traced there): each
     temperature times the code it runs (sampling costs a draft more than argmax) with
-    no second compile."""
+    no second compile, from one greedy prefill (a propose's work has fixed shapes, so
+    the prompt's sampled first token would not change it)."""
     from specjax.decoding.state import LoopState
     from specjax.inspect import prefilled_state
     from specjax.sampling import Sampling
