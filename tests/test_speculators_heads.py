@@ -301,9 +301,16 @@ def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
                             temperature=1.0 if name == "draft_tree" else 0.0)
     assert np.isfinite(c) and c > 0
     if name == "draft_tree":  # both temperatures from one compiled propose
-        both = draft_cost_ratios(tiny_target, _make(name, tiny_target), (0.0, 1.0),
-                                 context=20, repeats=2)
+        from specjax import calibrate
+        compiled = []
+        real = calibrate.compile_decode
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(calibrate, "compile_decode",
+                       lambda lowered: compiled.append(lowered) or real(lowered))
+            both = draft_cost_ratios(tiny_target, _make(name, tiny_target), (0.0, 1.0),
+                                     context=20, repeats=2)
         assert set(both) == {0.0, 1.0} and all(np.isfinite(v) and v > 0 for v in both.values())
+        assert len(compiled) == 2  # the propose and the target step, whatever the temperatures
     if name == "eagle2":  # over several rows (the tree's top-k and reranking per row)
         c3 = measured_cost_ratio(tiny_target, _make(name, tiny_target), context=20,
                                  repeats=2, batch=3)
