@@ -102,13 +102,12 @@ def measured_cost_ratios(target: Model, speculators: dict,
     autoregressive, skipped; `draft_cost_ratios`). Sampling costs the draft more than
     argmax does, and any T > 0 runs the same sampling code, so c is measured once greedy
     and once sampled, from one compiled propose per speculator."""
-    timed = tuple(dict.fromkeys([t for t in temperatures if t == 0][:1]
-                                + [t for t in temperatures if t > 0][:1]))
+    sampled = [t for t in temperatures if t > 0][:1]  # every T > 0 takes this one's c
+    timed = tuple([0.0] if 0 in temperatures else []) + tuple(sampled)
     per = {name: draft_cost_ratios(target, spec, timed, batch=batch)
            for name, spec in speculators.items() if spec is not None}
-    # every T > 0 takes the first sampled temperature's c
-    of = lambda t: t if t in timed else next(u for u in timed if (u > 0) == (t > 0))
-    return {t: {name: c[of(t)] for name, c in per.items()} for t in temperatures}
+    return {t: {name: c[sampled[0] if t > 0 else 0.0] for name, c in per.items()}
+            for t in temperatures}
 
 
 def cost_ratio_of(cost_ratios: dict | None, temperature: float, name: str, default=None):
