@@ -248,8 +248,10 @@ def loop_kind(speculative_calls: int, calls: int) -> str:
 
 def untimed_methods(speculators: dict[str, Any], calls: dict[str, tuple[int, int]]) -> list[str]:
     """The methods after the first (the autoregressive baseline) whose warm-up ran plain
-    decoding's programs in every call: timing them would time the baseline's programs
-    again, so comparisons run them once for their tokens and report the baseline's rounds.
+    decoding's programs in every call. `policy.may_draft` reads the prompts' shapes and
+    the rule, not their tokens, so they run those programs in every call: timing them
+    would time the baseline's programs again (noise read as a loss or a gain), so
+    comparisons run them once for their tokens and report the baseline's rounds.
     calls: {name: (speculative_calls, calls)} of each method's warm-up."""
     return [name for name in list(speculators)[1:] if speculators[name] is not None
             and loop_kind(*calls[name]) == "plain"]

@@ -52,12 +52,10 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     that each sees the same machine load; tokens/s is the median over the rounds, the
     speedup the median of each round's ratio to the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
-    A speculator whose warm-up ran plain decoding's programs in every call (the rule
-    saw that drafting could never pay, `policy.may_draft`, which reads the prompts'
-    shapes and the rule, not the prompts) runs them in every call of the rounds too:
-    timing it would time the first method's programs again. It runs once after the
-    rounds, for its tokens and stats, and reports the first method's tokens/s with a
-    speedup of 1 (`timed` False; `loop`: `specjax.stats.loop_kind`).
+    A speculator whose warm-up ran plain decoding's programs in every call
+    (`specjax.stats.untimed_methods`) runs once after the rounds, for its tokens and
+    stats, and reports the first method's tokens/s with a speedup of 1 (`timed` False;
+    `loop`: `specjax.stats.loop_kind`).
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start

@@ -343,12 +343,10 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
     length compiles its programs), then `repeats` interleaved timed rounds in
     `round_order`; the first method (autoregressive) becomes the batch's `reference`.
-    A speculator whose warm-up ran plain decoding's programs in every call (the rule saw
-    that drafting could never pay: `policy.may_draft` reads the prompts' shapes and the
-    rule, not their tokens) runs them in every pass: timing it would time
-    autoregressive's programs again, noise that reads as a loss or a gain. It runs once
-    after the rounds, for its tokens and stats, and reports autoregressive's rounds
-    (`timed` False), as the quickstart's comparison does.
+    A speculator whose warm-up ran plain decoding's programs in every call
+    (`specjax.stats.untimed_methods`) runs once after the rounds, for its tokens and
+    stats, and reports autoregressive's rounds (`timed` False), as the quickstart's
+    comparison does.
     peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
     Returns the specjax rows and {peer: its timed rounds' results}."""
     from specjax.bench import speculative
