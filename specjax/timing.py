@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -26,6 +27,21 @@ def interleaved_medians(programs: dict, repeats: int) -> dict:
             fn(*args).block_until_ready()
             times[keys[i]].append(time.perf_counter() - t0)
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+def side_by_side(passes: dict, repeats: int, untimed: Sequence = ()) -> dict[str, list]:
+    """{name: its passes' results}: `repeats` rounds running each of `passes` (name ->
+    a call) not in `untimed` once, in round r's `balanced_order`, so that methods timed
+    side by side see the same machine load; then each `untimed` pass once (a method on
+    the baseline's programs, `specjax.stats.untimed_methods`: its tokens, not its time)."""
+    timed = [name for name in passes if name not in untimed]
+    results = {name: [] for name in passes}
+    for r in range(repeats):
+        for i in balanced_order(len(timed), r):
+            results[timed[i]].append(passes[timed[i]]())
+    for name in untimed:
+        results[name].append(passes[name]())
+    return results
 
 
 def round_order(n: int, r: int) -> np.ndarray:

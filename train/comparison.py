@@ -18,7 +18,7 @@ import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, load_corpus
 from specjax.stats import loop_kind, untimed_methods
-from specjax.timing import balanced_order, paired_speedup
+from specjax.timing import paired_speedup, side_by_side
 from specjax.train.speculation import heldout_prompts, speculative_run
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
@@ -48,7 +48,7 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
 
     After one warm-up call per method (compilation, `warmup_prompts`), `repeats` rounds
-    run every method once, in a new order each round (`specjax.timing.balanced_order`), so
+    run every method once, in a new order each round (`specjax.timing.side_by_side`), so
     that each sees the same machine load; tokens/s is the median over the rounds, the
     speedup the median of each round's ratio to the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
@@ -79,26 +79,19 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         warmed = {name: run(name, spec, warm) for name, spec in speculators.items()}  # compiles
         plain = untimed_methods(speculators, {n: (r["speculative_calls"], r["calls"])
                                               for n, (_, r) in warmed.items()})
-        timed = [name for name in names if name not in plain]
-        speeds = {name: [] for name in timed}
-        last = {}
-        for r in range(repeats):
-            for i in balanced_order(len(timed), r):  # no method always first
-                name = timed[i]
-                last[name] = run(name, speculators[name])
-                speeds[name].append(last[name][1]["tokens_per_s"])
-        for name in plain:  # the first method's programs: its tokens and stats, untimed
-            last[name] = run(name, speculators[name])
+        results = side_by_side({name: (lambda n=name: run(n, speculators[n]))
+                                for name in names}, repeats, untimed=plain)
+        speeds = {name: [r["tokens_per_s"] for _, r in results[name]] for name in names}
         for name in names:
-            tokens, r = last[name]
+            tokens, r = results[name][-1]
             # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
-            same = speeds.get(name, speeds[base])
+            same = speeds[name if name not in plain else base]
             rows.append(dict(r, method=name, temperature=temp,
                              loop=loop_kind(r["speculative_calls"], r["calls"]),
                              timed=name not in plain,
                              tokens_per_s=float(np.median(same)),
                              speedup=paired_speedup(same, speeds[base]),
-                             identical_to_plain=tokens == last[base][0]))
+                             identical_to_plain=tokens == results[base][-1][0]))
     return rows
 
 

@@ -66,7 +66,7 @@ from specjax.bench.suite_methods import (
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.speculators.eagle import check_tree
 from specjax.stats import loop_kind, untimed_methods
-from specjax.timing import balanced_order, paired_speedup
+from specjax.timing import balanced_order, paired_speedup, side_by_side
 
 # Which workdir files each method needs (besides the target, always needed).
 _NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
@@ -361,9 +361,7 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     base = next(iter(speculators))
     plain = untimed_methods(speculators, {n: (warmed[n][1].speculative_calls, calls)
                                           for n in speculators})
-    results = _rounds({n: f for n, f in passes.items() if n not in plain}, repeats)
-    for name in plain:  # autoregressive's programs: its tokens and stats, untimed
-        results[name] = [passes[name]()]
+    results = side_by_side(passes, repeats, untimed=plain)
     rows = []
     for name in speculators:
         tokens, stats, _ = results[name][-1]
@@ -380,20 +378,10 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
 
 
 def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
-    """{name: each timed round's result}: every `warm` call once, then `_rounds`."""
+    """{name: each timed round's result}: every `warm` call once, then `side_by_side`."""
     for fn in warm.values():
         fn()
-    return _rounds(passes, repeats)
-
-
-def _rounds(passes: dict, repeats: int) -> dict[str, list]:
-    """{name: each round's result}: `repeats` rounds running each of `passes` once in
-    `round_order`, so that methods timed side by side see the same machine load."""
-    results = {name: [] for name in passes}
-    for r in range(repeats):
-        for name in round_order(list(passes), r):
-            results[name].append(passes[name]())
-    return results
+    return side_by_side(passes, repeats)
 
 
 class Reference(NamedTuple):
