@@ -2,6 +2,7 @@
 equal `generate`'s), prompts come only from training documents, a killed run resumes
 without repeating or losing a call, and the file reads back as a corpus."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -60,14 +61,18 @@ def test_prompts_come_from_training_documents_only(corpus, target):
 
 
 def test_a_killed_run_resumes_after_its_last_whole_call(target, corpus, tmp_path):
-    whole = regenerate(target, corpus, CONFIG, tmp_path / "whole.jsonl").read_text()
-    lines = whole.splitlines(keepends=True)
     path = tmp_path / "killed.jsonl"
+    whole = regenerate(target, corpus, CONFIG, path).read_text()
+    lines = whole.splitlines(keepends=True)
     path.write_text("".join(lines[:3]) + lines[3][:5])  # a call and a half, one cut line
     regenerate(target, corpus, CONFIG, path)
     assert path.read_text() == whole
     regenerate(target, corpus, CONFIG, path)  # finished: nothing runs, nothing is added
     assert path.read_text() == whole
+    # a run with other settings starts afresh instead of resuming this file
+    other = dataclasses.replace(CONFIG, seed=4, prompts=4)
+    fresh = regenerate(target, corpus, other, tmp_path / "fresh.jsonl").read_text()
+    assert regenerate(target, corpus, other, path).read_text() == fresh != whole[:len(fresh)]
 
 
 def test_bad_settings_name_the_value(target, corpus, tmp_path):

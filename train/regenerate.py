@@ -21,6 +21,7 @@ import numpy as np
 
 import specjax
 from specjax.corpus import Corpus, encode_documents
+from specjax.train.features import params_digest
 
 log = logging.getLogger("specjax.train.regenerate")
 
@@ -66,10 +67,18 @@ def prefixes(docs: Sequence[np.ndarray], prompt_len: int, num: int, stride: int,
             for i in sorted(pick)]
 
 
-def _finished_rows(path: Path, batch: int, total: int) -> int:
-    """Rows already in `path` from whole calls (all `total` when finished); a partial
-    call's lines (a killed write) are cut, so the call runs again whole."""
-    if not path.exists():
+def _settings_path(path: Path) -> Path:
+    return path.with_name(path.name + ".settings.json")
+
+
+def _finished_rows(path: Path, settings: dict, batch: int, total: int) -> int:
+    """Rows already in `path` from whole calls of a run with the same `settings` (all
+    `total` when finished); a partial call's lines (a killed write) are cut, so the call
+    runs again whole; another run's file is started afresh."""
+    meta = _settings_path(path)
+    if not path.exists() or not meta.exists() or json.loads(meta.read_text()) != settings:
+        path.write_text("", encoding="utf-8")
+        meta.write_text(json.dumps(settings, indent=2))
         return 0
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     keep = [line for line in lines if line.endswith("\n")]
@@ -79,17 +88,25 @@ def _finished_rows(path: Path, batch: int, total: int) -> int:
     return rows
 
 
+def _jsonable(settings: dict) -> dict:
+    return json.loads(json.dumps(settings))
+
+
 def regenerate(target: specjax.Model, corpus: Corpus, config: RegenerateConfig,
                path: str | Path) -> Path:
     """Writes `config.prompts` JSON lines to `path`, each {"text": prompt + the target's
     continuation, decoded, "temperature": T}, from prefixes of `corpus`'s training
-    documents (never its held-out ones). Resumes after the last finished call."""
+    documents (never its held-out ones). Resumes after the last finished call of a run
+    with the same settings, target and corpus (`<path>.settings.json`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
     prompts = prefixes(encode_documents(tok, corpus.train), config.prompt_len,
                        config.prompts, config.prompt_len + config.new_tokens, config.seed)
-    calls = range(_finished_rows(path, config.batch, len(prompts)), len(prompts), config.batch)
+    settings = dict(dataclasses.asdict(config), corpus=corpus.name,
+                    documents=len(corpus.train), params=params_digest(target.params))
+    start = _finished_rows(path, _jsonable(settings), config.batch, len(prompts))
+    calls = range(start, len(prompts), config.batch)
     t0, made = time.perf_counter(), 0
     for c in calls:
         rows = prompts[c:c + config.batch]
