@@ -81,7 +81,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                                               for n, (_, r) in warmed.items()})
         results = side_by_side({name: (lambda n=name: run(n, speculators[n]))
                                 for name in names}, repeats, untimed=plain)
-        speeds = {name: [r["tokens_per_s"] for _, r in results[name]] for name in names}
+        speeds = {name: [r["tokens_per_s"] for _, r in results[name]]
+                  for name in names if name not in plain}  # per timed round
         for name in names:
             tokens, r = results[name][-1]
             # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
