@@ -1,16 +1,15 @@
 """Target-generated training text: the continuations are the target's own (greedy ones
-equal `generate`'s), prompts come only from training documents, a killed run resumes
+equal `generate`'s) from seeded windows of the training documents, a killed run resumes
 without repeating or losing a call, and the file reads back as a corpus."""
 
 import dataclasses
 import json
 
-import numpy as np
 import pytest
 import train_setup
 
 import specjax
-from specjax.corpus import CorpusConfig, load_corpus
+from specjax.corpus import CorpusConfig, encode_documents, load_corpus
 from specjax.train.regenerate import RegenerateConfig, prefixes, regenerate
 
 CONFIG = RegenerateConfig(prompts=6, prompt_len=8, new_tokens=6, temperatures=(0.0, 1.0),
@@ -38,9 +37,10 @@ def test_continuations_are_the_targets_own(target, corpus, tmp_path):
     # calls alternate the temperatures, a call's rows share one
     assert [r["temperature"] for r in records] == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     tok = target.tokenizer
-    prompts = prefixes([np.asarray(tok.encode(d, add_special_tokens=False).ids)
-                        for d in corpus.train], CONFIG.prompt_len, CONFIG.prompts,
-                       CONFIG.prompt_len + CONFIG.new_tokens, CONFIG.seed)
+    # the prompts regenerate draws, from the training documents: any held-out document
+    # among them would change the windows and so the texts compared below
+    prompts = prefixes(encode_documents(tok, corpus.train), CONFIG.prompt_len,
+                       CONFIG.prompts, CONFIG.prompt_len + CONFIG.new_tokens, CONFIG.seed)
     greedy = specjax.generate(target, prompts[:2], max_new_tokens=CONFIG.new_tokens)
     for prompt, new, record in zip(prompts, greedy.tokens, records):
         assert record["text"] == tok.decode(prompt + new, skip_special_tokens=True)
@@ -52,12 +52,14 @@ def test_continuations_are_the_targets_own(target, corpus, tmp_path):
     assert sorted(read.train + read.eval) == sorted(r["text"] for r in records)
 
 
-def test_prompts_come_from_training_documents_only(corpus, target):
+def test_prefixes_are_seeded_windows_of_the_documents(corpus, target):
     tok = target.tokenizer
-    docs = [np.asarray(tok.encode(d, add_special_tokens=False).ids) for d in corpus.train]
+    docs = encode_documents(tok, corpus.train)
     train_text = "".join(corpus.train)
-    for p in prefixes(docs, 8, 20, 14, seed=0):
+    picked = prefixes(docs, 8, 20, 14, seed=0)
+    for p in picked:
         assert len(p) == 8 and tok.decode(p) in train_text
+    assert prefixes(docs, 8, 20, 14, seed=0) == picked != prefixes(docs, 8, 20, 14, seed=1)
 
 
 def test_a_killed_run_resumes_after_its_last_whole_call(target, corpus, tmp_path):

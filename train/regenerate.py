@@ -88,10 +88,6 @@ def _finished_rows(path: Path, settings: dict, batch: int, total: int) -> int:
     return rows
 
 
-def _jsonable(settings: dict) -> dict:
-    return json.loads(json.dumps(settings))
-
-
 def regenerate(target: specjax.Model, corpus: Corpus, config: RegenerateConfig,
                path: str | Path) -> Path:
     """Writes `config.prompts` JSON lines to `path`, each {"text": prompt + the target's
@@ -103,9 +99,10 @@ def regenerate(target: specjax.Model, corpus: Corpus, config: RegenerateConfig,
     tok = target.tokenizer
     prompts = prefixes(encode_documents(tok, corpus.train), config.prompt_len,
                        config.prompts, config.prompt_len + config.new_tokens, config.seed)
-    settings = dict(dataclasses.asdict(config), corpus=corpus.name,
-                    documents=len(corpus.train), params=params_digest(target.params))
-    start = _finished_rows(path, _jsonable(settings), config.batch, len(prompts))
+    settings = json.loads(json.dumps(dict(  # as the settings file reads back (lists)
+        dataclasses.asdict(config), corpus=corpus.name, documents=len(corpus.train),
+        params=params_digest(target.params))))
+    start = _finished_rows(path, settings, config.batch, len(prompts))
     calls = range(start, len(prompts), config.batch)
     t0, made = time.perf_counter(), 0
     for c in calls:
