@@ -66,7 +66,7 @@ from specjax.bench.suite_methods import (
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.speculators.eagle import check_tree
 from specjax.stats import loop_kind, untimed_methods
-from specjax.timing import balanced_order, paired_speedup, side_by_side
+from specjax.timing import paired_speedup, side_by_side
 
 # Which workdir files each method needs (besides the target, always needed).
 _NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
@@ -341,8 +341,9 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
                   per: dict, new: int, repeats: int, reference: dict, log,
                   peers: dict | None = None) -> tuple[list[dict], dict[str, list]]:
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
-    length compiles its programs), then `repeats` interleaved timed rounds in
-    `round_order`; the first method (autoregressive) becomes the batch's `reference`.
+    length compiles its programs), then `repeats` interleaved timed rounds
+    (`specjax.timing.side_by_side`); the first method (autoregressive) becomes the
+    batch's `reference`.
     A speculator whose warm-up ran plain decoding's programs in every call
     (`specjax.stats.untimed_methods`) runs once after the rounds, for its tokens and
     stats, and reports autoregressive's rounds (`timed` False), as the quickstart's
@@ -436,11 +437,6 @@ def _peer_row(name: str, peer: _Peer, results: list, ids, category, run_kw: dict
     if None not in calls:
         row["tau"] = len(ids) * new * len(calls) / sum(calls)  # tokens per target forward
     return _finish(row, results[-1][0], reference, log, compare=peer.compare, walls=walls)
-
-
-def round_order(names: list[str], r: int) -> list[str]:
-    """Round `r`'s method order (`specjax.timing.balanced_order`)."""
-    return [names[i] for i in balanced_order(len(names), r)]
 
 
 def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batches,
