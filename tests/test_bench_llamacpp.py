@@ -100,6 +100,7 @@ def test_first_difference_and_agreement():
     assert lc.context_size([[0] * 200, [0] * 10], 64, 4) == 512
 
 
+@pytest.mark.slow  # specjax.calibrate's priors run by default in tests/test_bench_suite.py
 def test_ngram_prior_measures_full_depth_acceptance():
     """The n-gram prior is its acceptance per depth drafting at full depth: a prompt that
     repeats itself under a model that copies gives depth-1 acceptance, the list is

@@ -488,6 +488,7 @@ def one_method_run(workdir, json_path, method: str, *flags: str, temperature: st
     return json.loads(json_path.read_text())
 
 
+@pytest.mark.slow  # one more run of the suite; the flag is generate's `adaptive`
 def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
     """--no-adaptive turns generate's adaptive draft length off (no recompile: a flag)."""
     _, out, adaptive = finished
@@ -500,6 +501,7 @@ def test_no_adaptive_drafts_the_full_k_every_step(workdir, finished, capsys):
     assert all(r["identical"] for r in fixed["rows"])
 
 
+@pytest.mark.slow  # one more run of the suite, compiling EAGLE's loop for its tree
 def test_eagle_tree_sets_the_dynamic_tree_the_suite_verifies(workdir, finished):
     """--eagle-tree TOP_K,DEPTH,NODES: the EAGLE speculator's dynamic tree (4,4,16 by
     default), recorded in the settings and the models line."""
@@ -701,6 +703,7 @@ def test_a_merge_of_one_part_says_one_part():
     assert two[0].startswith("- commands: one run in 2 parts")
 
 
+@pytest.mark.slow  # its own suite runs at two draft vocabularies
 def test_draft_vocab_bench_sweeps_the_trimmed_sizes(workdir, capsys):
     """`python -m specjax.bench.draft_vocab`: a row per size, category and temperature;
     the whole vocabulary covers every target token; bad flags exit 2 naming them."""

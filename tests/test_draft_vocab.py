@@ -25,6 +25,9 @@ def _run(target, spec, **kw):
                             speculator=spec, adaptive=False, **kw)
 
 
+# -m slow: the trimmed head's rows are checked by default in the tests below, against
+# the target's own tokens and distribution
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_keeping_every_id_changes_nothing(tiny_target, tiny_draft, temperature):
     whole = DraftModel.create(tiny_draft, k=3)
@@ -35,6 +38,7 @@ def test_keeping_every_id_changes_nothing(tiny_target, tiny_draft, temperature):
     assert a.stats.accepted == b.stats.accepted
 
 
+@pytest.mark.slow  # the kept rows' mapping is checked by default in the tests around it
 def test_the_target_trimmed_to_its_own_outputs_still_accepts_everything(tiny_target,
                                                                       greedy_ref):
     """The target drafting for itself with only the ids it emits kept: every draft is

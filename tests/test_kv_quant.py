@@ -178,11 +178,19 @@ def test_a_deferred_step_sees_what_a_written_one_reads_back():
         np.testing.assert_allclose(getattr(committed, name), getattr(after, name), rtol=1e-6)
 
 
+# the CLI's int8 run compiles a plain and an n-gram program of its own (-m slow); int8
+# decoding itself runs by default in the tests above and tests/test_bench_suite.py
+@pytest.mark.slow
 def test_cli_generate_with_an_int8_cache(capsys):
     from specjax import cli
 
     assert cli.main(["generate", "--ids", "1,2,3,1,2,3,1,2", "--max-new-tokens", "6",
                      "--kv-cache-dtype", "int8"]) == 0
     assert "greedy outputs identical: True" in capsys.readouterr().out
+
+
+def test_cli_names_a_bad_kv_cache_dtype(capsys):
+    from specjax import cli
+
     assert cli.main(["generate", "--kv-cache-dtype", "int3"]) == 2
     assert "kv_cache_dtype='int3'" in capsys.readouterr().err

@@ -29,8 +29,11 @@ def _speculators(tiny_target, tiny_draft):
 
 
 # "self" (the target as its own draft, every draft accepted) is also
-# test_target_as_its_own_draft_accepts_everything's, in the default run
-@pytest.mark.parametrize("name", ["ngram", "draft", pytest.param("self", marks=pytest.mark.slow)])
+# test_target_as_its_own_draft_accepts_everything's, in the default run; a distinct draft
+# model's greedy output is checked by default in test_cost_ratio_override_drives_the_rule
+# (adaptive), test_draft_skips_its_call_while_no_row_drafts and test_decode_outputs.py
+@pytest.mark.parametrize("name", ["ngram", pytest.param("draft", marks=pytest.mark.slow),
+                                  pytest.param("self", marks=pytest.mark.slow)])
 def test_greedy_is_lossless(tiny_target, tiny_draft, greedy_ref, name):
     spec = _speculators(tiny_target, tiny_draft)[name]
     for adaptive in (False, True):
@@ -129,9 +132,11 @@ def peaked_pair():
     return target, draft
 
 
+# None: block verification, the chains' default; a chain verified token-wise by
+# rejection runs with -m slow (trees' default: by default in test_speculators_heads.py)
 @pytest.mark.parametrize("spec_name,temperature,top_p,verification", [
     ("draft", 1.0, 1.0, None), ("draft", 0.7, 0.9, None), ("ngram", 1.0, 1.0, None),
-    ("draft", 1.0, 1.0, "rejection")])  # None: block verification, the chains' default
+    pytest.param("draft", 1.0, 1.0, "rejection", marks=pytest.mark.slow)])
 def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temperature, top_p,
                                                     verification):
     target, draft = peaked_pair
@@ -613,7 +618,15 @@ def test_the_idle_pass_drafts_nothing_in_the_speculative_loop(tiny_target, tiny_
     assert idle_overhead(1.8, 20, 0.1) == 0.0 and idle_overhead(1.0, 0, 0.1) == 0.0
 
 
-def test_both_kv_commit_paths_are_lossless():
+# The deferred commit (write-kept) is the CPU default, which every other greedy test
+# here runs; a chain written and compacted also runs, at the pages' edge, in
+# test_pages_take_the_draft_slack_only_where_the_tree_is_written: the default run keeps
+# the tree written and compacted, -m slow the rest of the cross
+@pytest.mark.parametrize("kv_commit,kind", [
+    ("compact", "tree"), pytest.param("compact", "chain", marks=pytest.mark.slow),
+    pytest.param("write-kept", "tree", marks=pytest.mark.slow),
+    pytest.param("write-kept", "chain", marks=pytest.mark.slow)])
+def test_both_kv_commit_paths_are_lossless(kv_commit, kind):
     """The verify forward either defers its cache write (the reference attention
     off-mesh: commit writes the kept tokens) or writes the tree and compacts it (Pallas,
     meshes); both give target-only greedy decoding (checked against cache-free full
@@ -624,14 +637,12 @@ def test_both_kv_commit_paths_are_lossless():
 
     target = _attention_sensitive_target()
     want = [greedy_reference(target, p, 24) for p in PROMPTS]
-    specs = [DraftModel.create(target, k=4), Medusa.random(target, num_heads=4, seed=0)]
+    spec = (Medusa.random(target, num_heads=4, seed=0) if kind == "tree"
+            else DraftModel.create(target, k=4))
     assert commit.default_commit(None) is commit.WRITE_KEPT  # CPU default: deferred
-    for defer in (False, True):
-        kv_commit = "write-kept" if defer else "compact"  # a static choice of the loop
-        for spec in specs:
-            out = specjax.generate(target, PROMPTS, max_new_tokens=24, ignore_eos=True,
-                                   speculator=spec, adaptive=False, kv_commit=kv_commit)
-            assert out.tokens == want, (defer, type(spec).__name__)
+    out = specjax.generate(target, PROMPTS, max_new_tokens=24, ignore_eos=True,
+                           speculator=spec, adaptive=False, kv_commit=kv_commit)
+    assert out.tokens == want
 
 
 def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
@@ -1180,13 +1191,14 @@ def test_generate_counts_asked_and_proposed_drafts(tiny_target):
     """Every full-depth step asks each active row for a draft; at batch 1 the row's
     draft is verified whenever it found one, so found drafts are the steps that tried
     depth 1. A bad proposal prior is refused by name."""
+    # k = 4 at these shapes: test_greedy_is_lossless[ngram]'s programs, not two more
     out = specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=16, ignore_eos=True,
-                           speculator=NGram(k=3), adaptive=False).stats
+                           speculator=NGram(k=4), adaptive=False).stats
     assert out.asked == out.target_calls > 0
     assert out.proposed == out.tried_hist[0] <= out.asked
     assert out.proposal_rate == out.proposed / out.asked
     batch = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
-                             speculator=NGram(k=3), adaptive=False).stats
+                             speculator=NGram(k=4), adaptive=False).stats
     assert batch.asked == batch.target_calls and batch.proposed >= batch.tried_hist[0]
     for bad in (-0.1, 1.5, float("nan"), "x", True):
         with pytest.raises(ValueError, match="proposal_prior="):
@@ -1352,7 +1364,9 @@ def test_programs_past_the_memory_map_budget_are_dropped_with_jaxs_caches(tiny_t
     assert maps is not None and maps > 0  # Linux: /proc/self/maps
     limit = int(open("/proc/sys/vm/max_map_count").read())
     assert programs.map_budget() == int(limit * 0.75)
-    kw = dict(max_new_tokens=8, ignore_eos=True, speculator=NGram(k=3), adaptive=False)
+    # plain decoding: the cache's bookkeeping is the same for any program, and each
+    # recompile below retraces the loop (a speculative one takes seconds to trace)
+    kw = dict(max_new_tokens=8, ignore_eos=True)
     want = specjax.generate(tiny_target, PROMPTS, **kw).tokens
     clears = []
     real = jax.clear_caches

@@ -49,8 +49,10 @@ SPECS = ["medusa", "eagle1", "eagle2", "eagle3", "draft_tree"]
 
 
 # eagle1 (EAGLE-1's static tree) runs with -m slow: its tree is verified by default in
-# test_ragged_batch_samples_the_target[eagle1_top_k], greedy trees in the other cases
-@pytest.mark.parametrize("name", slow_cases(SPECS, {"eagle1"}))
+# test_ragged_batch_samples_the_target[eagle1_top_k], greedy trees in the other cases;
+# eagle2 (EAGLE-2's dynamic tree) too: eagle3 builds the same dynamic tree, and eagle2's
+# is verified by default in test_sampled_output_has_the_target_distribution[eagle2]
+@pytest.mark.parametrize("name", slow_cases(SPECS, {"eagle1", "eagle2"}))
 def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
     spec = _make(name, tiny_target)
     out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
@@ -62,9 +64,10 @@ def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
         assert st.accepted > 0  # accepted runs went through commit
 
 
-@pytest.mark.parametrize("name", [
-    "medusa", *[pytest.param(n, marks=pytest.mark.slow)
-                for n in ("eagle1", "eagle2", "eagle3", "draft_tree")]])
+# -m slow: a single row runs by default in test_speculative.py (a chain) and
+# test_speculators_heads.py's measured-cost tests (a tree's propose at batch 1)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["medusa", "eagle1", "eagle2", "eagle3", "draft_tree"])
 def test_greedy_is_lossless_for_one_prompt(tiny_target, greedy_ref, name):
     out = specjax.generate(tiny_target, PROMPTS[1:2], max_new_tokens=16, ignore_eos=True,
                            speculator=_make(name, tiny_target), adaptive=False)
@@ -86,6 +89,7 @@ def _same_run(a, b):
         assert getattr(a.stats, f) == getattr(b.stats, f), f
 
 
+@pytest.mark.slow  # both paths are lossless by default: the chain's and the trees' tests
 def test_a_one_branch_tree_is_the_chain(tiny_target, greedy_ref):
     draft = _noisy_copy(tiny_target, scale=0.3)
     run = lambda spec: specjax.generate(tiny_target, PROMPTS, max_new_tokens=16,
@@ -192,7 +196,9 @@ def _exact_joint3(model, prompt, sampling):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize("name", ["eagle2", "medusa"])
+# medusa runs with -m slow: a tree of fixed top-k proposals is verified the same way as
+# EAGLE-2's, and sampled trees run by default in test_ragged_batch_samples_the_target
+@pytest.mark.parametrize("name", slow_cases(["eagle2", "medusa"], {"medusa"}))
 def test_sampled_output_has_the_target_distribution(peaked_target, name):
     t = peaked_target
     spec = (Eagle.random(t, top_k=3, depth=2, total_tokens=6) if name == "eagle2"
@@ -271,8 +277,11 @@ def test_bad_settings_are_named(tiny_target, make, match):
         make(tiny_target)
 
 
-# eagle2 runs with -m slow: EAGLE-3 skips its head's call the same way (one `Eagle`)
-@pytest.mark.parametrize("name", slow_cases(["eagle2", "eagle3", "draft_tree"], {"eagle2"}))
+# eagle2 runs with -m slow: EAGLE-3 skips its head's call the same way (one `Eagle`);
+# draft_tree too: a draft model's chain skips its call the same way (one `DraftModel`) by
+# default in test_speculative.py::test_draft_skips_its_call_while_no_row_drafts
+@pytest.mark.parametrize("name", slow_cases(["eagle2", "eagle3", "draft_tree"],
+                                            {"eagle2", "draft_tree"}))
 def test_no_call_while_no_row_drafts_stays_lossless(tiny_target, name):
     """Verification priced so that these depth-3 drafts stay off under the prior but
     accepted probes could turn them on (so probes run): rows draft only on probe
@@ -359,7 +368,10 @@ E2E = {  # speculator, sampling settings
 }
 
 
-@pytest.mark.parametrize("name", list(E2E))
+# draft_tree runs with -m slow: a draft model's tree is verified greedy by default
+# (test_greedy_is_lossless_on_a_ragged_batch[draft_tree]) and trees sample here by default
+# through EAGLE-1's and EAGLE-3's
+@pytest.mark.parametrize("name", slow_cases(list(E2E), {"draft_tree"}))
 def test_ragged_batch_samples_the_target(shallow_target, name):
     """Two prompts of different lengths interleaved over 3000 rows: for each, the joint
     of tokens (1, 2) and of (2, 3) (drafted and verified within one step) is the

@@ -5,10 +5,11 @@ import pytest
 from multidevice import run_cases
 
 
-# One subprocess for Medusa and EAGLE-3 (each start imports jax and compiles the frozen
-# target's forward again). distill (every weight of a model trained) runs with -m slow:
-# a whole model's train step on 2x4 equals one device's in tests/sharding_cases.py by
-# default.
+# All with -m slow: by default a whole model's train step on 2x4 equals one device's in
+# tests/sharding_cases.py, and data-parallel training matches one device's in
+# tests/test_train_trainer.py. One subprocess for Medusa and EAGLE-3 (each start imports
+# jax and compiles the frozen target's forward again).
+@pytest.mark.slow
 def test_sharded_training():
     """Medusa and EAGLE-3 steps on 2×4 == one device, the layouts of target and
     trainables (Medusa: also the resume of a 2×4 checkpoint on 1×8)."""
