@@ -64,11 +64,9 @@ def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
         assert st.accepted > 0  # accepted runs went through commit
 
 
-# -m slow: a single row decodes by default with a chain in test_speculative.py, and with
-# EAGLE-3's tree in the real-target quickstart test's comparison, which runs at batch 1
-# and checks greedy identity (tests/test_quickstart.py)
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["medusa", "eagle1", "eagle2", "eagle3", "draft_tree"])
+@pytest.mark.parametrize("name", [
+    "medusa", *[pytest.param(n, marks=pytest.mark.slow)
+                for n in ("eagle1", "eagle2", "eagle3", "draft_tree")]])
 def test_greedy_is_lossless_for_one_prompt(tiny_target, greedy_ref, name):
     out = specjax.generate(tiny_target, PROMPTS[1:2], max_new_tokens=16, ignore_eos=True,
                            speculator=_make(name, tiny_target), adaptive=False)
