@@ -163,7 +163,7 @@ def test_a_workdir_without_the_speculator_exits_with_a_message(tmp_path, capsys)
     assert e.value.code == 2 and "has no trained eagle" in err and str(heads) in err
 
 
-@pytest.mark.slow  # a traced run in a subprocess with XLA's dump: about 45 s on 2 cores
+@pytest.mark.slow  # a traced run in a subprocess with XLA's dump, for a bench script
 def test_a_traced_tiny_model_splits_its_step_into_parts(tmp_path):
     """jax.profiler's op names and XLA's dump agree: every part of a real loop shows up."""
     code = f"""
