@@ -107,6 +107,9 @@ def greedy_reference(model, prompt, n):
     return seq[len(prompt):]
 
 
+# notebooks/01_quickstart.ipynb's small run decodes these prompts with `tiny_target`'s and
+# `tiny_draft`'s configs as test_speculative.py does, so it runs their compiled programs
+# (the run's persistent cache) instead of compiling its own
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10] * 20, [3, 4, 5, 3, 4, 5, 3, 4]]
 
 

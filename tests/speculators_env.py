@@ -1,9 +1,11 @@
 """vllm-project/speculators in its own virtual environment, built once and cached.
 
 speculators pins transformers <= 5.19, older than the test environment's, so its code runs
-in a separate venv (torch from the same local CPU wheel) under
-`$XDG_CACHE_HOME/specjax-test/speculators-<hash of the requirements>`, built on first use
-(about a minute) and reused after; `run_jobs` runs tests/speculators_interop.py there.
+in a separate venv under `$XDG_CACHE_HOME/specjax-test/speculators-<hash of the
+requirements>`, built on first use and reused after; `run_jobs` runs
+tests/speculators_interop.py there. The venv sees the test environment's packages
+(torch among them: installing its wheel again was most of the build) beneath its own,
+so its transformers and whatever else speculators pins shadow ours.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import sys
 import venv
 from pathlib import Path
 
-TORCH = "torch==2.13.0"
 NO_DEPS = ("speculators==0.9.0", "hs-connectors==0.9.0")  # their own pins clash, see above
 DEPS = ("transformers<=5.19", "pydantic", "pydantic-settings", "loguru", "openai",
         "datasets<=5.1", "safetensors", "numpy")
@@ -31,7 +32,8 @@ def _cache_root() -> Path:
 
 
 def _pip(python: Path, *args: str) -> None:
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q",
+    # --no-compile: the interop script imports a few of the modules pip would byte-compile
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile",
                            "--disable-pip-version-check", *args], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"building speculators' venv: pip install {' '.join(args)} "
@@ -41,8 +43,10 @@ def _pip(python: Path, *args: str) -> None:
 def speculators_python() -> Path:
     """The python of a venv where `import speculators.models.eagle3` works (built if
     missing; a lock keeps parallel workers from building it twice)."""
-    key = hashlib.sha256(json.dumps([sys.version, TORCH, NO_DEPS, DEPS]).encode()
-                         ).hexdigest()[:12]
+    import torch
+
+    key = hashlib.sha256(json.dumps([sys.prefix, sys.version, torch.__version__, NO_DEPS,
+                                     DEPS]).encode()).hexdigest()[:12]
     root = _cache_root()
     root.mkdir(parents=True, exist_ok=True)
     home = root / f"speculators-{key}"
@@ -51,8 +55,7 @@ def speculators_python() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (home / "ready").exists():
             shutil.rmtree(home, ignore_errors=True)
-            venv.create(home, with_pip=True)
-            _pip(python, TORCH)
+            venv.create(home, with_pip=True, system_site_packages=True)
             _pip(python, "--no-deps", *NO_DEPS)
             _pip(python, *DEPS)
             subprocess.run([str(python), "-c", "import speculators.models.eagle3"],

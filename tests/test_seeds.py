@@ -38,7 +38,7 @@ def _speculators(target, draft):
             "eagle": Eagle.random(target, top_k=2, depth=2, total_tokens=4)}
 
 
-# Each case compiles three generate programs (batch 1, 4 and 64): the speculators that
+# Each case compiles two generate programs (batch 1 and 64): the speculators that
 # draft deterministically run with -m slow; the draft model, which samples its own
 # proposals with the rows' keys, runs by default.
 SLOW = pytest.mark.slow
@@ -63,12 +63,13 @@ def test_a_row_samples_the_same_alone_and_in_any_batch(pair, name, adaptive):
         # differently at 1, 4 and 64 rows
         kw.update(cost_ratio=0.0, acceptance_prior=[0.9] * spec.shape.max_depth)
     alone = specjax.generate(target, [ROW], seed=[SEED], **kw).tokens[0]
-    for n, at in ((4, 2), (64, 37)):
-        prompts, seeds = _batch(n, at)
-        out = specjax.generate(target, prompts, seed=seeds, **kw)
-        assert out.tokens[at] == alone, (n, name)
-        if spec is not None:
-            assert out.stats.drafted > 0  # speculation really happened
+    # 64 rows: more than the few-row matmul kernel takes (`specjax.rows_matmul`), so the
+    # batch's products run another kernel than the row's alone
+    prompts, seeds = _batch(64, 37)
+    out = specjax.generate(target, prompts, seed=seeds, **kw)
+    assert out.tokens[37] == alone, name
+    if spec is not None:
+        assert out.stats.drafted > 0  # speculation really happened
     other = specjax.generate(target, [ROW], seed=[SEED + 1], **kw).tokens[0]
     assert other != alone  # the seed matters
 

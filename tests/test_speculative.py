@@ -369,6 +369,47 @@ def test_a_free_verify_keeps_the_cost_models_form():
         assert float(cost.speculative(5, 1)) > 1.0  # the model it came from is not free
 
 
+def test_every_cost_model_prices_in_one_layout():
+    """`VerifyCost.canonical`: formulas and tables of any size up to the canonical one
+    (with and without batch rows and far tables) take one pytree structure and shapes,
+    so the loop compiled for one runs them all, and each prices every forward as the
+    model it came from: at measured and unmeasured T, between and past the measured
+    batches, at and beyond the measured contexts."""
+    import numpy as np
+
+    from specjax.decoding.cost import CANONICAL_POINTS, VERIFY_COST
+
+    costs = [VERIFY_COST["cpu"], VERIFY_COST["cpu-xla"], VERIFY_COST["gpu"], VerifyCost(),
+             VerifyCost(jump=0.5, slope=0.25, per_token=0.3, branch=0.1),
+             VerifyCost.from_table({1: 1.0, 4: 1.0, 5: 3.0, 10_000: 3.0}),
+             VerifyCost.from_table({1: 1.0, 2: 1.5, 5: 2.0}, by_rows={8: {1: 1.0, 2: 1.9,
+                                                                          5: 2.5}},
+                                   contexts=(64, 512),
+                                   far={1: {1: 1.1, 2: 1.4, 5: 3.0},
+                                        8: {1: 1.3, 2: 2.2, 5: 4.0}})]
+    layouts = {jax.tree.map(np.shape, c.validated().canonical()) == jax.tree.map(
+        np.shape, costs[0].validated().canonical()) for c in costs}
+    assert layouts == {True}
+    assert jax.tree.structure(costs[3].validated().canonical()) == jax.tree.structure(
+        costs[0].validated().canonical())
+    assert costs[0].validated().canonical().measured.shape == (2, CANONICAL_POINTS)
+    tokens = np.asarray([1, 2, 3, 4, 5, 7, 9, 30, 129, 300, 5000])
+    for cost in costs:
+        cost = cost.validated()
+        canon = cost.canonical()
+        for rows in (1, 2, 4, 6, 16, 40):
+            for context in (None, 0, 64, 300, 1024, 4096):
+                np.testing.assert_allclose(canon.speculative(tokens, rows, context),
+                                           cost.speculative(tokens, rows, context),
+                                           rtol=2e-5, err_msg=f"{cost} {rows} {context}")
+        np.testing.assert_allclose(canon(tokens), cost(tokens), rtol=2e-5)
+    canon = costs[0].validated().canonical()
+    again = canon.validated().canonical()  # generate validates what it is given
+    assert jax.tree.all(jax.tree.map(np.array_equal, again, canon))
+    with pytest.raises(ValueError, match="tabled=0.5"):
+        canon.replace(tabled=0.5).validated()
+
+
 def test_per_position_acceptance_model():
     """E[tokens] from per-position acceptance: a constant α is Leviathan's closed form;
     all-or-nothing drafts (α_1 low, then certain) are worth drafting deep, which one

@@ -30,6 +30,29 @@ def _interpolate(t, ts, vs):
     return jnp.where(t > ts[-1], vs[-1] + (t - ts[-1]) * last, _interp(t, ts, vs))
 
 
+# The canonical layout (`VerifyCost.canonical`): tables padded to at least this many T
+# points and batch rows, so that every cost model up to that size prices the loop in one
+# compiled program (the loop takes the cost model as traced numbers: another structure
+# or width would compile another loop).
+CANONICAL_POINTS = 16
+CANONICAL_ROWS = 4
+_NO_ROWS = float(2**30)  # padded batch anchors from here: above every batch, never picked
+
+
+def _width(n: int, least: int) -> int:
+    """least, or the power of two >= n past it."""
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def _extend(ts: np.ndarray, vs: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """ts [P] and vs [..., P] to width points: T doubling past the last, each row of vs
+    along its last segment, the line `_interpolate` already follows past the table."""
+    extra = ts[-1] * 2.0 ** np.arange(1, width - ts.size + 1)
+    slope = (vs[..., -1:] - vs[..., -2:-1]) / (ts[-1] - ts[-2])
+    return (np.concatenate([ts, extra]),
+            np.concatenate([vs, vs[..., -1:] + (extra - ts[-1]) * slope], axis=-1))
+
+
 @struct.dataclass
 class VerifyCost:
     """v(T) = max(1 + jump · [T > 1] + slope · log2(T), per_token · T), or measured ratios;
@@ -50,6 +73,9 @@ class VerifyCost:
     # multiplies every cached token, so a verify's share of it grows with the context.
     contexts: Any = None  # [2] (near, far) cached tokens, rising
     far: Any = None  # [A+1, P]
+    # Only in the canonical layout (`canonical`): 1 where the tables above price, 0 where
+    # the formula does (the tables then hold a placeholder).
+    tabled: Any = None
 
     @classmethod
     def from_table(cls, ratios: dict, branch: float = 0.0, by_rows: dict | None = None,
@@ -105,8 +131,14 @@ class VerifyCost:
         """v at `tokens` inputs in one forward at batch 1 (numpy or jax arrays, or a
         float >= 1), after `context` cached tokens (None: the tables' own)."""
         t = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
-        if self.measured is not None:
-            return _interpolate(t, jnp.asarray(self.measured[0]), self._tables(context)[0])
+        if self.measured is None:
+            return self._formula(t)
+        table = _interpolate(t, jnp.asarray(self.measured[0]), self._tables(context)[0])
+        return table if self.tabled is None else jnp.where(self.tabled > 0, table,
+                                                           self._formula(t))
+
+    def _formula(self, t):
+        """v at t >= 1 inputs by the formula (the class docstring)."""
         return jnp.maximum(1.0 + self.jump * (t > 1.0) + self.slope * jnp.log2(t),
                            self.per_token * t)
 
@@ -128,13 +160,16 @@ class VerifyCost:
         ts = jnp.asarray(self.measured[0], jnp.float32)
         t = jnp.maximum(t, 1.0)
         i = jnp.sum(anchors <= rows) - 1  # the largest measured batch <= rows
-        j = jnp.minimum(i + 1, anchors.shape[0] - 1)
+        j = jnp.minimum(i + 1, jnp.sum(anchors < _NO_ROWS) - 1)  # padded rows: never
         w = jnp.log2(rows / anchors[i]) / jnp.maximum(jnp.log2(anchors[j] / anchors[i]), 1e-9)
         between = ((1.0 - w) * _interpolate(t, ts, tables[i])
                    + w * _interpolate(t, ts, tables[j]))
         scale = rows / anchors[i]
         past = _interpolate(scale * t, ts, tables[i]) / _interpolate(scale, ts, tables[i])
-        return jnp.where(i == j, past, between)
+        out = jnp.where(i == j, past, between)
+        if self.tabled is None:
+            return out
+        return jnp.where(self.tabled > 0, out, self._formula(rows * t) / self._formula(rows))
 
     def speculative(self, tokens_per_row, rows, context=None):
         """`relative` for a forward the speculative step runs (inside its verify
@@ -143,17 +178,48 @@ class VerifyCost:
 
     def free(self) -> "VerifyCost":
         """A free verify (every forward costs one plain step) in this model's form: its
-        tables, if any, with every cost 1. The loop takes the cost model as traced
-        numbers of a given structure, so the program compiled for this model also runs
-        the free one (the idle calibration pass, `calibrate.idle_kwargs`), where
-        `VerifyCost()` would compile another."""
+        tables, if any, with every cost 1 (the idle calibration pass,
+        `calibrate.idle_kwargs`). In `canonical`'s layout, as every cost model, it runs
+        the program compiled for this one."""
         ones = lambda x: None if x is None else np.ones_like(np.asarray(x, np.float32))  # noqa: E731
         measured = None
         if self.measured is not None:
             measured = np.stack([np.asarray(self.measured[0], np.float32),
                                  ones(self.measured[1])])
         return VerifyCost(measured=measured, rows=self.rows, by_rows=ones(self.by_rows),
-                          contexts=self.contexts, far=ones(self.far))
+                          contexts=self.contexts, far=ones(self.far), tabled=self.tabled)
+
+    def canonical(self) -> "VerifyCost":
+        """This (validated) cost model in one layout, float32: both forms (`tabled` picks
+        one), the T points extended to `CANONICAL_POINTS` along the last segment,
+        `CANONICAL_ROWS` batch rows (padded ones never picked), a far table (without
+        one: the near tables at contexts 0 and 1, so no context changes a cost). Every
+        cost model up to that size then prices the loop in one compiled program."""
+        if self.tabled is not None:
+            return self
+        f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+        tabled = self.measured is not None
+        ts, near = ((np.asarray(self.measured, np.float64)) if tabled
+                    else np.asarray([[1.0, 2.0], [1.0, 1.0]]))  # a placeholder table
+        n_rows = 0 if self.rows is None else np.asarray(self.rows).size
+        width, height = _width(ts.size, CANONICAL_POINTS), _width(n_rows, CANONICAL_ROWS)
+        tables = np.ones((1 + height, ts.size))  # batch 1, then each row; pads: ones
+        tables[0] = near
+        if n_rows:
+            tables[1:1 + n_rows] = np.asarray(self.by_rows, np.float64)
+        if self.far is None:
+            contexts, far = np.asarray([0.0, 1.0]), tables
+        else:
+            contexts, far = np.asarray(self.contexts, np.float64), np.ones_like(tables)
+            far[:1 + n_rows] = np.asarray(self.far, np.float64)
+        wide_ts, wide = _extend(ts, tables, width)
+        far = _extend(ts, far, width)[1]
+        rows = _NO_ROWS * 2.0 ** np.arange(height)  # rising, as `validated` checks
+        rows[:n_rows] = np.asarray(self.rows if n_rows else (), np.float64)
+        return VerifyCost(np.float32(self.jump), np.float32(self.slope),
+                          np.float32(self.per_token), np.float32(self.branch),
+                          f32(np.stack([wide_ts, wide[0]])), f32(rows), f32(wide[1:]),
+                          f32(contexts), f32(far), np.float32(tabled))
 
     def describe(self) -> str:
         log = f"1 + {float(self.jump):.3g}·[T > 1] + {float(self.slope):.3g}·log2 T"
@@ -196,9 +262,15 @@ class VerifyCost:
             table = table.astype(np.float32)
         rows, by_rows = self._validated_rows(table)
         contexts, far = self._validated_far(table, rows)
+        tabled = self.tabled
+        if tabled is not None:
+            if np.ndim(tabled) or float(tabled) not in (0.0, 1.0) or table is None:
+                raise ValueError(f"VerifyCost tabled={tabled!r} must be 0 or 1 beside a "
+                                 "measured table (`canonical` sets it)")
+            tabled = np.float32(tabled)
         return VerifyCost(np.float32(self.jump), np.float32(self.slope),
                           np.float32(self.per_token), np.float32(self.branch), table,
-                          rows, by_rows, contexts, far)
+                          rows, by_rows, contexts, far, tabled)
 
     def _validated_far(self, table, rows):
         """(contexts, far) as float32, checked against the near tables."""
