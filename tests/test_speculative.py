@@ -410,6 +410,22 @@ def test_every_cost_model_prices_in_one_layout():
         canon.replace(tabled=0.5).validated()
 
 
+def test_another_cost_model_runs_the_compiled_loop(tiny_target, greedy_ref):
+    """After one call, calls with a formula or a table of another size (`canonical`'s one
+    layout) compile no program of their own."""
+    from specjax.decoding.cost import VERIFY_COST
+    from specjax.decoding.generate import PROGRAMS
+
+    kw = dict(max_new_tokens=16, ignore_eos=True, speculator=NGram(k=4))
+    assert specjax.generate(tiny_target, PROMPTS, **kw).tokens == greedy_ref
+    compiled = {sig for sig, _ in PROGRAMS.items()}
+    for cost in (VerifyCost(), VerifyCost(jump=0.5, slope=0.25), flat_verify_cost(3.0),
+                 VERIFY_COST["cpu-xla"]):
+        out = specjax.generate(tiny_target, PROMPTS, verify_cost=cost, **kw)
+        assert out.tokens == greedy_ref
+    assert {sig for sig, _ in PROGRAMS.items()} == compiled
+
+
 def test_per_position_acceptance_model():
     """E[tokens] from per-position acceptance: a constant α is Leviathan's closed form;
     all-or-nothing drafts (α_1 low, then certain) are worth drafting deep, which one
