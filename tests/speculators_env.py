@@ -2,16 +2,18 @@
 
 speculators pins transformers <= 5.19, older than the test environment's, so its code runs
 in a separate venv under `$XDG_CACHE_HOME/specjax-test/speculators-<hash of the
-requirements>`, built on first use and reused after; `run_jobs` runs
-tests/speculators_interop.py there. The venv sees the test environment's packages
-(torch among them: installing its wheel again was most of the build) beneath its own,
-so its transformers and whatever else speculators pins shadow ours.
+requirements and the test environment's packages>`, built on first use and reused
+after; `run_jobs` runs tests/speculators_interop.py there. The venv sees the test
+environment's packages (torch among them: installing its wheel again was most of the
+build) beneath its own, so its transformers and whatever else speculators pins shadow
+ours.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -43,10 +45,10 @@ def _pip(python: Path, *args: str) -> None:
 def speculators_python() -> Path:
     """The python of a venv where `import speculators.models.eagle3` works (built if
     missing; a lock keeps parallel workers from building it twice)."""
-    import torch
-
-    key = hashlib.sha256(json.dumps([sys.prefix, sys.version, torch.__version__, NO_DEPS,
-                                     DEPS]).encode()).hexdigest()[:12]
+    # the venv resolves against the test environment's packages: another set, another venv
+    here = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    key = hashlib.sha256(json.dumps([sys.prefix, sys.version, here, NO_DEPS, DEPS]).encode()
+                         ).hexdigest()[:12]
     root = _cache_root()
     root.mkdir(parents=True, exist_ok=True)
     home = root / f"speculators-{key}"

@@ -60,7 +60,7 @@ def test_a_row_samples_the_same_alone_and_in_any_batch(pair, name, adaptive):
     if adaptive:  # free drafts from an optimistic start: rows draft, those whose drafts
         # fail drop to k = 0 while others still draft, and the verify forward's cost (this
         # backend's table) grows with the batch, so a batch-priced rule would decide
-        # differently at 1, 4 and 64 rows
+        # differently at 1 and 64 rows
         kw.update(cost_ratio=0.0, acceptance_prior=[0.9] * spec.shape.max_depth)
     alone = specjax.generate(target, [ROW], seed=[SEED], **kw).tokens[0]
     # 64 rows: more than the few-row matmul kernel takes (`specjax.rows_matmul`), so the
