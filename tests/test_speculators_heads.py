@@ -64,9 +64,11 @@ def test_greedy_is_lossless_on_a_ragged_batch(tiny_target, greedy_ref, name):
         assert st.accepted > 0  # accepted runs went through commit
 
 
-@pytest.mark.parametrize("name", [
-    "medusa", *[pytest.param(n, marks=pytest.mark.slow)
-                for n in ("eagle1", "eagle2", "eagle3", "draft_tree")]])
+# a tree decoding one row: Medusa's by default (no other default test checks a tree's
+# output at batch 1), the other speculators' trees with -m slow
+@pytest.mark.parametrize("name", slow_cases(["medusa", "eagle1", "eagle2", "eagle3",
+                                             "draft_tree"],
+                                            {"eagle1", "eagle2", "eagle3", "draft_tree"}))
 def test_greedy_is_lossless_for_one_prompt(tiny_target, greedy_ref, name):
     out = specjax.generate(tiny_target, PROMPTS[1:2], max_new_tokens=16, ignore_eos=True,
                            speculator=_make(name, tiny_target), adaptive=False)

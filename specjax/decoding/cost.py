@@ -205,8 +205,10 @@ class VerifyCost:
         width, height = _width(ts.size, CANONICAL_POINTS), _width(n_rows, CANONICAL_ROWS)
         tables = np.ones((1 + height, ts.size))  # batch 1, then each row; pads: ones
         tables[0] = near
+        rows = _NO_ROWS * 2.0 ** np.arange(height)  # pads rising, as `validated` checks
         if n_rows:
             tables[1:1 + n_rows] = np.asarray(self.by_rows, np.float64)
+            rows[:n_rows] = np.asarray(self.rows, np.float64)
         if self.far is None:
             contexts, far = np.asarray([0.0, 1.0]), tables
         else:
@@ -214,8 +216,6 @@ class VerifyCost:
             far[:1 + n_rows] = np.asarray(self.far, np.float64)
         wide_ts, wide = _extend(ts, tables, width)
         far = _extend(ts, far, width)[1]
-        rows = _NO_ROWS * 2.0 ** np.arange(height)  # rising, as `validated` checks
-        rows[:n_rows] = np.asarray(self.rows if n_rows else (), np.float64)
         return VerifyCost(np.float32(self.jump), np.float32(self.slope),
                           np.float32(self.per_token), np.float32(self.branch),
                           f32(np.stack([wide_ts, wide[0]])), f32(rows), f32(wide[1:]),

@@ -333,9 +333,8 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
         raise ValueError(f"probe_gap={probe_gap!r} must be an int in [1, 2**24]")
     if verify_cost is not None and not isinstance(verify_cost, VerifyCost):
         raise ValueError(f"verify_cost={verify_cost!r} must be a specjax.VerifyCost")
-    # one layout for every cost model, so another table compiles no other loop
-    vcost = (default_verify_cost() if verify_cost is None else verify_cost).validated(
-    ).canonical()
+    vcost = default_verify_cost() if verify_cost is None else verify_cost
+    vcost = vcost.validated().canonical()  # one layout: another model compiles no loop
     prior = _prior(acceptance_prior, max_depth)
     return shard.replicate(Rule(jnp.float32(cost), jnp.bool_(adaptive),
                                 jax.tree.map(jnp.float32, vcost), jnp.asarray(prior),
