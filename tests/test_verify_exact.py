@@ -188,7 +188,7 @@ def _run_verify(spec, rows, seed):
     run = jax.jit(lambda lg, tr, key: verify(lg, tr, s, key, spec.method))
     res = run(jnp.asarray(target_logits, jnp.float32), tree, jax.random.key(seed))
     path, num = np.asarray(res.path_tokens), np.asarray(res.num_accepted)
-    return [tuple(int(t) for t in row[:k + 1]) for row, k in zip(path, num)]
+    return [tuple(row[:k + 1]) for row, k in zip(path.tolist(), num.tolist())]
 
 
 @pytest.mark.parametrize("case,warp_kw", [
