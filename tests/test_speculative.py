@@ -46,7 +46,8 @@ def test_greedy_is_lossless(tiny_target, tiny_draft, greedy_ref, name):
 
 
 def test_target_as_its_own_draft_accepts_everything(tiny_target):
-    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=16, ignore_eos=True,
+    # 40 tokens: test_draft_skips_its_call_while_no_row_drafts's loop (adaptive is traced)
+    out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, ignore_eos=True,
                            speculator=DraftModel.create(tiny_target, k=4), adaptive=False)
     assert out.stats.acceptance_rate == 1.0
     assert out.stats.mean_accepted_length > 4.0  # k + 1 per step but for the budget's end
@@ -414,17 +415,27 @@ def test_every_cost_model_prices_in_one_layout():
 
 def test_another_cost_model_runs_the_compiled_loop(tiny_target, greedy_ref):
     """After one call, calls with a formula or a table of another size (`canonical`'s one
-    layout) compile no program of their own."""
+    layout), or an n-gram of another `n_min` (traced), compile no program of their own."""
     from specjax.decoding.cost import VERIFY_COST
     from specjax.decoding.generate import PROGRAMS
 
-    kw = dict(max_new_tokens=16, ignore_eos=True, speculator=NGram(k=4))
-    assert specjax.generate(tiny_target, PROMPTS, **kw).tokens == greedy_ref
+    kw = dict(max_new_tokens=16, ignore_eos=True)
+    assert specjax.generate(tiny_target, PROMPTS, speculator=NGram(k=4), **kw
+                            ).tokens == greedy_ref
     compiled = {sig for sig, _ in PROGRAMS.items()}
     for cost in (VerifyCost(), VerifyCost(jump=0.5, slope=0.25), flat_verify_cost(3.0),
                  VERIFY_COST["cpu-xla"]):
-        out = specjax.generate(tiny_target, PROMPTS, verify_cost=cost, **kw)
+        out = specjax.generate(tiny_target, PROMPTS, verify_cost=cost, speculator=NGram(k=4),
+                               **kw)
         assert out.tokens == greedy_ref
+    drafted = []
+    for n_min in (1, 3):  # drafting at every chance (traced settings too), so n_min shows
+        out = specjax.generate(tiny_target, PROMPTS, speculator=NGram(k=4, n_min=n_min),
+                               cost_ratio=0.0, acceptance_prior=[0.9] * 4,
+                               verify_cost=flat_verify_cost(1.0), **kw)
+        assert out.tokens == greedy_ref
+        drafted.append(out.stats.drafted)
+    assert drafted[0] > drafted[1]  # the traced n_min took effect: one-token matches draft
     assert {sig for sig, _ in PROGRAMS.items()} == compiled
 
 
@@ -523,22 +534,23 @@ def test_a_speculator_that_can_never_draft_runs_plain_decoding(tiny_target, gree
     from specjax.decoding.policy import Rule
 
     dear = VerifyCost(per_token=2.0)
+    # k = 4 at batch 4: the loop test_greedy_is_lossless compiled (the module's programs)
     kw = dict(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
     plain = specjax.generate(tiny_target, PROMPTS, **kw)
     before = len(PROGRAMS.items())
-    never = specjax.generate(tiny_target, PROMPTS, **kw, speculator=NGram(k=3),
-                             acceptance_prior=[0.0] * 3, verify_cost=dear,
+    never = specjax.generate(tiny_target, PROMPTS, **kw, speculator=NGram(k=4),
+                             acceptance_prior=[0.0] * 4, verify_cost=dear,
                              verification="block")
     assert len(PROGRAMS.items()) == before and never.tokens == plain.tokens
     assert never.stats.drafted == 0 and never.stats.target_calls == 11 * len(PROMPTS)
-    assert never.stats.acceptance_by_position == [None] * 3  # counters at the draft's depth
+    assert never.stats.acceptance_by_position == [None] * 4  # counters at the draft's depth
     assert never.stats.speculative_calls == plain.stats.speculative_calls == 0
     greedy = specjax.generate(tiny_target, PROMPTS, max_new_tokens=12, ignore_eos=True,
-                              speculator=NGram(k=3), acceptance_prior=[0.0] * 3,
+                              speculator=NGram(k=4), acceptance_prior=[0.0] * 4,
                               verify_cost=dear)
     assert greedy.tokens == [g[:12] for g in greedy_ref]
-    probing = specjax.generate(tiny_target, PROMPTS, **kw, speculator=NGram(k=3),
-                               acceptance_prior=[0.0] * 3, verify_cost=VerifyCost())
+    probing = specjax.generate(tiny_target, PROMPTS, **kw, speculator=NGram(k=4),
+                               acceptance_prior=[0.0] * 4, verify_cost=VerifyCost())
     assert probing.stats.speculative_calls == 1  # a probe could pay: the speculative loop
     assert merge_stats([never.stats, probing.stats, probing.stats]).speculative_calls == 2
     rule = lambda prior, v=dear: Rule(jnp.float32(0.0), jnp.bool_(True), v.validated(),
@@ -1040,7 +1052,9 @@ def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target,
         return default_verify_cost(config)
 
     monkeypatch.setattr(generate_module, "default_verify_cost", spy)
-    specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=4, speculator=NGram(k=2))
+    # the call test_greedy_is_lossless makes at batch 1 (the module's compiled programs)
+    specjax.generate(tiny_target, PROMPTS[1:2], max_new_tokens=16, ignore_eos=True,
+                     speculator=NGram(k=4))
     assert asked == [cfg]
 
 

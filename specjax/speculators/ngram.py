@@ -9,10 +9,13 @@ it, so it drafted too little to beat prompt lookup; this choice drafts far deepe
 (docs/benchmarks.md, History).
 Repetitive input (code edits, quoting the prompt) gives long accepted runs. A match of
 one token is right about one time in four, of two more often than not, so `n_min`
-defaults to 2 (docs/benchmarks.md, "n-gram: the shortest match").
+defaults to 2 (docs/benchmarks.md, "n-gram: the shortest match"). `n_min` is a traced
+value, so another `n_min` runs the loop compiled for the first; `k` and `n_max` shape it.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import jax.numpy as jnp
 from flax import struct
@@ -25,12 +28,14 @@ from specjax.tree import DraftTree, chain
 class NGram(Speculator):
     k: int = struct.field(pytree_node=False, default=4)
     n_max: int = struct.field(pytree_node=False, default=3)
-    n_min: int = struct.field(pytree_node=False, default=2)
+    n_min: int = 2  # a leaf: traced inside the loop
 
     def __post_init__(self):
         if self.k < 1:
             raise ValueError(f"NGram k={self.k} must be >= 1")
-        if not 1 <= self.n_min <= self.n_max:
+        # checked where it is a number: jax also rebuilds the speculator around tracers
+        # and placeholders
+        if isinstance(self.n_min, numbers.Number) and not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"NGram needs 1 <= n_min <= n_max; got n_min={self.n_min}, "
                              f"n_max={self.n_max}")
 
@@ -49,15 +54,13 @@ class NGram(Speculator):
             want = jnp.take_along_axis(toks, jnp.maximum(lens - 1 - i, 0)[:, None], axis=1)
             back = jnp.roll(toks, i, axis=1)
             match = match & (p - i >= 0) & (back == want) & (lens[:, None] - 1 - i >= 0)
-            n = i + 1
-            if n >= self.n_min:
-                ok = match & (p < (lens - 1)[:, None])
-                # tokens after p (capped at k), then recency: [B, S] scores
-                after = jnp.minimum(lens[:, None] - 1 - p, self.k)
-                score = jnp.where(ok, after * s + p, -1)
-                pick = jnp.argmax(score, axis=1).astype(jnp.int32)
-                found = jnp.max(score, axis=1) >= 0
-                best = jnp.where(found, pick, best)  # longer n overrides shorter
+            ok = match & (p < (lens - 1)[:, None])
+            # tokens after p (capped at k), then recency: [B, S] scores
+            after = jnp.minimum(lens[:, None] - 1 - p, self.k)
+            score = jnp.where(ok, after * s + p, -1)
+            pick = jnp.argmax(score, axis=1).astype(jnp.int32)
+            found = (jnp.max(score, axis=1) >= 0) & (i + 1 >= self.n_min)  # n = i + 1
+            best = jnp.where(found, pick, best)  # longer n overrides shorter
         idx = best[:, None] + 1 + jnp.arange(self.k)[None, :]  # [B, k]
         drafts = jnp.take_along_axis(toks, jnp.clip(idx, 0, s - 1), axis=1)
         valid = (best[:, None] >= 0) & (idx < lens[:, None])
