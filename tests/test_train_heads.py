@@ -17,6 +17,7 @@ from specjax.heads.eagle import eagle_logits, eagle_step, fuse_features
 from specjax.model import Model, init_params
 from specjax.models.transformer import step_context
 from specjax.speculators import Eagle, Medusa
+from specjax.speculators.saved import head_speculator
 from specjax.train import jobs
 from specjax.train.methods import TrainEagle, TrainMedusa
 from specjax.train.methods.eagle import ttt_mask
@@ -62,9 +63,11 @@ def _check_speculative_record(workdir, job, step):
 
 
 def _lossless(target_dir, spec):
+    # two prompts, 16 new tokens, full depth: the end-of-run generation's batch and
+    # settings (SPECULATIVE), so its compiled loop serves
     target = specjax.load(target_dir, dtype="float32")
-    ref = specjax.generate(target, PROMPTS, max_new_tokens=12, ignore_eos=True).tokens
-    out = specjax.generate(target, PROMPTS, max_new_tokens=12, ignore_eos=True,
+    ref = specjax.generate(target, PROMPTS[:2], max_new_tokens=16, ignore_eos=True).tokens
+    out = specjax.generate(target, PROMPTS[:2], max_new_tokens=16, ignore_eos=True,
                            speculator=spec, adaptive=False)
     assert out.tokens == ref
 
@@ -96,7 +99,9 @@ def test_trained_heads_learn_and_generate_losslessly(tmp_path, target_dir, head,
     target = specjax.load(target_dir, dtype="float32")
     ckpt = load_heads(job.export_dir, target.config)
     if isinstance(head, MedusaConfig):
-        spec = Medusa.load(job.export_dir, target=target, tree=[[0], [1], [0, 0]])
+        loaded = Medusa.load(job.export_dir, target=target, tree=[[0], [1], [0, 0]])
+        assert loaded.shape.max_depth == 2
+        spec = head_speculator(job.export_dir, target)  # the end-of-run generation's tree
         # the Medusa repository's layout, written beside (tests/test_export.py checks it)
         assert job.summary["serving"] == str(tmp_path / "medusa")
         served = load_heads(tmp_path / "medusa", target.config)
