@@ -413,7 +413,7 @@ def test_every_cost_model_prices_in_one_layout():
         canon.replace(tabled=0.5).validated()
 
 
-def test_another_cost_model_runs_the_compiled_loop(tiny_target, greedy_ref):
+def test_another_cost_model_or_n_min_runs_the_compiled_loop(tiny_target, greedy_ref):
     """After one call, calls with a formula or a table of another size (`canonical`'s one
     layout), or an n-gram of another `n_min` (traced), compile no program of their own."""
     from specjax.decoding.cost import VERIFY_COST
