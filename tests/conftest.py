@@ -78,6 +78,28 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
+def pytest_configure(config):
+    """In a full parallel run (the README's command), the xdist controller, otherwise idle,
+    builds speculators' venv in the background from the start (`tests/speculators_env.py`;
+    its file lock makes test_export's tests wait for it rather than build it again), so a
+    clean machine does not wait for pip inside a test. A failed build is left to those
+    tests, which build again and report it."""
+    if (hasattr(config, "workerinput") or not config.getoption("numprocesses", 0)
+            or config.args_source != pytest.Config.ArgsSource.TESTPATHS):
+        return
+    import threading
+
+    from tests.speculators_env import speculators_python
+
+    def build():
+        try:
+            speculators_python()
+        except Exception:  # noqa: BLE001 - the tests that need it build and report it
+            pass
+
+    threading.Thread(target=build, name="speculators-venv", daemon=True).start()
+
+
 def pytest_unconfigure(config):
     """Removes the run's cache directory, in the process that created it."""
     if _RUN_CACHE is not None:
