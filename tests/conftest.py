@@ -85,7 +85,8 @@ def pytest_configure(config):
     clean machine does not wait for pip inside a test. A failed build is left to those
     tests, which build again and report it."""
     if (hasattr(config, "workerinput") or not config.getoption("numprocesses", 0)
-            or config.args_source != pytest.Config.ArgsSource.TESTPATHS):
+            or config.args_source != pytest.Config.ArgsSource.TESTPATHS
+            or config.option.keyword):  # a -k selection may not reach the export tests
         return
     import threading
 
