@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import rows_matmul
 from specjax.cache import PagedKVCache, StepKV, commit_step
 from specjax.config import ModelConfig
 from specjax.models.transformer import (
     FUSED_QKV,
+    KERNEL_T,
+    TIED_HEAD_ROWS,
     TIED_HEAD_T,
     Hidden,
     Transformer,
@@ -93,16 +96,39 @@ def fuse_qkv(attn: dict) -> dict:
 
 
 def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
-    """Unrolled layers with q/k/v fused (`fuse_qkv`), plus the tied embedding transposed
-    to [D, V] for the LM head (`TIED_HEAD_T`): XLA:CPU runs the [V, D]-contracting
-    matmul of 2-5 verify rows ~15x slower than the same matmul on a [D, V] array; one
-    extra V x D copy."""
+    """Unrolled layers with q/k/v fused (`fuse_qkv`), and in float32 each dense weight
+    whose shape the transposed-weight kernel wins here stored transposed (`KERNEL_T`,
+    [O, I]; `rows_matmul.transposed_wins`): it reads each thread's outputs' weights as
+    one contiguous stream, where the [I, O] kernel reads short pieces of every weight
+    row. The tied LM head then multiplies by the embedding itself (`TIED_HEAD_ROWS`),
+    else through it transposed to [D, V] (`TIED_HEAD_T`): XLA:CPU runs the
+    [V, D]-contracting matmul of 2-5 verify rows ~15x slower than the same matmul on a
+    [D, V] array; one extra V x D copy."""
     out = unstack_layers(params)
     out = {k: dict(v, self_attn=fuse_qkv(v["self_attn"])) if k.startswith("layers_") else v
            for k, v in out.items()}
+    transposed = config.dtype == "float32" and jax.default_backend() == "cpu"
+    if transposed:
+        out = {k: _transposed_denses(v) if k.startswith("layers_") or k == "lm_head" else v
+               for k, v in out.items()}
     if config.tie_word_embeddings and "embed_tokens" in out:
-        out = dict(out, **{TIED_HEAD_T: out["embed_tokens"]["embedding"].T})
+        table = out["embed_tokens"]["embedding"]  # [V, D]
+        if transposed and rows_matmul.transposed_wins(table.T.shape):
+            out = dict(out, **{TIED_HEAD_ROWS: jnp.zeros((0,), jnp.float32)})
+        else:
+            out = dict(out, **{TIED_HEAD_T: table.T})
     return out
+
+
+def _transposed_denses(tree: Any) -> Any:
+    """Every dense `{"kernel": [I, O], ...}` in `tree` whose shape the transposed-weight
+    kernel wins (`rows_matmul.transposed_wins`) as `{KERNEL_T: [O, I], ...}`."""
+    if not isinstance(tree, dict):
+        return tree
+    kernel = tree.get("kernel")
+    if kernel is not None and kernel.ndim == 2 and rows_matmul.transposed_wins(kernel.shape):
+        return dict({k: v for k, v in tree.items() if k != "kernel"}, **{KERNEL_T: kernel.T})
+    return {k: _transposed_denses(v) for k, v in tree.items()}
 
 
 LAYER_LAYOUTS = ("auto", "scan", "unrolled")

@@ -43,6 +43,12 @@ TARGET = "specjax_rows_matmul"
 MAX_ROWS = 32
 KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "rows_matmul.cc", ENV,
                                "few-row CPU matmul kernel", "XLA's matmul")
+# The same product on a weight stored transposed ([O, I]: each output's weights
+# contiguous), for the CPU decode layout's own weights (`transposed_wins`, `matmul_t`)
+TARGET_T = "specjax_rows_matmul_t"
+KERNEL_T = cpu_kernels.FfiKernel(TARGET_T, cpu_kernels.CSRC / "rows_matmul_t.cc", ENV,
+                                 "few-row CPU matmul kernel (transposed weights)",
+                                 "XLA's matmul")
 # The race: for each weight shape, the kernel against XLA's matmul at a decode step's,
 # a short verify's and a tree verify's rows, over copies of the weight filling more than
 # a server CPU's last-level cache (64 MB), so both read it from memory as a model's
@@ -51,13 +57,18 @@ KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "rows_matmul.cc", ENV,
 RACE_ROWS, RACE_BYTES, RACE_ROUNDS = (1, 5, 17), 64 << 20, 5
 RACE_FORM = "unrolled"  # how `race_times` lays the copies out: part of a verdict's key
 _log = logging.getLogger(__name__)
-_wins: dict[tuple[int, int], bool] = {}  # (in, out) -> whether the kernel won
+_wins: dict[tuple, bool] = {}  # (in, out[, "t"]) -> whether the kernel won
 _race_lock = threading.Lock()
 
 
 def available() -> bool:
     """Whether the kernel is registered with XLA:CPU (`cpu_kernels.FfiKernel.available`)."""
     return KERNEL.available()
+
+
+def available_t() -> bool:
+    """Whether the transposed-weight kernel is registered with XLA:CPU."""
+    return KERNEL_T.available()
 
 
 def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS, race: bool = True) -> bool:
@@ -75,26 +86,45 @@ def kernel_wins(shape: tuple[int, int]) -> bool:
     """Whether the kernel beats XLA's matmul on weights of `shape` here: raced once per
     process and shape (`race`, a fraction of a second), or True with
     `SPECJAX_CPU_MATMUL=on`."""
+    return _raced(shape, transposed=False)
+
+
+def transposed_wins(shape: tuple[int, int]) -> bool:
+    """Whether the transposed-weight kernel (`matmul_t` on the [O, I] copy of an [I, O]
+    weight of `shape`) beats XLA's matmul on the [I, O] weight here: the CPU decode
+    layout stores such weights transposed (`specjax.model.decode_params`). Raced once
+    per process and shape (`race(transposed=True)`), False where that kernel is not
+    available, True with `SPECJAX_CPU_MATMUL=on`."""
+    return available_t() and _raced(shape, transposed=True)
+
+
+def _raced(shape: tuple[int, int], transposed: bool) -> bool:
+    """`kernel_wins` / `transposed_wins`: the verdict kept from an earlier race on this
+    machine (`verdicts_file`), else a race now."""
     if os.environ.get(ENV, "").strip().lower() in ON:
         return True
+    key = (*shape, "t") if transposed else tuple(shape)
     with _race_lock:
-        if shape not in _wins:
-            kept = verdicts_file()
+        if key not in _wins:
+            kept = verdicts_file(KERNEL_T if transposed else KERNEL)
             earlier = _read_verdicts(kept).get(_key(shape)) if kept else None
-            _wins[shape] = _race_in_thread(shape) if earlier is None else earlier
+            _wins[key] = (_race_in_thread(shape, transposed) if earlier is None
+                          else earlier)
             if kept and earlier is None:
-                _write_verdict(kept, shape, _wins[shape])
-            _log.info("few-row CPU matmul kernel on %s weights: %s%s", shape,
-                      "faster than XLA's, used" if _wins[shape] else
+                _write_verdict(kept, shape, _wins[key])
+            _log.info("few-row CPU matmul kernel%s on %s weights: %s%s",
+                      " (transposed weights)" if transposed else "", shape,
+                      "faster than XLA's, used" if _wins[key] else
                       "slower than XLA's, not used", "" if earlier is None else
                       f" (raced earlier: {kept})")
-        return _wins[shape]
+        return _wins[key]
 
 
-def verdicts_file() -> Path | None:
-    """Where the race's verdicts are kept: beside the built kernel when it lives in the
-    persistent compilation cache (`cpu_kernels.persistent_dir`), else None."""
-    lib, kept = KERNEL.library_path(), cpu_kernels.persistent_dir()
+def verdicts_file(kernel: cpu_kernels.FfiKernel = KERNEL) -> Path | None:
+    """Where the race's verdicts for `kernel` are kept: beside its built library when
+    that lives in the persistent compilation cache (`cpu_kernels.persistent_dir`), else
+    None."""
+    lib, kept = kernel.library_path(), cpu_kernels.persistent_dir()
     if lib is None or kept is None or lib.parent != kept:
         return None
     return lib.with_suffix(".race.json")
@@ -136,14 +166,14 @@ def serves(config) -> bool:
             and kernel_wins((config.intermediate_size, config.hidden_size)))
 
 
-def _race_in_thread(shape: tuple[int, int]) -> bool:
+def _race_in_thread(shape: tuple[int, int], transposed: bool = False) -> bool:
     """`race` in a thread of its own: `applies` runs while a program is traced, and jax
     would stage the race's calls into that program rather than run them."""
     out: list = []
 
     def run():
         try:
-            out.append(race(shape))
+            out.append(race(shape, transposed=transposed))
         except Exception as e:  # re-raised in the caller's thread, not lost with this one
             out.append(e)
 
@@ -156,13 +186,15 @@ def _race_in_thread(shape: tuple[int, int]) -> bool:
 
 
 def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
-         rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES) -> bool:
+         rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES, transposed: bool = False) -> bool:
     """Whether the kernel's products of each of `rows` rows with copies of a `shape`
-    weight (at least `nbytes` in all) take less time in sum than XLA's (`race_times`).
-    False where the kernel is not available."""
-    if not available():
+    weight (at least `nbytes` in all) take less time in sum than XLA's (`race_times`);
+    `transposed`: the transposed-weight kernel's, on the copies stored [O, I]. False
+    where that kernel is not available."""
+    if not (available_t() if transposed else available()):
         return False
-    return verdict(race_times(shape, rows, rounds, nbytes))
+    forms = {"kernel": transposed_product, "xla": jnp.matmul} if transposed else None
+    return verdict(race_times(shape, rows, rounds, nbytes, forms))
 
 
 def verdict(times: dict) -> bool:
@@ -178,7 +210,8 @@ def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
     copy its own buffer as a model's layers are (at least `nbytes` of weights, so both
     read them from memory): medians over `rounds` interleaved calls
     (`timing.interleaved_medians`). Seeded inputs; needs the kernel (`available`).
-    forms: {name: product (x, w) -> x @ w} to time instead of the kernel and XLA's."""
+    forms: {name: product (x, w) -> x @ w} to time instead of the kernel and XLA's; a
+    `Transposed` form multiplies by the copies stored [O, I]."""
     forms = forms or {"kernel": _rows, "xla": jnp.matmul}
     rng = np.random.default_rng(0)
     # Separate buffers, one product each, unrolled: a loop over stacked copies
@@ -186,12 +219,30 @@ def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
     # a copy), so both forms read it from the last-level cache rather than from memory
     ws = tuple(jnp.asarray(rng.standard_normal(shape, np.float32))
                for _ in range(race_copies(shape, nbytes)))
+    if any(isinstance(form, Transposed) for form in forms.values()):
+        wts = tuple(jnp.asarray(np.asarray(w).T) for w in ws)  # each its own [O, I] buffer
     out = {}
     for r in rows:
         x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
-        calls = {name: (race_program(form), (x, ws)) for name, form in forms.items()}
+        calls = {name: (race_program(form), (x, wts if isinstance(form, Transposed) else ws))
+                 for name, form in forms.items()}
         out[r] = timing.interleaved_medians(calls, rounds)
     return out
+
+
+class Transposed:
+    """A race form that multiplies by the weight stored transposed ([O, I]): `race_times`
+    lays its copies out transposed, outside the timed program, as the decode layout
+    stores them."""
+
+    def __init__(self, product):
+        self.product = product  # (x [R, I], wt [O, I]) -> [R, O]
+
+    def __call__(self, x, wt):
+        return self.product(x, wt)
+
+
+transposed_product = Transposed(lambda x, wt: _kernel_t(x, wt))  # needs `available_t`
 
 
 def race_program(form):
@@ -259,6 +310,41 @@ def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
     if not applies(x, w, max_rows, race):
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     return _rows(x, w)
+
+
+def _kernel_t(x: jax.Array, wt: jax.Array) -> jax.Array:  # [R, I] @ [O, I]^T
+    out = jax.ShapeDtypeStruct((x.shape[0], wt.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_T, out, vmap_method="sequential")(x, wt)
+
+
+@jax.custom_jvp
+def _rows_t(x: jax.Array, wt: jax.Array) -> jax.Array:
+    """[..., I] @ [O, I]^T -> [..., O] by the transposed-weight kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    return _kernel_t(rows, wt).reshape(*x.shape[:-1], wt.shape[0])
+
+
+@_rows_t.defjvp
+def _rows_t_jvp(primals, tangents):  # differentiable: tangents through XLA's matmul
+    (x, wt), (dx, dwt) = primals, tangents
+    return _rows_t(x, wt), _xla_t(dx, wt) + _xla_t(x, dwt)
+
+
+def _xla_t(x: jax.Array, wt: jax.Array, preferred_element_type=None) -> jax.Array:
+    return jnp.einsum("...i,oi->...o", x, wt, preferred_element_type=preferred_element_type)
+
+
+def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
+             max_rows: int = MAX_ROWS) -> jax.Array:
+    """x [..., I] @ wt [O, I]^T -> [..., O] for a weight the decode layout stores
+    transposed (`transposed_wins`): the transposed-weight kernel for float32 products of
+    at most `max_rows` rows, else XLA's (prefill's many rows, where its GEMM on either
+    layout is as fast)."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if (x.dtype == jnp.float32 and wt.dtype == jnp.float32 and 1 <= rows <= max_rows
+            and jax.default_backend() == "cpu" and available_t()):
+        return _rows_t(x, wt)
+    return _xla_t(x, wt, preferred_element_type)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,

@@ -22,6 +22,12 @@ def test_rows_report_bytes_per_second_and_the_races_verdict(monkeypatch):
     assert rows_matmul.race((64, 32)) is False
     assert matmul_race.rows_of("down", (64, 32), times)[0]["verdict"] == "XLA"
     assert "| down | 64x32 | 1 |" in matmul_race.markdown(rows)
+    times = {1: {"kernel": 0.002, "transposed": 0.0005, "xla": 0.001},
+             5: {"kernel": 0.002, "transposed": 0.005, "xla": 0.004}}
+    rows = matmul_race.rows_of("down", (64, 32), times)
+    assert rows[0]["transposed_gbs"] == pytest.approx(nbytes / 0.0005 / 1e9)
+    assert {r["verdict_t"] for r in rows} == {"XLA"}  # 0.0055 s in all against 0.005
+    assert "| 2.00 | XLA |" in matmul_race.markdown(rows)  # transposed / XLA at one row
 
 
 def test_a_small_run_prints_every_shape(capsys):
@@ -32,6 +38,7 @@ def test_a_small_run_prints_every_shape(capsys):
                         ("gate/up", "32x64"),
                         ("down", "64x32"), ("LM head", "32x128")):
         assert f"| {name} | {shape} | 3 |" in out
+    assert "transposed GB/s" in out
 
 
 def test_bad_flags_name_the_value(capsys):

@@ -43,12 +43,29 @@ def test_vectors_are_the_targets_width(tmp_path, march, lanes, registers):
 
 
 @needs_x86_compiler
-@pytest.mark.parametrize("kernel", [rows_matmul.KERNEL, cpu_attention.KERNEL],
-                         ids=["rows_matmul", "paged_attention"])
+@pytest.mark.parametrize("kernel", [rows_matmul.KERNEL, rows_matmul.KERNEL_T,
+                                    cpu_attention.KERNEL],
+                         ids=["rows_matmul", "rows_matmul_t", "paged_attention"])
 def test_kernels_multiply_add_in_full_width_registers_on_avx2(kernel):
     # znver3's tuning prefers 128-bit vectors: with a vector type wider than its
     # registers, GCC emitted no 256-bit multiply-add at all in the matmul kernel
     done = _compile(str(kernel.source), "znver3", "-O3", "-fPIC", "-S", "-o", "-")
     assert done.returncode == 0, done.stderr[-2000:]
-    fmas = re.findall(r"vfmadd\w*ps\s+%(\w)mm", done.stdout)
+    # the destination, the last operand (the first may be a memory operand, a folded load)
+    fmas = re.findall(r"vfmadd\w*ps\s+.*%(\w)mm\d+$", done.stdout, re.MULTILINE)
     assert fmas.count("y") >= 20, f"256-bit FMAs: {fmas.count('y')} of {len(fmas)}"
+
+
+@needs_x86_compiler
+@pytest.mark.parametrize("march, register", [("x86-64-v3", "y"), ("skylake-avx512", "z")])
+def test_fma_is_the_fused_instruction_on_fma_targets(tmp_path, march, register):
+    # `specjax::fma` must be the instruction itself, not a product and a sum the
+    # compiler may or may not contract: the transposed kernel's bits rest on it
+    probe = tmp_path / "fma.cc"
+    probe.write_text('#include "vectors.h"\n'
+                     "specjax::vf f(specjax::vf a, specjax::vf b, specjax::vf c) {\n"
+                     "  return specjax::fma(a, b, c);\n}\n")
+    done = _compile(str(probe), march, "-O2", "-ffp-contract=off", "-S", "-o", "-")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(rf"vfmadd\w*ps\s+.*%{register}mm\d+$", done.stdout, re.MULTILINE), (
+        done.stdout[-2000:])

@@ -175,25 +175,39 @@ def test_unrolled_decode_layout_matches_scanned():
     assert "layers_0" in model.decode_params()  # this suite runs on CPU
 
 
-def test_tied_decode_layout_carries_the_transposed_head():
-    """Tied embeddings: the CPU decode layout adds the embedding as [D, V] for the LM head
-    (XLA:CPU's [V, D]-contracting GEMM is ~15x slower at verify widths), with the same
-    logits; the compiled verify step then has no matmul contracting the embedding's D."""
+@pytest.mark.parametrize("transposed", [True, False])
+def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, monkeypatch):
+    """Tied embeddings: where the transposed-weight kernel wins, the CPU decode layout
+    multiplies by the embedding itself ([V, D]: the kernel's layout; a marker, no copy)
+    and its dense weights are stored [O, I]; else it adds the embedding as [D, V] for
+    the [I, O] kernel (XLA:CPU's [V, D]-contracting GEMM is ~15x slower at verify
+    widths). The logits are the stored layout's either way, and the compiled verify step
+    runs its LM head through the kernel up to its rows, XLA's matmul past them."""
     from specjax import rows_matmul
     from specjax.model import decode_params
-    from specjax.models.transformer import TIED_HEAD_T
+    from specjax.models.transformer import KERNEL_T, TIED_HEAD_ROWS, TIED_HEAD_T
 
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: transposed)
     cfg = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=True)
     params = specjax.init_params(cfg, 2)
     dec = decode_params(cfg, params, "unrolled")
     emb = params["embed_tokens"]["embedding"]
-    np.testing.assert_array_equal(dec[TIED_HEAD_T], emb.T)
+    down = dec["layers_0"]["mlp"]["down_proj"]
+    if transposed:
+        assert TIED_HEAD_T not in dec and dec[TIED_HEAD_ROWS].size == 0
+        np.testing.assert_array_equal(down[KERNEL_T], params["layers"]["mlp"]["down_proj"][
+            "kernel"][0].T)
+    else:
+        assert TIED_HEAD_ROWS not in dec and "kernel" in down
+        np.testing.assert_array_equal(dec[TIED_HEAD_T], emb.T)
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
     a = specjax.step(cfg, params, None, tokens, positions)[0]
     b = specjax.step(cfg, dec, None, tokens, positions)[0]
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     v, d = cfg.vocab_size, cfg.hidden_size
+    target = rows_matmul.TARGET_T if transposed else rows_matmul.TARGET
+    head = f"tensor<{v}x{d}xf32>" if transposed else f"tensor<{d}x{v}xf32>"
 
     def head_ops(t):  # the compiled step's ops producing [..., V] logits
         tok = jnp.zeros((2, t), jnp.int32)
@@ -201,19 +215,19 @@ def test_tied_decode_layout_carries_the_transposed_head():
         hlo = jax.jit(lambda p, a, b: specjax.step(cfg, p, None, a, b)[0]).lower(
             dec, tok, pos).as_text()
         return [ln for ln in hlo.splitlines()
-                if ("dot_general" in ln or rows_matmul.TARGET in ln) and f"x{v}xf32>" in ln]
+                if ("dot_general" in ln or target in ln) and f"x{v}xf32>" in ln]
 
-    # 10 rows: the few-row kernel, on the [D, V] head
+    # 10 rows: the few-row kernel, on the head in its layout
     heads = head_ops(5)
-    assert heads and all(rows_matmul.TARGET in ln and f"tensor<{d}x{v}xf32>" in ln
-                         for ln in heads)
-    # 2 x 17 rows, past the kernel's: XLA's matmul, contracting the [D, V] head's first axis
+    assert heads and all(target in ln and head in ln for ln in heads)
+    # 2 x 17 rows, past the kernel's: XLA's matmul on the same head
     assert 2 * 17 > rows_matmul.MAX_ROWS
     heads = head_ops(17)
-    assert heads and all("dot_general" in ln and f"tensor<{d}x{v}xf32>" in ln
-                         and "x [0]" in ln for ln in heads)
+    assert heads and all("dot_general" in ln and head in ln for ln in heads)
     untied = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=False)
-    assert TIED_HEAD_T not in decode_params(untied, specjax.init_params(untied, 0), "unrolled")
+    dec_untied = decode_params(untied, specjax.init_params(untied, 0), "unrolled")
+    assert TIED_HEAD_T not in dec_untied and TIED_HEAD_ROWS not in dec_untied
+    assert (KERNEL_T if transposed else "kernel") in dec_untied["lm_head"]
 
 
 @pytest.mark.parametrize("extra", [{}, {"qkv_bias": True}, {"qk_norm": True}])
@@ -223,7 +237,7 @@ def test_decode_layout_fuses_q_k_and_v(extra):
     does (Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
     from specjax.cache import PagedKVCache
     from specjax.model import decode_params
-    from specjax.models.transformer import FUSED_QKV
+    from specjax.models.transformer import FUSED_QKV, KERNEL_T
 
     cfg = specjax.config.tiny_llama(num_layers=2, **extra)
     params = specjax.init_params(cfg, 3)
@@ -235,9 +249,13 @@ def test_decode_layout_fuses_q_k_and_v(extra):
     attn = dec["layers_1"]["self_attn"]
     assert not {"q_proj", "k_proj", "v_proj"} & set(attn)
     stored = {n: params["layers"]["self_attn"][n] for n in ("q_proj", "k_proj", "v_proj")}
-    for name in attn[FUSED_QKV]:
-        np.testing.assert_array_equal(attn[FUSED_QKV][name], jnp.concatenate(
-            [stored[n][name][1] for n in ("q_proj", "k_proj", "v_proj")], axis=-1))
+    for name in ("kernel", "bias"):
+        got = attn[FUSED_QKV].get(name)
+        if name == "kernel":  # stored [O, I] where the transposed-weight kernel wins
+            got = attn[FUSED_QKV][KERNEL_T].T if KERNEL_T in attn[FUSED_QKV] else got
+        if got is not None:
+            np.testing.assert_array_equal(got, jnp.concatenate(
+                [stored[n][name][1] for n in ("q_proj", "k_proj", "v_proj")], axis=-1))
     assert ("bias" in attn[FUSED_QKV]) == bool(extra.get("qkv_bias"))
     cache = PagedKVCache.create(cfg, jnp.array([[1, 0]]), num_pages=3, page_size=8,
                                 lengths=jnp.array([5]))
@@ -246,8 +264,10 @@ def test_decode_layout_fuses_q_k_and_v(extra):
     (la, _, ca), (lb, _, cb) = (specjax.step(cfg, p, cache, tokens, positions)
                                 for p in (params, dec))
     np.testing.assert_allclose(la, lb, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=1e-6)
-    np.testing.assert_allclose(ca.v_pages, cb.v_pages, atol=1e-6)
+    # The decode layout's products sum each dot product in the kernel's lane order, not
+    # XLA's: keys normed by q/k norm (|k| up to ~3) then differ by up to ~10 float32 ulps
+    np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=4e-6)
+    np.testing.assert_allclose(ca.v_pages, cb.v_pages, atol=4e-6)
 
 
 def test_layer_layout_choice_is_checked():

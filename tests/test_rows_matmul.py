@@ -27,8 +27,12 @@ from specjax.model import decode_params, init_params, module_for
 from specjax.models.transformer import is_decode_layout
 
 
-def _calls_kernel(fn, *args) -> bool:
-    return rows_matmul.TARGET in jax.jit(fn).lower(*args).as_text()
+def _calls_kernel(fn, *args, target=rows_matmul.TARGET) -> bool:
+    return target in jax.jit(fn).lower(*args).as_text()
+
+
+def _calls_kernel_t(fn, *args) -> bool:  # the transposed-weight kernel
+    return _calls_kernel(fn, *args, target=rows_matmul.TARGET_T)
 
 
 def _data(shape_x, shape_w, seed=0):
@@ -94,6 +98,57 @@ def test_every_kernel_form_gives_the_same_bits():
                                        rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="'fast'"):
         rows_matmul.in_form("fast")
+
+
+@pytest.mark.parametrize("rows", range(1, rows_matmul.MAX_ROWS + 1))
+@pytest.mark.parametrize("inner, out", [(37, 53), (64, 200), (16, 7), (96, 1024),
+                                        (21, 1603), (576, 259)])
+def test_transposed_kernel_matches_numpy_at_every_row_count(rows, inner, out):
+    # inner sizes off the 8- and 16-lane vectors, outputs off the 2 and 4 streams and
+    # the threads' ranges, rows off the 4-row blocks: every tail path
+    assert rows_matmul.available_t()
+    x, w = _data((rows, inner), (inner, out), seed=rows)
+    wt = np.ascontiguousarray(w.T)
+    assert _calls_kernel_t(rows_matmul.matmul_t, x, wt)
+    y = np.asarray(jax.jit(rows_matmul.matmul_t)(x, wt))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_transposed_kernel_rows_do_not_depend_on_the_rows_beside_them():
+    """Each row's dot products sum in one order whatever block it falls in (1-4 rows,
+    2 or 4 streams, the outputs left over), bit for bit: a verify row equals the same
+    row decoded alone."""
+    for inner, out in ((300, 500), (37, 129), (576, 1030)):
+        x, w = _data((rows_matmul.MAX_ROWS, inner), (inner, out))
+        wt = np.ascontiguousarray(w.T)
+        alone = np.stack([np.asarray(jax.jit(rows_matmul.matmul_t)(x[i:i + 1], wt))[0]
+                          for i in range(rows_matmul.MAX_ROWS)])
+        for rows in range(2, rows_matmul.MAX_ROWS + 1):
+            together = np.asarray(jax.jit(rows_matmul.matmul_t)(x[:rows], wt))
+            np.testing.assert_array_equal(together, alone[:rows], err_msg=f"{out=} {rows=}")
+
+
+@pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),
+                                            ((2, 32), jnp.bfloat16)])
+def test_transposed_products_past_the_kernel_run_xlas(x_shape, dtype):
+    x, w = _data(x_shape, (32, 48))
+    x, wt = jnp.asarray(x, dtype), jnp.asarray(np.ascontiguousarray(w.T), dtype)
+    assert not _calls_kernel_t(rows_matmul.matmul_t, x, wt)
+    np.testing.assert_allclose(np.asarray(rows_matmul.matmul_t(x, wt), np.float32),
+                               np.asarray(x @ wt.T, np.float32))
+
+
+def test_transposed_kernel_gradients_equal_xlas_matmuls():
+    x, w = _data((3, 24), (24, 40))
+    wt = np.ascontiguousarray(w.T)
+
+    def loss(mm, x, wt):
+        return jnp.sum(jnp.tanh(mm(x, wt)) ** 2)
+
+    got = jax.grad(lambda x, wt: loss(rows_matmul.matmul_t, x, wt), argnums=(0, 1))(x, wt)
+    want = jax.grad(lambda x, wt: loss(lambda a, b: a @ b.T, x, wt), argnums=(0, 1))(x, wt)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),
@@ -175,14 +230,14 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     shape for every row count or for none; a real race returns a verdict."""
     raced = []
 
-    def fake_race(shape):
+    def fake_race(shape, transposed=False):
         raced.append(shape)
         return shape[1] == 8  # the kernel "wins" on [12, 8] weights only
 
     monkeypatch.delenv(rows_matmul.ENV)
     monkeypatch.setattr(rows_matmul, "race", fake_race)
     monkeypatch.setattr(rows_matmul, "_wins", {})
-    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda: None)  # none kept
+    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda kernel=None: None)  # none kept
     jax.clear_caches()  # programs other tests traced with these shapes
     x = _data((2, 12), (12, 8))[0]
     w8, w24 = _data((2, 12), (12, 8))[1], _data((2, 12), (12, 24))[1]
@@ -198,57 +253,71 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     assert _calls_kernel(rows_matmul.matmul, x, w24)
 
 
-@pytest.mark.parametrize("form", ["kernel", "xla"])
+@pytest.mark.parametrize("form", ["kernel", "xla", "transposed"])
 def test_the_race_reads_every_weight_copy_in_place(form):
     """The race's program multiplies each copy where it lies: no copy of a weight into a
     new buffer (a loop over stacked copies, `lax.map`, sliced each one out first, so the
     products read it from cache, not memory), one product per copy, each right."""
-    fn = {"kernel": rows_matmul._rows, "xla": jnp.matmul}[form]
+    fn = {"kernel": rows_matmul._rows, "xla": jnp.matmul,
+          "transposed": rows_matmul.transposed_product}[form]
     x, w = _data((3, 48), (48, 40))
     ws = tuple(w + i for i in range(5))
+    args = tuple(np.ascontiguousarray(v.T) for v in ws) if form == "transposed" else ws
     program = rows_matmul.race_program(fn)
-    hlo = program.lower(x, ws).compile().as_text()
-    assert "dynamic-slice" not in hlo and "f32[48,40]{1,0} copy(" not in hlo
-    if form == "kernel":
-        assert hlo.count(f'custom_call_target="{rows_matmul.TARGET}"') == len(ws)
-    np.testing.assert_allclose(program(x, ws), np.stack([x @ v for v in ws]), rtol=1e-5,
+    hlo = program.lower(x, args).compile().as_text()
+    assert "dynamic-slice" not in hlo and " copy(" not in hlo
+    if form != "xla":
+        target = rows_matmul.TARGET_T if form == "transposed" else rows_matmul.TARGET
+        assert hlo.count(f'custom_call_target="{target}"') == len(ws)
+    np.testing.assert_allclose(program(x, args), np.stack([x @ v for v in ws]), rtol=1e-5,
                                atol=1e-4)
 
 
 def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tmp_path):
     """With the compilation cache on (the suite turns it on), a verdict is written next
     to the built kernel and read back instead of racing again (a new process starts
-    with no verdicts in memory); an unreadable file is raced over and rewritten; with the
-    cache off nothing is kept."""
+    with no verdicts in memory), each kernel's beside its own library; an unreadable file
+    is raced over and rewritten; with the cache off nothing is kept."""
     monkeypatch.delenv(rows_matmul.ENV)
     kept = rows_matmul.verdicts_file()
     assert kept == rows_matmul.KERNEL.library_path().with_suffix(".race.json")
-    path = tmp_path / "kernel.race.json"
-    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda: path)
+    assert rows_matmul.verdicts_file(rows_matmul.KERNEL_T) == (
+        rows_matmul.KERNEL_T.library_path().with_suffix(".race.json"))
+    path, path_t = tmp_path / "kernel.race.json", tmp_path / "kernel_t.race.json"
+    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda kernel=rows_matmul.KERNEL:
+                        path if kernel is rows_matmul.KERNEL else path_t)
     raced = []
 
-    def fake_race(shape):
-        raced.append(shape)
-        return shape == (12, 8)
+    def fake_race(shape, transposed=False):
+        raced.append((shape, transposed))
+        return shape == ((12, 24) if transposed else (12, 8))
 
     monkeypatch.setattr(rows_matmul, "race", fake_race)
     for _ in range(2):  # the second "process" reads the first one's verdicts
         monkeypatch.setattr(rows_matmul, "_wins", {})
         assert rows_matmul.kernel_wins((12, 8)) and not rows_matmul.kernel_wins((12, 24))
-    assert raced == [(12, 8), (12, 24)]
+        assert rows_matmul.transposed_wins((12, 24))
+        assert not rows_matmul.transposed_wins((12, 8))
+    assert raced == [((12, 8), False), ((12, 24), False), ((12, 24), True), ((12, 8), True)]
     assert json.loads(path.read_text()) == {
         "12x24 rows 1,5,17 bytes 67108864 unrolled": False,
         "12x8 rows 1,5,17 bytes 67108864 unrolled": True}
+    assert json.loads(path_t.read_text()) == {
+        "12x24 rows 1,5,17 bytes 67108864 unrolled": True,
+        "12x8 rows 1,5,17 bytes 67108864 unrolled": False}
+    raced.clear()
+    path_t.unlink()
+    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda kernel=rows_matmul.KERNEL: path)
     path.write_text("{not json")
     monkeypatch.setattr(rows_matmul, "_wins", {})
-    assert rows_matmul.kernel_wins((12, 8)) and raced[-1] == (12, 8)
+    assert rows_matmul.kernel_wins((12, 8)) and raced[-1] == ((12, 8), False)
     assert json.loads(path.read_text()) == {"12x8 rows 1,5,17 bytes 67108864 unrolled": True}
     monkeypatch.setattr(rows_matmul, "RACE_ROWS", (1, 9))  # a changed race races again
     monkeypatch.setattr(rows_matmul, "_wins", {})
-    assert rows_matmul.kernel_wins((12, 8)) and raced.count((12, 8)) == 3
+    assert rows_matmul.kernel_wins((12, 8)) and raced.count(((12, 8), False)) == 2
     monkeypatch.setattr(rows_matmul, "RACE_FORM", "other")  # so does a changed layout
     monkeypatch.setattr(rows_matmul, "_wins", {})
-    assert rows_matmul.kernel_wins((12, 8)) and raced.count((12, 8)) == 4
+    assert rows_matmul.kernel_wins((12, 8)) and raced.count(((12, 8), False)) == 3
     monkeypatch.undo()  # the real verdicts_file, with the cache off
     monkeypatch.setattr(rows_matmul.cpu_kernels, "persistent_dir", lambda: None)
     assert rows_matmul.verdicts_file() is None
@@ -257,10 +326,13 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
 def test_a_real_race_returns_a_verdict(monkeypatch):
     """`race` times both forms on copies of the weight and says whether the kernel was
     faster; without the kernel it is not."""
-    verdict = rows_matmul.race((64, 128), rows=(1, 5), rounds=1, nbytes=1 << 16)
-    assert isinstance(verdict, bool)
+    for transposed in (False, True):
+        verdict = rows_matmul.race((64, 128), rows=(1, 5), rounds=1, nbytes=1 << 16,
+                                   transposed=transposed)
+        assert isinstance(verdict, bool)
     monkeypatch.setenv(rows_matmul.ENV, "off")
     assert rows_matmul.race((64, 128), rows=(1,), rounds=1) is False
+    assert rows_matmul.race((64, 128), rows=(1,), rounds=1, transposed=True) is False
 
 
 def test_decode_layout_forward_runs_the_kernel_and_matches_the_stored_layout():
@@ -273,8 +345,8 @@ def test_decode_layout_forward_runs_the_kernel_and_matches_the_stored_layout():
     def forward(p):
         return module_for(config, p).apply({"params": p}, tokens, positions)[0]
 
-    assert _calls_kernel(forward, decoded)
-    assert not _calls_kernel(forward, params)  # the stored (scanned) layout: XLA's
+    assert _calls_kernel_t(forward, decoded)  # its weights stored [O, I] (the race: "on")
+    assert not _calls_kernel_t(forward, params)  # the stored (scanned) layout: XLA's
     np.testing.assert_allclose(jax.jit(forward)(decoded), jax.jit(forward)(params),
                                rtol=1e-4, atol=1e-4)
 

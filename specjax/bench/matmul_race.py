@@ -1,7 +1,9 @@
-"""What the few-row matmul kernel's race against XLA's matmul sees on this machine: for
+"""What the few-row matmul kernels' races against XLA's matmul see on this machine: for
 each weight shape of a model, the weight bytes each form reads per second at 1, 5 and
-17 rows (`specjax.rows_matmul.race_times`, the timing `kernel_wins` decides by, with
-more rounds), and the verdict the race would give. SmolLM2-135M's shapes by default
+17 rows (`specjax.rows_matmul.race_times`, the timing `kernel_wins` and
+`transposed_wins` decide by, with more rounds): the [I, O] kernel, the transposed-weight
+kernel on the same weights stored [O, I] (what the CPU decode layout stores where it
+wins) and XLA's product, and the verdicts the races would give. SmolLM2-135M's shapes by default
 (q/o, k/v, the fused q/k/v, gate/up, down, LM head), from its config; no weights are loaded.
 
 `--kernel-forms` times the kernel's two forms for 2-8 rows against each other instead
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+import jax.numpy as jnp
 
 from specjax import rows_matmul
 from specjax.bench.suite import ints
@@ -34,13 +38,22 @@ def shapes(hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict:
 
 
 def rows_of(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
-    """One row per row count: GB/s of weights each form read, and the shape's verdict
-    (the race sums the times over row counts)."""
+    """One row per row count: GB/s of weights each form read, and the shape's verdicts
+    (each race sums the times over row counts; "transposed" where it was timed)."""
     nbytes = rows_matmul.race_copies(shape) * shape[0] * shape[1] * 4
     wins = rows_matmul.verdict(times)
-    return [dict(weight=name, shape=f"{shape[0]}x{shape[1]}", rows=r,
-                 kernel_gbs=nbytes / t["kernel"] / 1e9, xla_gbs=nbytes / t["xla"] / 1e9,
-                 verdict="kernel" if wins else "XLA") for r, t in times.items()]
+    out = []
+    for r, t in times.items():
+        row = dict(weight=name, shape=f"{shape[0]}x{shape[1]}", rows=r,
+                   kernel_gbs=nbytes / t["kernel"] / 1e9, xla_gbs=nbytes / t["xla"] / 1e9,
+                   verdict="kernel" if wins else "XLA")
+        if "transposed" in t:
+            wins_t = rows_matmul.verdict({k: {"kernel": v["transposed"], "xla": v["xla"]}
+                                          for k, v in times.items()})
+            row.update(transposed_gbs=nbytes / t["transposed"] / 1e9,
+                       verdict_t="transposed" if wins_t else "XLA")
+        out.append(row)
+    return out
 
 
 def form_rows(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
@@ -64,11 +77,14 @@ def forms_markdown(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| weight | shape | rows | kernel GB/s | XLA GB/s | kernel / XLA | race picks |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    t = all("transposed_gbs" in r for r in rows)
+    lines = ["| weight | shape | rows | kernel GB/s | XLA GB/s | kernel / XLA | race picks |"
+             + (" transposed GB/s | transposed / XLA | its race picks |" if t else ""),
+             "|---|---|---:|---:|---:|---:|---|" + ("---:|---:|---|" if t else "")]
     lines += [f"| {r['weight']} | {r['shape']} | {r['rows']} | {r['kernel_gbs']:.2f} | "
               f"{r['xla_gbs']:.2f} | {r['kernel_gbs'] / r['xla_gbs']:.2f} | {r['verdict']} |"
-              for r in rows]
+              + (f" {r['transposed_gbs']:.2f} | {r['transposed_gbs'] / r['xla_gbs']:.2f} | "
+                 f"{r['verdict_t']} |" if t else "") for r in rows]
     return "\n".join(lines)
 
 
@@ -94,18 +110,21 @@ def main(argv=None) -> int:
     dims = (args.hidden, args.intermediate, args.kv_width, args.vocab, args.rounds)
     if min(dims) < 1:
         ap.error(f"sizes and --rounds must be >= 1, got {dims}")
-    if not rows_matmul.available():
-        print("the few-row matmul kernel is not available here (no C++ compiler, or "
+    if not (rows_matmul.available() and rows_matmul.available_t()):
+        print("the few-row matmul kernels are not available here (no C++ compiler, or "
               f"{rows_matmul.ENV}=off)", file=sys.stderr)
         return 2
     out = []
+    race_forms = {"kernel": rows_matmul._rows, "transposed": rows_matmul.transposed_product,
+                  "xla": jnp.matmul}
     forms = {name: rows_matmul.in_form(name) for name in ("register blocks", "sweep")}
     for name, shape in shapes(*dims[:4]).items():
         if args.kernel_forms:
             out += form_rows(name, shape, rows_matmul.race_times(shape, rows, args.rounds,
                                                                  forms=forms))
         else:
-            out += rows_of(name, shape, rows_matmul.race_times(shape, rows, args.rounds))
+            out += rows_of(name, shape, rows_matmul.race_times(shape, rows, args.rounds,
+                                                               forms=race_forms))
     print(forms_markdown(out) if args.kernel_forms else markdown(out))
     return 0
 

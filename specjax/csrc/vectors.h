@@ -16,6 +16,12 @@
 
 #include <cstdint>
 
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
 #if defined(__AVX512F__)
 #define SPECJAX_VECTOR_BYTES 64
 #define SPECJAX_VECTOR_REGISTERS 32
@@ -39,6 +45,21 @@ constexpr int kRegisters = SPECJAX_VECTOR_REGISTERS;  // vector registers the ta
 
 inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+
+// a * b + c rounded once, by the fused multiply-add instruction itself: left to the
+// compiler's contraction of `c += a * b`, GCC fused it in some of a kernel's block
+// shapes and not in others, so a row's result depended on the block it fell in.
+inline vf fma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && SPECJAX_VECTOR_BYTES == 32
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__)
+  return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#else  // no fused multiply-add instruction: nothing to contract into
+  return a * b + c;
+#endif
+}
 
 }  // namespace specjax
 

@@ -71,8 +71,8 @@ class DecodeLoop:
         spec_state = spec.init(self.config, b, s, kv_dtype=kv_dtype) if spec is not None else ()
         cache, spec_state, last = self._prompt_chunks(params, prompt, spec_state, chunk,
                                                       num_chunks)
-        logits = module_for(self.config).apply({"params": params.target}, last.final[:, 0],
-                                               method=Transformer.logits)  # [B, V]
+        logits = module_for(self.config, params.target).apply(
+            {"params": params.target}, last.final[:, 0], method=Transformer.logits)  # [B, V]
         plens = prompt.prompt_lens
         first = sampling_lib.sample_rows(rng.step_keys(prompt.keys, plens, rng.SAMPLE), logits,
                                          params.sampling)

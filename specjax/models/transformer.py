@@ -61,6 +61,11 @@ SINGLE_DEVICE = CacheOps()
 
 # Decode-layout param: the tied embedding transposed, [D, V] (`Transformer.logits`).
 TIED_HEAD_T = "tied_lm_head_t"
+# Decode-layout marker (an empty array): the tied LM head multiplies by the embedding
+# itself, [V, D], through the transposed-weight kernel (`Transformer.logits`).
+TIED_HEAD_ROWS = "tied_lm_head_rows"
+# Decode-layout dense param: the kernel stored transposed, [O, I] (`RowsDense`).
+KERNEL_T = "kernel_t"
 # Decode-layout attention param: q_proj, k_proj and v_proj concatenated on their output
 # axis, [D, (N + 2K)·H] (`Attention`).
 FUSED_QKV = "qkv_proj"
@@ -122,10 +127,38 @@ class RMSNorm(nn.Module):
 def dense_layer(features: int, name: str, dtype, use_bias: bool = False,
                 rows_kernel: bool = False):
     """A dense layer; `rows_kernel` (the unrolled decode layout): few-row float32 products
-    through `specjax.rows_matmul` on XLA:CPU."""
+    through `specjax.rows_matmul` on XLA:CPU (`RowsDense`)."""
+    if rows_kernel:
+        return RowsDense(features, use_bias, dtype, name=name)
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(0.02), name=name,
-                    dot_general=rows_matmul.dot_general if rows_kernel else None)
+                    kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+class RowsDense(nn.Module):
+    """`nn.Dense` for the CPU decode layout: a `KERNEL_T` param ([O, I], stored so by
+    `specjax.model.decode_params` where the transposed-weight kernel wins) multiplies
+    through `rows_matmul.matmul_t`; a `kernel` ([I, O]) as `nn.Dense` does, few rows
+    through `rows_matmul.dot_general`."""
+
+    features: int
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        if self.has_variable("params", KERNEL_T):
+            wt = self.get_variable("params", KERNEL_T)
+            bias = self.get_variable("params", "bias") if self.use_bias else None
+            x, wt, bias = nn.dtypes.promote_dtype(x, wt, bias, dtype=self.dtype)
+            y = rows_matmul.matmul_t(x, wt)
+        else:
+            kernel = self.param("kernel", nn.initializers.normal(0.02),
+                                (x.shape[-1], self.features), jnp.float32)
+            bias = (self.param("bias", nn.initializers.zeros_init(), (self.features,),
+                               jnp.float32) if self.use_bias else None)
+            x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+            y = rows_matmul.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
 class Attention(nn.Module):
@@ -260,11 +293,8 @@ class Transformer(nn.Module):
                                for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype))
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=jnp.dtype(c.dtype),
-                                    param_dtype=jnp.float32,
-                                    kernel_init=nn.initializers.normal(0.02),
-                                    dot_general=(None if self.scan_layers
-                                                 else rows_matmul.dot_general))
+            self.lm_head = dense_layer(c.vocab_size, "lm_head", jnp.dtype(c.dtype),
+                                       rows_kernel=not self.scan_layers)
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -275,12 +305,17 @@ class Transformer(nn.Module):
             # The decode layout carries the embedding transposed ([D, V], see
             # `specjax.model.decode_params`): XLA:CPU's GEMM on the transposed operand
             # is many times slower at verify widths than on a [D, V] one.
-            wt = self.variables.get("params", {}).get(TIED_HEAD_T)
+            params = self.variables.get("params", {})
+            wt = params.get(TIED_HEAD_T)
             if wt is not None:
                 with jax.named_scope("lm_head"):  # the op's name (`bench.profile` parts)
                     return rows_matmul.matmul(h, wt.astype(h.dtype),
                                               preferred_element_type=jnp.float32)
             w = self.embed_tokens.embedding
+            if TIED_HEAD_ROWS in params:  # [V, D] is the transposed kernel's layout
+                with jax.named_scope("lm_head"):
+                    return rows_matmul.matmul_t(h, w.astype(h.dtype),
+                                                preferred_element_type=jnp.float32)
             return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
                               preferred_element_type=jnp.float32)
         return self.lm_head(h).astype(jnp.float32)

@@ -1,0 +1,138 @@
+// y[T, O] = x[T, I] @ wt[O, I]^T in float32 for few rows T (a decode step's 1, a
+// verify's 2-32), with the weight stored transposed (each output's I weights
+// contiguous), as an XLA FFI handler for the CPU backend (`specjax.rows_matmul` builds
+// and registers it; the CPU decode layout stores the weights it wins this way).
+//
+// Why by hand, and why transposed: on [I, O] weights (rows_matmul.cc) each thread
+// reads short pieces of many weight rows, which the hardware prefetcher follows poorly
+// on the small matrices of a decode step (576x576 to 1536x576 on SmolLM2: 14-19 GB/s on
+// an AVX2-only AMD EPYC that streams 26-30 GB/s). Here each thread reads one contiguous
+// range of outputs' weights, as llama.cpp's dot products do, in G sequential streams
+// (G outputs spaced a quarter or half of the range apart), and each weight vector is
+// multiplied by up to 4 rows while in registers; rows past 4 re-read the block's few KB
+// from L1, so the weights come from memory once for any row count
+// (docs/benchmarks.md, "Few-row matmuls, weights transposed").
+// Each output element is the dot product of x's row and wt's row summed the same way in
+// every block shape and for any T: lane-wise fused multiply-adds over the vectors of I
+// in order, the lanes summed by halves, then the tail of I past the last whole vector in
+// order, every multiply-add fused explicitly (`vectors.h`); so a row's result does not
+// depend on how many rows share the call. The
+// outputs are split across XLA's intra-op threads.
+#include <algorithm>
+#include <cstdint>
+
+#include "parallel_items.h"
+#include "vectors.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using specjax::fma, specjax::kLanes, specjax::kRegisters, specjax::load,
+    specjax::vf;  // vectors.h
+
+constexpr int kMaxRows = 4;  // rows per register block (more go in groups)
+
+// The lanes of v summed by halves: a fixed order, the same for every block.
+inline float lanes_sum(vf v) {
+  float s[kLanes];
+  for (int l = 0; l < kLanes; ++l) s[l] = v[l];
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) s[l] += s[l + w];
+  return s[0];
+}
+
+// y[r, j + g * stride] for R rows of x and the G outputs j, j + stride, ...: R x G
+// accumulators in registers, each weight vector loaded once for the R rows.
+template <int G, int R>
+void block(const float* x, const float* wt, float* y, int64_t in, int64_t out, int64_t j,
+           int64_t stride) {
+  const int64_t iv = in / kLanes * kLanes;  // whole vectors; tail after
+  vf acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = vf{};
+  for (int64_t i = 0; i < iv; i += kLanes) {
+    vf wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = load(wt + (j + g * stride) * in + i);
+    for (int r = 0; r < R; ++r) {
+      const vf xv = load(x + r * in + i);
+      for (int g = 0; g < G; ++g) acc[r][g] = fma(xv, wv[g], acc[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      const float* w = wt + (j + g * stride) * in;
+      float s = lanes_sum(acc[r][g]);
+      for (int64_t i = iv; i < in; ++i) s = __builtin_fmaf(x[r * in + i], w[i], s);
+      y[r * out + j + g * stride] = s;
+    }
+}
+
+// All rows of x for the G outputs j, j + stride, ...: rows kMaxRows at a time, then
+// the rest in one smaller block.
+template <int G>
+void rows_block(const float* x, const float* wt, float* y, int64_t rows, int64_t in,
+                int64_t out, int64_t j, int64_t stride) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    block<G, kMaxRows>(x + r * in, wt, y + r * out, in, out, j, stride);
+  switch (rows - r) {
+    case 3: block<G, 3>(x + r * in, wt, y + r * out, in, out, j, stride); break;
+    case 2: block<G, 2>(x + r * in, wt, y + r * out, in, out, j, stride); break;
+    case 1: block<G, 1>(x + r * in, wt, y + r * out, in, out, j, stride); break;
+    default: break;
+  }
+}
+
+// Outputs [c0, c1) for all rows: G streams over the range (output p of each quarter or
+// half together), the outputs left past G whole parts one at a time.
+template <int G>
+void outputs(const float* x, const float* wt, float* y, int64_t rows, int64_t in,
+             int64_t out, int64_t c0, int64_t c1) {
+  const int64_t part = (c1 - c0) / G;
+  for (int64_t p = 0; p < part; ++p) rows_block<G>(x, wt, y, rows, in, out, c0 + p, part);
+  for (int64_t j = c0 + G * part; j < c1; ++j) rows_block<1>(x, wt, y, rows, in, out, j, 0);
+}
+
+// How many outputs a block reads side by side: R x G accumulators, G weight vectors
+// and a row's vector must fit the registers (4 x 2 + 2 + 1 with AVX2's 16; with one or
+// two rows, or 32 registers, 4 streams).
+void columns(const float* x, const float* wt, float* y, int64_t rows, int64_t in,
+             int64_t out, int64_t c0, int64_t c1) {
+  if (rows <= 2 || kRegisters >= 32) return outputs<4>(x, wt, y, rows, in, out, c0, c1);
+  outputs<2>(x, wt, y, rows, in, out, c0, c1);
+}
+
+ffi::Error RowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::F32> wt, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = wt.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("wt must be [out, in]");
+  const int64_t out = wd[0], in = wd[1];
+  if (in == 0 || x.element_count() % in != 0)
+    return ffi::Error::InvalidArgument("x's last dimension must equal wt's second");
+  const int64_t rows = x.element_count() / in;
+  if (y->element_count() != rows * out)
+    return ffi::Error::InvalidArgument("y must be [rows, out]");
+  // One contiguous range of outputs per thread; small matrices run on one.
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
+  const int64_t per = (out + threads - 1) / threads;
+  const float* xs = x.typed_data();
+  const float* ws = wt.typed_data();
+  float* ys = y->typed_data();
+  specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
+    const int64_t c0 = k * per;
+    columns(xs, ws, ys, rows, in, out, c0, std::min(out, c0 + per));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_rows_matmul_t, RowsMatmulT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
