@@ -160,10 +160,12 @@ def _write_verdict(path: Path, shape: tuple[int, int], wins: bool) -> None:
 
 def serves(config) -> bool:
     """Whether a decode step of a model of `config` (a `ModelConfig`) multiplies through
-    the kernel here: float32, on CPU, and the kernel won on its MLP's down projection
-    ([intermediate, hidden], the most common shape of its weights)."""
-    return (config.dtype == "float32" and jax.default_backend() == "cpu" and available()
-            and kernel_wins((config.intermediate_size, config.hidden_size)))
+    a kernel here: float32, on CPU, and the transposed-weight kernel or the [I, O] one
+    won on its MLP's down projection ([intermediate, hidden], the most common shape of
+    its weights)."""
+    shape = (config.intermediate_size, config.hidden_size)
+    return (config.dtype == "float32" and jax.default_backend() == "cpu"
+            and (transposed_wins(shape) or (available() and kernel_wins(shape))))
 
 
 def _race_in_thread(shape: tuple[int, int], transposed: bool = False) -> bool:

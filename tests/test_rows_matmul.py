@@ -376,3 +376,14 @@ def test_eagle3_head_beside_a_decode_layout_target_runs_the_kernel():
     assert not _calls_kernel(head_logits, params)
     np.testing.assert_allclose(jax.jit(head_logits)(decoded), jax.jit(head_logits)(params),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_float32_model_is_served_by_either_kernel(monkeypatch):
+    """`serves` (which verify-cost table prices a step) holds where the down projection's
+    shape goes to the transposed-weight kernel or to the [I, O] one, in float32 only."""
+    config = tiny_llama()
+    for t, k, want in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, t=t: t)
+        monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape, k=k: k)
+        assert rows_matmul.serves(config) is want
+        assert rows_matmul.serves(config.replace(dtype="bfloat16")) is False
