@@ -1028,7 +1028,7 @@ def test_step_overhead_prices_the_speculative_step(tiny_target, greedy_ref):
 
 def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target, monkeypatch):
     """On CPU the default verify-cost table is the one measured with the few-row matmul
-    kernel where the model's products go through it, else the one measured with XLA's
+    kernels where the model's products go through one, else the one measured with XLA's
     matmuls (a bf16 model, or a host where XLA's matmul won the race); generate prices
     a speculative call with the table for its model."""
     import dataclasses
@@ -1044,6 +1044,8 @@ def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target,
     assert default_verify_cost(dataclasses.replace(cfg, dtype="bfloat16")) is VERIFY_COST[
         "cpu-xla"]
     monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: False)
+    assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the transposed kernel still wins
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: False)
     assert default_verify_cost(cfg) is VERIFY_COST["cpu-xla"]
     asked = []
 
