@@ -75,11 +75,15 @@ def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS, race: bool = T
     """x [..., I] @ w [I, O] goes to the kernel: float32 both, at most `max_rows` rows,
     on the CPU backend, with the kernel available and, with `race`, faster than XLA's
     matmul for this weight shape on this machine (`kernel_wins`)."""
+    return (_few_float32_rows(x, w, max_rows) and w.ndim == 2 and x.shape[-1] == w.shape[0]
+            and available() and (not race or kernel_wins(tuple(w.shape))))
+
+
+def _few_float32_rows(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
+    """What both kernels take: float32 operands, 1 to `max_rows` rows, the CPU backend."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
-            and x.shape[-1] == w.shape[0] and 1 <= rows <= max_rows
-            and jax.default_backend() == "cpu" and available()
-            and (not race or kernel_wins(tuple(w.shape))))
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= max_rows
+            and jax.default_backend() == "cpu")
 
 
 def kernel_wins(shape: tuple[int, int]) -> bool:
@@ -221,8 +225,8 @@ def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
     # a copy), so both forms read it from the last-level cache rather than from memory
     ws = tuple(jnp.asarray(rng.standard_normal(shape, np.float32))
                for _ in range(race_copies(shape, nbytes)))
-    if any(isinstance(form, Transposed) for form in forms.values()):
-        wts = tuple(jnp.asarray(np.asarray(w).T) for w in ws)  # each its own [O, I] buffer
+    wts = (tuple(jnp.asarray(np.asarray(w).T) for w in ws)  # each its own [O, I] buffer
+           if any(isinstance(form, Transposed) for form in forms.values()) else ())
     out = {}
     for r in rows:
         x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
@@ -242,9 +246,6 @@ class Transposed:
 
     def __call__(self, x, wt):
         return self.product(x, wt)
-
-
-transposed_product = Transposed(lambda x, wt: _kernel_t(x, wt))  # needs `available_t`
 
 
 def race_program(form):
@@ -342,11 +343,12 @@ def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
     transposed (`transposed_wins`): the transposed-weight kernel for float32 products of
     at most `max_rows` rows, else XLA's (prefill's many rows, where its GEMM on either
     layout is as fast)."""
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if (x.dtype == jnp.float32 and wt.dtype == jnp.float32 and 1 <= rows <= max_rows
-            and jax.default_backend() == "cpu" and available_t()):
+    if _few_float32_rows(x, wt, max_rows) and available_t():
         return _rows_t(x, wt)
     return _xla_t(x, wt, preferred_element_type)
+
+
+transposed_product = Transposed(_kernel_t)  # the race's form; needs `available_t`
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
