@@ -20,7 +20,6 @@ from specjax.config import ModelConfig
 from specjax.models.transformer import (
     FUSED_QKV,
     KERNEL_T,
-    TIED_HEAD_ROWS,
     TIED_HEAD_T,
     Hidden,
     Transformer,
@@ -100,7 +99,7 @@ def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
     whose shape the transposed-weight kernel wins here stored transposed (`KERNEL_T`,
     [O, I]; `rows_matmul.transposed_wins`): it reads each thread's outputs' weights as
     one contiguous stream, where the [I, O] kernel reads short pieces of every weight
-    row. The tied LM head then multiplies by the embedding itself (`TIED_HEAD_ROWS`),
+    row. The tied LM head then multiplies by the embedding itself ([V, D]: no copy),
     else through it transposed to [D, V] (`TIED_HEAD_T`): XLA:CPU runs the
     [V, D]-contracting matmul of 2-5 verify rows ~15x slower than the same matmul on a
     [D, V] array; one extra V x D copy."""
@@ -113,9 +112,7 @@ def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
                for k, v in out.items()}
     if config.tie_word_embeddings and "embed_tokens" in out:
         table = out["embed_tokens"]["embedding"]  # [V, D]
-        if transposed and rows_matmul.transposed_wins(table.T.shape):
-            out = dict(out, **{TIED_HEAD_ROWS: jnp.zeros((0,), jnp.float32)})
-        else:
+        if not (transposed and rows_matmul.transposed_wins(table.T.shape)):
             out = dict(out, **{TIED_HEAD_T: table.T})
     return out
 

@@ -61,9 +61,6 @@ SINGLE_DEVICE = CacheOps()
 
 # Decode-layout param: the tied embedding transposed, [D, V] (`Transformer.logits`).
 TIED_HEAD_T = "tied_lm_head_t"
-# Decode-layout marker (an empty array): the tied LM head multiplies by the embedding
-# itself, [V, D], through the transposed-weight kernel (`Transformer.logits`).
-TIED_HEAD_ROWS = "tied_lm_head_rows"
 # Decode-layout dense param: the kernel stored transposed, [O, I] (`RowsDense`).
 KERNEL_T = "kernel_t"
 # Decode-layout attention param: q_proj, k_proj and v_proj concatenated on their output
@@ -312,7 +309,8 @@ class Transformer(nn.Module):
                     return rows_matmul.matmul(h, wt.astype(h.dtype),
                                               preferred_element_type=jnp.float32)
             w = self.embed_tokens.embedding
-            if TIED_HEAD_ROWS in params:  # [V, D] is the transposed kernel's layout
+            if not self.scan_layers:  # the decode layout kept no [D, V] copy: the
+                # transposed-weight kernel won, and [V, D] is its layout
                 with jax.named_scope("lm_head"):
                     return rows_matmul.matmul_t(h, w.astype(h.dtype),
                                                 preferred_element_type=jnp.float32)
