@@ -108,7 +108,7 @@ def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
            for k, v in out.items()}
     transposed = config.dtype == "float32" and jax.default_backend() == "cpu"
     if transposed:
-        out = {k: _transposed_denses(v) if k.startswith("layers_") or k == "lm_head" else v
+        out = {k: transposed_denses(v) if k.startswith("layers_") or k == "lm_head" else v
                for k, v in out.items()}
     if config.tie_word_embeddings and "embed_tokens" in out:
         table = out["embed_tokens"]["embedding"]  # [V, D]
@@ -117,7 +117,7 @@ def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
     return out
 
 
-def _transposed_denses(tree: Any) -> Any:
+def transposed_denses(tree: Any) -> Any:
     """Every dense `{"kernel": [I, O], ...}` in `tree` whose shape the transposed-weight
     kernel wins (`rows_matmul.transposed_wins`) as `{KERNEL_T: [O, I], ...}`."""
     if not isinstance(tree, dict):
@@ -125,7 +125,7 @@ def _transposed_denses(tree: Any) -> Any:
     kernel = tree.get("kernel")
     if kernel is not None and kernel.ndim == 2 and rows_matmul.transposed_wins(kernel.shape):
         return dict({k: v for k, v in tree.items() if k != "kernel"}, **{KERNEL_T: kernel.T})
-    return {k: _transposed_denses(v) for k, v in tree.items()}
+    return {k: transposed_denses(v) for k, v in tree.items()}
 
 
 LAYER_LAYOUTS = ("auto", "scan", "unrolled")
@@ -135,6 +135,13 @@ def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any
     """`params` in the layer layout to decode with. "auto": unrolled on CPU off-mesh (see
     `unstack_layers`), else the stored, scanned layout; "scan" / "unrolled" force one (not
     on a mesh). A new copy per call; `Model.decode_params` keeps it per model."""
+    if _resolved_layout(params, layout) == "scan" or "layers" not in params:
+        return params
+    return jax.jit(functools.partial(_cpu_decode_layout, config))(params)
+
+
+def _resolved_layout(params: Any, layout: str) -> str:
+    """"scan" or "unrolled": `layout` checked, "auto" resolved as `decode_params` does."""
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layout!r} must be one of {LAYER_LAYOUTS}")
     on_mesh = mesh_of(params) is not None
@@ -142,10 +149,34 @@ def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any
         raise ValueError("layer_layout='unrolled' is for single-device params; these are on "
                          "a mesh (the sharding rules name the stacked layout)")
     if layout == "auto":
-        layout = "unrolled" if jax.default_backend() == "cpu" and not on_mesh else "scan"
-    if layout == "scan" or "layers" not in params:
+        return "unrolled" if jax.default_backend() == "cpu" and not on_mesh else "scan"
+    return layout
+
+
+def transposes_denses(config: ModelConfig, params: Any, layout: str = "auto") -> bool:
+    """Whether a model of `config` decoded in `layout` stores its dense weights transposed
+    where the transposed-weight kernel wins (`_cpu_decode_layout`): the unrolled layout,
+    float32, on CPU. Weights beside such a target (an EAGLE head's, a draft's trimmed LM
+    head) are then laid out the same way."""
+    return (_resolved_layout(params, layout) == "unrolled" and config.dtype == "float32"
+            and jax.default_backend() == "cpu")
+
+
+def decode_head_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
+    """A one-layer head's params (`self_attn`, `mlp`, other dense layers at the top) beside
+    a target of `config` decoded in `layout`, laid out as that target's own layers: in the
+    unrolled layout q/k/v fused (`fuse_qkv`), and each dense weight transposed where the
+    target's are (`transposes_denses`, `transposed_denses`); `params` itself in the
+    scanned one. Its layers read either layout."""
+    if _resolved_layout(params, layout) != "unrolled" or "self_attn" not in params:
         return params
-    return jax.jit(functools.partial(_cpu_decode_layout, config))(params)
+    transposed = transposes_denses(config, params, layout)
+
+    def lay_out(params):
+        out = dict(params, self_attn=fuse_qkv(params["self_attn"]))
+        return transposed_denses(out) if transposed else out
+
+    return jax.jit(lay_out)(params)
 
 
 def init_params(config: ModelConfig, key: jax.Array | int = 0) -> Any:

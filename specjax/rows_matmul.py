@@ -95,32 +95,41 @@ def kernel_wins(shape: tuple[int, int]) -> bool:
 
 def transposed_wins(shape: tuple[int, int]) -> bool:
     """Whether the transposed-weight kernel (`matmul_t` on the [O, I] copy of an [I, O]
-    weight of `shape`) beats XLA's matmul on the [I, O] weight here: the CPU decode
-    layout stores such weights transposed (`specjax.model.decode_params`). Raced once
-    per process and shape (`race(transposed=True)`), False where that kernel is not
-    available, True with `SPECJAX_CPU_MATMUL=on`."""
-    return available_t() and _raced(shape, transposed=True)
+    weight of `shape`) beats what the [I, O] weight would otherwise get here (`rival`):
+    the CPU decode layout stores such weights transposed (`specjax.model.decode_params`).
+    Raced once per process, shape and rival (`race(transposed=True)`), False where that
+    kernel is not available, True with `SPECJAX_CPU_MATMUL=on`."""
+    if not available_t():
+        return False
+    return _raced(shape, transposed=True, rival=rival(shape))
 
 
-def _raced(shape: tuple[int, int], transposed: bool) -> bool:
-    """`kernel_wins` / `transposed_wins`: the verdict kept from an earlier race on this
-    machine (`verdicts_file`), else a race now."""
+def rival(shape: tuple[int, int]) -> str:
+    """What multiplies an [I, O] weight of `shape` here: "kernel" where the [I, O] kernel
+    won its race (`kernel_wins`), else "xla". Asked before `_raced` takes the race's lock
+    (`kernel_wins` takes it too)."""
+    return "kernel" if available() and kernel_wins(shape) else "xla"
+
+
+def _raced(shape: tuple[int, int], transposed: bool, rival: str = "xla") -> bool:
+    """`kernel_wins` / `transposed_wins` (against `rival`): the verdict kept from an
+    earlier race on this machine (`verdicts_file`), else a race now."""
     if os.environ.get(ENV, "").strip().lower() in ON:
         return True
-    key = (*shape, "t") if transposed else tuple(shape)
+    key = (*shape, "t", rival) if transposed else tuple(shape)
+    file_key = _key(shape, rival if transposed else None)
     with _race_lock:
         if key not in _wins:
             kept = verdicts_file(KERNEL_T if transposed else KERNEL)
-            earlier = _read_verdicts(kept).get(_key(shape)) if kept else None
-            _wins[key] = (_race_in_thread(shape, transposed) if earlier is None
+            earlier = _read_verdicts(kept).get(file_key) if kept else None
+            _wins[key] = (_race_in_thread(shape, transposed, rival) if earlier is None
                           else earlier)
             if kept and earlier is None:
-                _write_verdict(kept, shape, _wins[key])
+                _write_verdict(kept, file_key, _wins[key])
             _log.info("few-row CPU matmul kernel%s on %s weights: %s%s",
-                      " (transposed weights)" if transposed else "", shape,
-                      "faster than XLA's, used" if _wins[key] else
-                      "slower than XLA's, not used", "" if earlier is None else
-                      f" (raced earlier: {kept})")
+                      f" (transposed weights, against {RIVALS[rival][0]})" if transposed
+                      else "", shape, "faster, used" if _wins[key] else "slower, not used",
+                      "" if earlier is None else f" (raced earlier: {kept})")
         return _wins[key]
 
 
@@ -134,10 +143,11 @@ def verdicts_file(kernel: cpu_kernels.FfiKernel = KERNEL) -> Path | None:
     return lib.with_suffix(".race.json")
 
 
-def _key(shape: tuple[int, int]) -> str:
-    """A verdict's key: the shape and what the race timed (a changed race races again)."""
+def _key(shape: tuple[int, int], rival: str | None = None) -> str:
+    """A verdict's key: the shape and what the race timed, the rival included for the
+    transposed kernel's (a changed race races again)."""
     return (f"{shape[0]}x{shape[1]} rows {','.join(map(str, RACE_ROWS))} bytes {RACE_BYTES}"
-            f" {RACE_FORM}")
+            f" {RACE_FORM}" + ("" if rival is None else f" vs {rival}"))
 
 
 def _read_verdicts(path: Path) -> dict[str, bool]:
@@ -150,10 +160,10 @@ def _read_verdicts(path: Path) -> dict[str, bool]:
     return {k: v for k, v in data.items() if isinstance(v, bool)} if isinstance(data, dict) else {}
 
 
-def _write_verdict(path: Path, shape: tuple[int, int], wins: bool) -> None:
-    """Adds one verdict to `path`, replacing the file whole (processes racing other
-    shapes at once may each drop the other's new verdict: it is raced again later)."""
-    verdicts = {**_read_verdicts(path), _key(shape): wins}
+def _write_verdict(path: Path, key: str, wins: bool) -> None:
+    """Adds one verdict (`_key`) to `path`, replacing the file whole (processes racing
+    other shapes at once may each drop the other's new verdict: it is raced again later)."""
+    verdicts = {**_read_verdicts(path), key: wins}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
@@ -162,24 +172,29 @@ def _write_verdict(path: Path, shape: tuple[int, int], wins: bool) -> None:
         _log.warning("could not keep the matmul race's verdict in %s: %s", path, e)
 
 
-def serves(config) -> bool:
-    """Whether a decode step of a model of `config` (a `ModelConfig`) multiplies through
-    a kernel here: float32, on CPU, and the transposed-weight kernel or the [I, O] one
-    won on its MLP's down projection ([intermediate, hidden], the most common shape of
-    its weights)."""
+def serving(config) -> str | None:
+    """Which kernel a decode step of a model of `config` (a `ModelConfig`) multiplies
+    through here, judged on its MLP's down projection ([intermediate, hidden], the most
+    common shape of its weights): "transposed" (the decode layout stores the weights
+    [O, I]), "kernel" (the [I, O] kernel), or None (XLA's matmul: not float32, not on
+    CPU, or neither kernel won)."""
     shape = (config.intermediate_size, config.hidden_size)
-    return (config.dtype == "float32" and jax.default_backend() == "cpu"
-            and (transposed_wins(shape) or (available() and kernel_wins(shape))))
+    if config.dtype != "float32" or jax.default_backend() != "cpu":
+        return None
+    if transposed_wins(shape):
+        return "transposed"
+    return "kernel" if available() and kernel_wins(shape) else None
 
 
-def _race_in_thread(shape: tuple[int, int], transposed: bool = False) -> bool:
+def _race_in_thread(shape: tuple[int, int], transposed: bool = False,
+                    rival: str = "xla") -> bool:
     """`race` in a thread of its own: `applies` runs while a program is traced, and jax
     would stage the race's calls into that program rather than run them."""
     out: list = []
 
     def run():
         try:
-            out.append(race(shape, transposed=transposed))
+            out.append(race(shape, transposed=transposed, rival=rival))
         except Exception as e:  # re-raised in the caller's thread, not lost with this one
             out.append(e)
 
@@ -192,20 +207,25 @@ def _race_in_thread(shape: tuple[int, int], transposed: bool = False) -> bool:
 
 
 def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
-         rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES, transposed: bool = False) -> bool:
+         rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES, transposed: bool = False,
+         rival: str = "xla") -> bool:
     """Whether the kernel's products of each of `rows` rows with copies of a `shape`
     weight (at least `nbytes` in all) take less time in sum than XLA's (`race_times`);
-    `transposed`: the transposed-weight kernel's, on the copies stored [O, I]. False
+    `transposed`: the transposed-weight kernel's, on the copies stored [O, I], against
+    `rival`'s on the [I, O] copies ("xla" or the [I, O] "kernel", `RIVALS`). False
     where that kernel is not available."""
     if not (available_t() if transposed else available()):
         return False
-    forms = {"kernel": transposed_product, "xla": jnp.matmul} if transposed else None
-    return verdict(race_times(shape, rows, rounds, nbytes, forms))
+    if not transposed:
+        return verdict(race_times(shape, rows, rounds, nbytes))
+    forms = {"transposed": transposed_product, rival: RIVALS[rival][1]}
+    return verdict(race_times(shape, rows, rounds, nbytes, forms), "transposed", rival)
 
 
-def verdict(times: dict) -> bool:
-    """Whether the kernel won `race_times`' timings: less time summed over row counts."""
-    return sum(t["kernel"] for t in times.values()) < sum(t["xla"] for t in times.values())
+def verdict(times: dict, ours: str = "kernel", theirs: str = "xla") -> bool:
+    """Whether form `ours` won `race_times`' timings over `theirs`: less time summed over
+    row counts."""
+    return sum(t[ours] for t in times.values()) < sum(t[theirs] for t in times.values())
 
 
 def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
@@ -349,6 +369,9 @@ def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
 
 
 transposed_product = Transposed(_kernel_t)  # the race's form; needs `available_t`
+# What the transposed kernel races (`transposed_wins`): the form the [I, O] weight would
+# otherwise get, {name: (what the log calls it, its race form)}
+RIVALS = {"kernel": ("the [I, O] kernel", _rows), "xla": ("XLA's matmul", jnp.matmul)}
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,

@@ -26,8 +26,17 @@ def test_rows_report_bytes_per_second_and_the_races_verdict(monkeypatch):
              5: {"kernel": 0.002, "transposed": 0.005, "xla": 0.004}}
     rows = matmul_race.rows_of("down", (64, 32), times)
     assert rows[0]["transposed_gbs"] == pytest.approx(nbytes / 0.0005 / 1e9)
-    assert {r["verdict_t"] for r in rows} == {"XLA"}  # 0.0055 s in all against 0.005
-    assert "| 2.00 | XLA |" in matmul_race.markdown(rows)  # transposed / XLA at one row
+    # the [I, O] kernel beat XLA (0.004 s against 0.005), so the transposed kernel races
+    # it: 0.0055 s in all against 0.004
+    assert {r["verdict_t"] for r in rows} == {"kernel"}
+    assert "| 2.00 | kernel |" in matmul_race.markdown(rows)  # transposed / XLA at one row
+    times[5]["kernel"] = 0.006  # now XLA beats the [I, O] kernel (0.005 s against 0.008)
+    rows = matmul_race.rows_of("down", (64, 32), times)
+    assert {r["verdict"] for r in rows} == {"XLA"}
+    assert {r["verdict_t"] for r in rows} == {"XLA"}  # 0.0055 s against XLA's 0.005
+    times[5]["transposed"] = 0.0042  # 0.0047 s: it beats XLA
+    assert {r["verdict_t"] for r in matmul_race.rows_of("down", (64, 32), times)} == {
+        "transposed"}
 
 
 def test_a_small_run_prints_every_shape(capsys):

@@ -230,7 +230,7 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     shape for every row count or for none; a real race returns a verdict."""
     raced = []
 
-    def fake_race(shape, transposed=False):
+    def fake_race(shape, transposed=False, rival="xla"):
         raced.append(shape)
         return shape[1] == 8  # the kernel "wins" on [12, 8] weights only
 
@@ -288,7 +288,7 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
                         path if kernel is rows_matmul.KERNEL else path_t)
     raced = []
 
-    def fake_race(shape, transposed=False):
+    def fake_race(shape, transposed=False, rival="xla"):
         raced.append((shape, transposed))
         return shape == ((12, 24) if transposed else (12, 8))
 
@@ -302,9 +302,9 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
     assert json.loads(path.read_text()) == {
         "12x24 rows 1,5,17 bytes 67108864 unrolled": False,
         "12x8 rows 1,5,17 bytes 67108864 unrolled": True}
-    assert json.loads(path_t.read_text()) == {
-        "12x24 rows 1,5,17 bytes 67108864 unrolled": True,
-        "12x8 rows 1,5,17 bytes 67108864 unrolled": False}
+    assert json.loads(path_t.read_text()) == {  # each against its [I, O] weight's winner
+        "12x24 rows 1,5,17 bytes 67108864 unrolled vs xla": True,
+        "12x8 rows 1,5,17 bytes 67108864 unrolled vs kernel": False}
     raced.clear()
     path_t.unlink()
     monkeypatch.setattr(rows_matmul, "verdicts_file", lambda kernel=rows_matmul.KERNEL: path)
@@ -323,12 +323,37 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
     assert rows_matmul.verdicts_file() is None
 
 
+def test_the_transposed_kernel_races_what_the_weight_would_otherwise_get(monkeypatch):
+    """`transposed_wins` races the transposed kernel against the [I, O] kernel where that
+    one beat XLA on the shape, else against XLA, asking `kernel_wins` first (its own race
+    takes the same lock); each rival its own verdict."""
+    raced = []
+
+    def fake_race(shape, transposed=False, rival="xla"):
+        raced.append((shape, transposed, rival))
+        if not transposed:
+            return shape == (12, 8)  # the [I, O] kernel beats XLA on [12, 8] only
+        return rival == "xla"  # the transposed kernel beats XLA, never the [I, O] kernel
+
+    monkeypatch.delenv(rows_matmul.ENV)
+    monkeypatch.setattr(rows_matmul, "race", fake_race)
+    monkeypatch.setattr(rows_matmul, "_wins", {})
+    monkeypatch.setattr(rows_matmul, "verdicts_file", lambda kernel=None: None)
+    assert rows_matmul.rival((12, 8)) == "kernel" and rows_matmul.rival((12, 24)) == "xla"
+    assert not rows_matmul.transposed_wins((12, 8))
+    assert rows_matmul.transposed_wins((12, 24))
+    assert raced == [((12, 8), False, "xla"), ((12, 24), False, "xla"),
+                     ((12, 8), True, "kernel"), ((12, 24), True, "xla")]
+    monkeypatch.setattr(rows_matmul, "available", lambda: False)  # no [I, O] kernel: XLA
+    assert rows_matmul.transposed_wins((12, 8)) and raced[-1] == ((12, 8), True, "xla")
+
+
 def test_a_real_race_returns_a_verdict(monkeypatch):
     """`race` times both forms on copies of the weight and says whether the kernel was
     faster; without the kernel it is not."""
-    for transposed in (False, True):
+    for transposed, rival in ((False, "xla"), (True, "xla"), (True, "kernel")):
         verdict = rows_matmul.race((64, 128), rows=(1, 5), rounds=1, nbytes=1 << 16,
-                                   transposed=transposed)
+                                   transposed=transposed, rival=rival)
         assert isinstance(verdict, bool)
     monkeypatch.setenv(rows_matmul.ENV, "off")
     assert rows_matmul.race((64, 128), rows=(1,), rounds=1) is False
@@ -378,12 +403,87 @@ def test_eagle3_head_beside_a_decode_layout_target_runs_the_kernel():
                                rtol=1e-4, atol=1e-4)
 
 
-def test_a_float32_model_is_served_by_either_kernel(monkeypatch):
-    """`serves` (which verify-cost table prices a step) holds where the down projection's
-    shape goes to the transposed-weight kernel or to the [I, O] one, in float32 only."""
+@pytest.mark.parametrize("wins", [True, False])
+def test_an_eagle3_head_for_decoding_stores_its_weights_as_the_target_does(monkeypatch,
+                                                                          wins):
+    """`Eagle.for_decoding` lays the head's layer out as the unrolled float32 target's
+    layout lays out its own: q/k/v fused, [O, I] (`KERNEL_T`) where the transposed-weight
+    kernel wins, [I, O] where it loses; untouched in the scanned layout. Its draft logits
+    and its step's features are the same either way, run by the kernel that won."""
+    from specjax.model import Model
+    from specjax.models.transformer import FUSED_QKV, KERNEL_T
+    from specjax.speculators.eagle import Eagle
+
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: wins)
+    config = tiny_llama(vocab_size=128)
+    target = Model(config, init_params(config, 0))
+    spec = Eagle.random(target, version=3, seed=1, draft_vocab_size=32)
+    laid = spec.for_decoding()
+    names = {"/".join(str(getattr(k, "key", k)) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(laid.params)[0]}
+    for dense in ("fc", "lm_head", f"self_attn/{FUSED_QKV}", "mlp/down_proj"):
+        assert f"{dense}/{KERNEL_T if wins else 'kernel'}" in names, (dense, names)
+    if wins:
+        np.testing.assert_array_equal(laid.params["lm_head"][KERNEL_T],
+                                      np.asarray(spec.params["lm_head"]["kernel"]).T)
+    assert spec.for_decoding("scan").params is spec.params
+    decoded = decode_params(config, target.params, "unrolled")
+    out = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, config.hidden_size)),
+                      jnp.float32)
+
+    def logits(head):
+        return eagle_logits(head.config, config, head.params, decoded, out)
+
+    assert _calls_kernel_t(logits, laid) is wins
+    np.testing.assert_allclose(jax.jit(logits)(laid), jax.jit(logits)(spec), rtol=1e-5,
+                               atol=1e-5)
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray([[3, 5, 7]], jnp.int32)
+    positions = jnp.arange(3, dtype=jnp.int32)[None]
+    feats = jnp.asarray(rng.standard_normal((1, 3, 3 * config.hidden_size)), jnp.float32)
+
+    def features(head):
+        fused = fuse_features(head.config, config, head.params, feats, rows_kernel=True)
+        return eagle_step(head.config, config, head.params, decoded, None, tokens, fused,
+                          positions)[0]
+
+    np.testing.assert_allclose(jax.jit(features)(laid), jax.jit(features)(spec), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_a_trimmed_draft_head_for_decoding_is_transposed_where_that_kernel_wins(
+        monkeypatch, wins):
+    """`DraftModel.for_decoding` stores a trimmed LM head [Vd, D] for the
+    transposed-weight kernel where it wins its shape (else [D, Vd] for the [I, O] one),
+    with the same logits."""
+    from specjax.model import Model
+    from specjax.speculators import DraftModel
+
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: wins)
+    config = tiny_llama(vocab_size=128)
+    spec = DraftModel.create(Model(config, init_params(config, 2)), k=2,
+                             vocab=np.arange(0, 128, 3))
+    laid = spec.for_decoding()
+    assert laid.vocab_head_t is wins
+    want_shape = (43, config.hidden_size) if wins else (config.hidden_size, 43)
+    assert laid.vocab_head.shape == want_shape
+    assert spec.for_decoding("scan").vocab_head_t is False
+    h = jnp.asarray(np.random.default_rng(4).standard_normal((2, config.hidden_size)),
+                    jnp.float32)
+    assert _calls_kernel_t(lambda d: d._logits(h), laid) is wins
+    np.testing.assert_allclose(jax.jit(lambda d: d._logits(h))(laid),
+                               jax.jit(lambda d: d._logits(h))(spec), rtol=1e-5, atol=1e-5)
+
+
+def test_a_float32_model_is_served_by_the_kernel_that_won(monkeypatch):
+    """`serving` (which verify-cost table prices a step) names the kernel the down
+    projection's shape goes to: the transposed-weight one where it won, else the [I, O]
+    one where that won, else none; in float32 only."""
     config = tiny_llama()
-    for t, k, want in ((True, False, True), (False, True, True), (False, False, False)):
+    for t, k, want in ((True, False, "transposed"), (True, True, "transposed"),
+                       (False, True, "kernel"), (False, False, None)):
         monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, t=t: t)
         monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape, k=k: k)
-        assert rows_matmul.serves(config) is want
-        assert rows_matmul.serves(config.replace(dtype="bfloat16")) is False
+        assert rows_matmul.serving(config) == want
+        assert rows_matmul.serving(config.replace(dtype="bfloat16")) is None

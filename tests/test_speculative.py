@@ -357,8 +357,8 @@ def test_a_free_verify_keeps_the_cost_models_form():
 
     from specjax.decoding.cost import VERIFY_COST
 
-    for cost in (VERIFY_COST["cpu"], VERIFY_COST["cpu-xla"], VERIFY_COST["gpu"],
-                 VerifyCost.from_table({1: 1.0, 2: 1.5, 5: 2.0})):
+    for cost in (VERIFY_COST["cpu"], VERIFY_COST["cpu-rows"], VERIFY_COST["cpu-xla"],
+                 VERIFY_COST["gpu"], VerifyCost.from_table({1: 1.0, 2: 1.5, 5: 2.0})):
         free = cost.free().validated()
         shapes = lambda c: jax.tree.map(np.shape, c.validated())  # noqa: E731
         assert jax.tree.structure(free) == jax.tree.structure(cost.validated())
@@ -380,7 +380,8 @@ def test_every_cost_model_prices_in_one_layout():
 
     from specjax.decoding.cost import CANONICAL_POINTS, VERIFY_COST
 
-    costs = [VERIFY_COST["cpu"], VERIFY_COST["cpu-xla"], VERIFY_COST["gpu"], VerifyCost(),
+    costs = [VERIFY_COST["cpu"], VERIFY_COST["cpu-rows"], VERIFY_COST["cpu-xla"],
+             VERIFY_COST["gpu"], VerifyCost(),
              VerifyCost(jump=0.5, slope=0.25, per_token=0.3, branch=0.1),
              VerifyCost.from_table({1: 1.0, 4: 1.0, 5: 3.0, 10_000: 3.0}),
              VerifyCost.from_table({1: 1.0, 2: 1.5, 5: 2.0}, by_rows={8: {1: 1.0, 2: 1.9,
@@ -1027,10 +1028,10 @@ def test_step_overhead_prices_the_speculative_step(tiny_target, greedy_ref):
 
 
 def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target, monkeypatch):
-    """On CPU the default verify-cost table is the one measured with the few-row matmul
-    kernels where the model's products go through one, else the one measured with XLA's
-    matmuls (a bf16 model, or a host where XLA's matmul won the race); generate prices
-    a speculative call with the table for its model."""
+    """On CPU the default verify-cost table is the one measured with the matmul the
+    model's decode step runs: the transposed-weight kernel's, the [I, O] kernel's, or
+    XLA's (a bf16 model, or a host where neither kernel won its race); generate prices a
+    speculative call with the table for its model."""
     import dataclasses
 
     from specjax import rows_matmul
@@ -1038,15 +1039,17 @@ def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target,
     from specjax.decoding.cost import VERIFY_COST, default_verify_cost
 
     cfg = tiny_target.config
-    assert VERIFY_COST["cpu-xla"] is not VERIFY_COST["cpu"]
+    assert len({id(VERIFY_COST[k]) for k in ("cpu", "cpu-rows", "cpu-xla")}) == 3
     assert default_verify_cost() is VERIFY_COST["cpu"]
-    assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the tests take the kernel
+    assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the tests take the kernels
     assert default_verify_cost(dataclasses.replace(cfg, dtype="bfloat16")) is VERIFY_COST[
         "cpu-xla"]
     monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: False)
     assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the transposed kernel still wins
     monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: False)
     assert default_verify_cost(cfg) is VERIFY_COST["cpu-xla"]
+    monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: True)
+    assert default_verify_cost(cfg) is VERIFY_COST["cpu-rows"]
     asked = []
 
     def spy(config=None):

@@ -3,7 +3,8 @@ each weight shape of a model, the weight bytes each form reads per second at 1, 
 17 rows (`specjax.rows_matmul.race_times`, the timing `kernel_wins` and
 `transposed_wins` decide by, with more rounds): the [I, O] kernel, the transposed-weight
 kernel on the same weights stored [O, I] (what the CPU decode layout stores where it
-wins) and XLA's product, and the verdicts the races would give. SmolLM2-135M's shapes by default
+wins) and XLA's product, and the verdicts the races would give (the transposed kernel's
+against the winner of the other two). SmolLM2-135M's shapes by default
 (q/o, k/v, the fused q/k/v, gate/up, down, LM head), from its config; no weights are loaded.
 
 `--kernel-forms` times the kernel's two forms for 2-8 rows against each other instead
@@ -39,7 +40,8 @@ def shapes(hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict:
 
 def rows_of(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
     """One row per row count: GB/s of weights each form read, and the shape's verdicts
-    (each race sums the times over row counts; "transposed" where it was timed)."""
+    (each race sums the times over row counts; where "transposed" was timed, its race
+    is against the [I, O] weight's winner, as `rows_matmul.transposed_wins` races)."""
     nbytes = rows_matmul.race_copies(shape) * shape[0] * shape[1] * 4
     wins = rows_matmul.verdict(times)
     out = []
@@ -48,10 +50,10 @@ def rows_of(name: str, shape: tuple[int, int], times: dict) -> list[dict]:
                    kernel_gbs=nbytes / t["kernel"] / 1e9, xla_gbs=nbytes / t["xla"] / 1e9,
                    verdict="kernel" if wins else "XLA")
         if "transposed" in t:
-            wins_t = rows_matmul.verdict({k: {"kernel": v["transposed"], "xla": v["xla"]}
-                                          for k, v in times.items()})
+            rival = "kernel" if wins else "xla"
+            wins_t = rows_matmul.verdict(times, "transposed", rival)
             row.update(transposed_gbs=nbytes / t["transposed"] / 1e9,
-                       verdict_t="transposed" if wins_t else "XLA")
+                       verdict_t="transposed" if wins_t else row["verdict"])
         out.append(row)
     return out
 

@@ -311,12 +311,30 @@ class VerifyCost:
 
 # Per backend. CPU: the ratios `python -m specjax.bench.verify_cost --far 1024` measured on
 # SmolLM2-135M-Instruct's shapes at batch 1, 4 and 16 (`--batches 1,4,16`), compiled as
-# generate compiles (its matmuls of up to 32 rows by `specjax.rows_matmul`, attention by
-# `specjax.cpu_attention`), each forward as the loop's verify runs it (new keys/values
-# beside the pages), after 128 and 1,024 cached tokens (what that attention reads);
-# branch from `python -m specjax.bench.branching` (docs/benchmarks.md). GPU/TPU: not
-# measured yet; set to the memory-bound regime the Pallas kernels aim for.
+# generate compiles (attention by `specjax.cpu_attention`), each forward as the loop's
+# verify runs it (new keys/values beside the pages), after 128 and 1,024 cached tokens
+# (what that attention reads), one table per matmul the decode step runs
+# (`specjax.rows_matmul.serving`): "cpu", the transposed-weight kernel (measured on the
+# AVX2 EPYC host); "cpu-rows", the [I, O] kernel (the AVX-512 Xeon host); "cpu-xla", XLA's
+# matmuls (`SPECJAX_CPU_MATMUL=off`, the Xeon host). Branch from `python -m
+# specjax.bench.branching` (docs/benchmarks.md, "Verify cost"). GPU/TPU: not measured
+# yet; set to the memory-bound regime the Pallas kernels aim for.
 VERIFY_COST = {"cpu": VerifyCost.from_table(
+                   {1: 1.0, 2: 1.14, 3: 1.18, 5: 1.35, 9: 1.58, 17: 2.32, 33: 4.67, 65: 7.45,
+                    129: 13.08},
+                   branch=0.08,
+                   by_rows={4: {1: 1.0, 2: 1.22, 3: 1.52, 5: 1.91, 9: 3.71, 17: 5.44,
+                                33: 10.04, 65: 24.74, 129: 38.95},
+                            16: {1: 1.0, 2: 1.72, 3: 2.52, 5: 3.22, 9: 5.15, 17: 8.53,
+                                 33: 15.03, 65: 51.19, 129: 86.14}},
+                   contexts=(128, 1024),
+                   far={1: {1: 1.26, 2: 1.27, 3: 1.34, 5: 1.61, 9: 2.16, 17: 2.86, 33: 5.63,
+                            65: 10.36, 129: 18.80},
+                        4: {1: 1.53, 2: 1.61, 3: 2.39, 5: 2.80, 9: 5.11, 17: 7.46, 33: 12.21,
+                            65: 32.75, 129: 65.61},
+                        16: {1: 2.03, 2: 2.72, 3: 3.74, 5: 4.95, 9: 8.14, 17: 13.96,
+                             33: 22.74, 65: 65.08, 129: 124.94}}),
+               "cpu-rows": VerifyCost.from_table(
                    {1: 1.0, 2: 1.20, 3: 1.33, 5: 1.32, 9: 1.47, 17: 2.03, 33: 4.13, 65: 6.32,
                     129: 10.45},
                    branch=0.08,
@@ -331,8 +349,6 @@ VERIFY_COST = {"cpu": VerifyCost.from_table(
                             65: 23.70, 129: 43.90},
                         16: {1: 2.03, 2: 2.66, 3: 3.65, 5: 4.32, 9: 6.20, 17: 10.10,
                              33: 18.18, 65: 59.96, 129: 122.69}}),
-               # the same command with XLA's matmuls (`SPECJAX_CPU_MATMUL=off`), on a host
-               # where they beat the few-row kernel (docs/benchmarks.md, "Verify cost")
                "cpu-xla": VerifyCost.from_table(
                    {1: 1.0, 2: 1.44, 3: 1.53, 5: 1.72, 9: 2.07, 17: 2.71, 33: 4.62, 65: 5.29,
                     129: 8.54},
@@ -354,13 +370,16 @@ VERIFY_COST = {"cpu": VerifyCost.from_table(
 
 def default_verify_cost(config=None) -> VerifyCost:
     """This backend's `VERIFY_COST` (GPU's where the backend has none); on CPU, for a
-    model of `config` whose products do not go through the few-row matmul kernel
-    (`specjax.rows_matmul.serves`: bf16, or XLA's matmul faster on this host), the table
-    measured with XLA's matmuls ("cpu-xla")."""
+    model of `config`, the table measured with the matmul its decode step runs
+    (`specjax.rows_matmul.serving`): the transposed-weight kernel's ("cpu", also without
+    a config), the [I, O] kernel's ("cpu-rows") or XLA's ("cpu-xla": bf16, or neither
+    kernel faster on this host)."""
     backend = jax.default_backend()
     if backend == "cpu" and config is not None:
         from specjax import rows_matmul  # a model-level module: imported where needed
 
-        if not rows_matmul.serves(config):
-            return VERIFY_COST["cpu-xla"]
+        return VERIFY_COST[CPU_TABLES[rows_matmul.serving(config)]]
     return VERIFY_COST.get(backend, VERIFY_COST["gpu"])
+
+
+CPU_TABLES = {"transposed": "cpu", "kernel": "cpu-rows", None: "cpu-xla"}  # by `serving`

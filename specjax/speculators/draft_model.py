@@ -36,7 +36,7 @@ from flax import struct
 from specjax import rng, rows_matmul, sampling as sampling_lib
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
-from specjax.model import Model, decode_params, module_for, step
+from specjax.model import Model, decode_params, module_for, step, transposes_denses
 from specjax.models.transformer import Transformer, is_decode_layout
 from specjax.sharding.rules import cache_for_rows
 from specjax.speculators import queue as queue_lib
@@ -69,6 +69,8 @@ class DraftModel(Speculator):
     total_tokens: int = struct.field(pytree_node=False, default=0)
     vocab_ids: jax.Array | None = None  # [Vd] int32 sorted target ids a trimmed head keeps
     vocab_head: jax.Array | None = None  # [D, Vd] the trimmed LM head (rows of vocab_ids)
+    # vocab_head stored [Vd, D] for the transposed-weight kernel (`for_decoding`)
+    vocab_head_t: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(cls, model: Model, k: int = 4, *, target: Model | None = None,
@@ -123,7 +125,16 @@ class DraftModel(Speculator):
         return DraftCost(params, self.k)
 
     def for_decoding(self, layout: str = "auto") -> "DraftModel":
-        return self.replace(params=decode_params(self.config, self.params, layout))
+        """The draft in the target's decode layout (`specjax.model.decode_params`), its
+        trimmed head [Vd, D] where the target's layout would store it so
+        (`transposes_denses` and the transposed-weight kernel winning its shape)."""
+        out = self.replace(params=decode_params(self.config, self.params, layout))
+        head = self.vocab_head
+        if (head is None or self.vocab_head_t
+                or not transposes_denses(self.config, self.params, layout)
+                or not rows_matmul.transposed_wins(head.shape)):
+            return out
+        return out.replace(vocab_head=jax.jit(jnp.transpose)(head), vocab_head_t=True)
 
     def check_target(self, target_config: ModelConfig) -> None:
         if self.config.vocab_size != target_config.vocab_size:
@@ -238,6 +249,9 @@ class DraftModel(Speculator):
             module = module_for(self.config, self.params)
             return module.apply({"params": self.params}, h, method=Transformer.logits)
         head = self.vocab_head.astype(h.dtype)
+        if self.vocab_head_t:  # [Vd, D], few rows by the transposed-weight kernel
+            with jax.named_scope("lm_head"):
+                return rows_matmul.matmul_t(h, head, preferred_element_type=jnp.float32)
         if is_decode_layout(self.params):  # few rows by the kernel
             with jax.named_scope("lm_head"):
                 return rows_matmul.matmul(h, head, preferred_element_type=jnp.float32)

@@ -46,7 +46,7 @@ from specjax.heads.eagle import (
     target_features,
 )
 from specjax.heads.loading import resolve_heads
-from specjax.model import Model
+from specjax.model import Model, decode_head_params
 from specjax.models.transformer import is_decode_layout
 from specjax.sharding.rules import cache_for_rows
 from specjax.speculators import queue as queue_lib
@@ -146,6 +146,13 @@ class Eagle(Speculator):
         vm = None if self.d2t is None else np.asarray(self.d2t)
         return heads_io.save_heads(path, "eagle", self.config, self.params, self.target_config,
                                    vocab_map=vm)
+
+    def for_decoding(self, layout: str = "auto") -> "Eagle":
+        """The head's layer laid out as the target's decode layout lays out its own
+        (`specjax.model.decode_head_params`: q/k/v fused, [O, I] weights where the
+        transposed-weight kernel wins beside an unrolled float32 target on CPU)."""
+        return self.replace(params=decode_head_params(self.target_config, self.params,
+                                                      layout))
 
     # -- shape of the tree and costs -----------------------------------------------------
     @property
