@@ -106,7 +106,7 @@ def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
     out = unstack_layers(params)
     out = {k: dict(v, self_attn=fuse_qkv(v["self_attn"])) if k.startswith("layers_") else v
            for k, v in out.items()}
-    transposed = config.dtype == "float32" and jax.default_backend() == "cpu"
+    transposed = _stores_transposed(config)
     if transposed:
         out = {k: transposed_denses(v) if k.startswith("layers_") or k == "lm_head" else v
                for k, v in out.items()}
@@ -153,13 +153,18 @@ def _resolved_layout(params: Any, layout: str) -> str:
     return layout
 
 
+def _stores_transposed(config: ModelConfig) -> bool:
+    """Whether the unrolled decode layout of a model of `config` stores its dense weights
+    transposed where the transposed-weight kernel wins: float32, on CPU."""
+    return config.dtype == "float32" and jax.default_backend() == "cpu"
+
+
 def transposes_denses(config: ModelConfig, params: Any, layout: str = "auto") -> bool:
     """Whether a model of `config` decoded in `layout` stores its dense weights transposed
     where the transposed-weight kernel wins (`_cpu_decode_layout`): the unrolled layout,
     float32, on CPU. Weights beside such a target (an EAGLE head's, a draft's trimmed LM
     head) are then laid out the same way."""
-    return (_resolved_layout(params, layout) == "unrolled" and config.dtype == "float32"
-            and jax.default_backend() == "cpu")
+    return _resolved_layout(params, layout) == "unrolled" and _stores_transposed(config)
 
 
 def decode_head_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
@@ -170,13 +175,10 @@ def decode_head_params(config: ModelConfig, params: Any, layout: str = "auto") -
     scanned one. Its layers read either layout."""
     if _resolved_layout(params, layout) != "unrolled" or "self_attn" not in params:
         return params
-    transposed = transposes_denses(config, params, layout)
-
-    def lay_out(params):
-        out = dict(params, self_attn=fuse_qkv(params["self_attn"]))
-        return transposed_denses(out) if transposed else out
-
-    return jax.jit(lay_out)(params)
+    # a handful of eager concatenations and transposes: a jitted closure would compile
+    # anew on every call (`calibrate` lays a speculator out per measurement)
+    out = dict(params, self_attn=fuse_qkv(params["self_attn"]))
+    return transposed_denses(out) if _stores_transposed(config) else out
 
 
 def init_params(config: ModelConfig, key: jax.Array | int = 0) -> Any:

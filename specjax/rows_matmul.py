@@ -57,7 +57,7 @@ KERNEL_T = cpu_kernels.FfiKernel(TARGET_T, cpu_kernels.CSRC / "rows_matmul_t.cc"
 RACE_ROWS, RACE_BYTES, RACE_ROUNDS = (1, 5, 17), 64 << 20, 5
 RACE_FORM = "unrolled"  # how `race_times` lays the copies out: part of a verdict's key
 _log = logging.getLogger(__name__)
-_wins: dict[tuple, bool] = {}  # (in, out[, "t"]) -> whether the kernel won
+_wins: dict[tuple[str, str], bool] = {}  # (kernel target, `_key`) -> whether it won
 _race_lock = threading.Lock()
 
 
@@ -116,16 +116,17 @@ def _raced(shape: tuple[int, int], transposed: bool, rival: str = "xla") -> bool
     earlier race on this machine (`verdicts_file`), else a race now."""
     if os.environ.get(ENV, "").strip().lower() in ON:
         return True
-    key = (*shape, "t", rival) if transposed else tuple(shape)
-    file_key = _key(shape, rival if transposed else None)
+    kernel = KERNEL_T if transposed else KERNEL
+    name = _key(shape, rival if transposed else None)
+    key = (kernel.target, name)
     with _race_lock:
         if key not in _wins:
-            kept = verdicts_file(KERNEL_T if transposed else KERNEL)
-            earlier = _read_verdicts(kept).get(file_key) if kept else None
+            kept = verdicts_file(kernel)
+            earlier = _read_verdicts(kept).get(name) if kept else None
             _wins[key] = (_race_in_thread(shape, transposed, rival) if earlier is None
                           else earlier)
             if kept and earlier is None:
-                _write_verdict(kept, file_key, _wins[key])
+                _write_verdict(kept, name, _wins[key])
             _log.info("few-row CPU matmul kernel%s on %s weights: %s%s",
                       f" (transposed weights, against {RIVALS[rival][0]})" if transposed
                       else "", shape, "faster, used" if _wins[key] else "slower, not used",

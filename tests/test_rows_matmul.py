@@ -258,6 +258,7 @@ def test_the_race_reads_every_weight_copy_in_place(form):
     """The race's program multiplies each copy where it lies: no copy of a weight into a
     new buffer (a loop over stacked copies, `lax.map`, sliced each one out first, so the
     products read it from cache, not memory), one product per copy, each right."""
+    assert rows_matmul.available() and rows_matmul.available_t()  # built and registered
     fn = {"kernel": rows_matmul._rows, "xla": jnp.matmul,
           "transposed": rows_matmul.transposed_product}[form]
     x, w = _data((3, 48), (48, 40))
