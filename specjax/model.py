@@ -23,6 +23,7 @@ from specjax.models.transformer import (
     TIED_HEAD_T,
     Hidden,
     Transformer,
+    layout_of,
     module_for,
     param_shapes,
 )
@@ -94,21 +95,23 @@ def fuse_qkv(attn: dict) -> dict:
     return dict(rest, **{FUSED_QKV: fused})
 
 
-def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
-    """Unrolled layers with q/k/v fused (`fuse_qkv`), and in float32 each dense weight
-    whose shape the transposed-weight kernel wins here stored transposed (`KERNEL_T`,
-    [O, I]; `rows_matmul.transposed_wins`): it reads each thread's outputs' weights as
-    one contiguous stream, where the [I, O] kernel reads short pieces of every weight
-    row. The tied LM head then multiplies by the embedding itself ([V, D]: no copy),
-    else through it transposed to [D, V] (`TIED_HEAD_T`): XLA:CPU runs the
-    [V, D]-contracting matmul of 2-5 verify rows ~15x slower than the same matmul on a
-    [D, V] array; one extra V x D copy."""
-    out = unstack_layers(params)
-    out = {k: dict(v, self_attn=fuse_qkv(v["self_attn"])) if k.startswith("layers_") else v
+def _cpu_decode_layout(config: ModelConfig, params: Any, layout: str) -> Any:
+    """The layers stacked ("in_place") or unrolled ("unrolled"), with q/k/v fused
+    (`fuse_qkv`), and in float32 each dense weight whose shape the transposed-weight
+    kernel wins here stored transposed (`KERNEL_T`, [O, I]; `rows_matmul.transposed_wins`):
+    it reads each thread's outputs' weights as one contiguous stream, where the [I, O]
+    kernel reads short pieces of every weight row. The tied LM head then multiplies by
+    the embedding itself ([V, D]: no copy), else through it transposed to [D, V]
+    (`TIED_HEAD_T`): XLA:CPU runs the [V, D]-contracting matmul of 2-5 verify rows ~15x
+    slower than the same matmul on a [D, V] array; one extra V x D copy."""
+    out = unstack_layers(params) if layout == "unrolled" else dict(params)
+    is_layer = (lambda k: k.startswith("layers_")) if layout == "unrolled" else (
+        lambda k: k == "layers")
+    out = {k: dict(v, self_attn=fuse_qkv(v["self_attn"])) if is_layer(k) else v
            for k, v in out.items()}
     transposed = _stores_transposed(config)
     if transposed:
-        out = {k: transposed_denses(v) if k.startswith("layers_") or k == "lm_head" else v
+        out = {k: transposed_denses(v) if is_layer(k) or k == "lm_head" else v
                for k, v in out.items()}
     if config.tie_word_embeddings and "embed_tokens" in out:
         table = out["embed_tokens"]["embedding"]  # [V, D]
@@ -119,37 +122,51 @@ def _cpu_decode_layout(config: ModelConfig, params: Any) -> Any:
 
 def transposed_denses(tree: Any) -> Any:
     """Every dense `{"kernel": [I, O], ...}` in `tree` whose shape the transposed-weight
-    kernel wins (`rows_matmul.transposed_wins`) as `{KERNEL_T: [O, I], ...}`."""
+    kernel wins (`rows_matmul.transposed_wins`) as `{KERNEL_T: [O, I], ...}`; stacked
+    kernels [L, I, O] as [L, O, I]."""
     if not isinstance(tree, dict):
         return tree
     kernel = tree.get("kernel")
-    if kernel is not None and kernel.ndim == 2 and rows_matmul.transposed_wins(kernel.shape):
-        return dict({k: v for k, v in tree.items() if k != "kernel"}, **{KERNEL_T: kernel.T})
+    if (kernel is not None and kernel.ndim in (2, 3)
+            and rows_matmul.transposed_wins(kernel.shape[-2:])):
+        return dict({k: v for k, v in tree.items() if k != "kernel"},
+                    **{KERNEL_T: jnp.swapaxes(kernel, -1, -2)})
     return {k: transposed_denses(v) for k, v in tree.items()}
 
 
-LAYER_LAYOUTS = ("auto", "scan", "unrolled")
+# "auto", the stored "scan", and the CPU decode layouts (`_cpu_decode_layout`)
+LAYER_LAYOUTS = ("auto", "scan", "in_place", "unrolled")
+DECODE_LAYOUTS = ("in_place", "unrolled")
 
 
 def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
-    """`params` in the layer layout to decode with. "auto": unrolled on CPU off-mesh (see
-    `unstack_layers`), else the stored, scanned layout; "scan" / "unrolled" force one (not
-    on a mesh). A new copy per call; `Model.decode_params` keeps it per model."""
-    if _resolved_layout(params, layout) == "scan" or "layers" not in params:
+    """`params` in the layer layout to decode with. "auto": on CPU off-mesh, "in_place"
+    for float32 where `specjax.rows_matmul`'s kernels can be built (the layers stacked
+    and scanned, each read in place by the kernels: one layer's program to compile),
+    else "unrolled" (see `unstack_layers`); elsewhere the stored, scanned layout. "scan",
+    "in_place" and "unrolled" force one (the last two not on a mesh). A new copy per
+    call; `Model.decode_params` keeps it per model."""
+    resolved = _resolved_layout(params, layout, config)
+    if resolved == "scan" or layout_of(params) != "scan":  # stored, or laid out already
         return params
-    return jax.jit(functools.partial(_cpu_decode_layout, config))(params)
+    return jax.jit(functools.partial(_cpu_decode_layout, config, layout=resolved))(params)
 
 
-def _resolved_layout(params: Any, layout: str) -> str:
-    """"scan" or "unrolled": `layout` checked, "auto" resolved as `decode_params` does."""
+def _resolved_layout(params: Any, layout: str, config: ModelConfig | None = None) -> str:
+    """"scan", "in_place" or "unrolled": `layout` checked, "auto" resolved as
+    `decode_params` does (for a model of `config`; None: float32)."""
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layout!r} must be one of {LAYER_LAYOUTS}")
     on_mesh = mesh_of(params) is not None
-    if layout == "unrolled" and on_mesh:
-        raise ValueError("layer_layout='unrolled' is for single-device params; these are on "
-                         "a mesh (the sharding rules name the stacked layout)")
+    if layout in DECODE_LAYOUTS and on_mesh:
+        raise ValueError(f"layer_layout={layout!r} is for single-device params; these are "
+                         "on a mesh (the sharding rules name the stacked layout)")
     if layout == "auto":
-        return "unrolled" if jax.default_backend() == "cpu" and not on_mesh else "scan"
+        if jax.default_backend() != "cpu" or on_mesh:
+            return "scan"
+        in_place = ((config is None or _stores_transposed(config))
+                    and (rows_matmul.available_t() or rows_matmul.available()))
+        return "in_place" if in_place else "unrolled"
     return layout
 
 
@@ -164,7 +181,8 @@ def transposes_denses(config: ModelConfig, params: Any, layout: str = "auto") ->
     where the transposed-weight kernel wins (`_cpu_decode_layout`): the unrolled layout,
     float32, on CPU. Weights beside such a target (an EAGLE head's, a draft's trimmed LM
     head) are then laid out the same way."""
-    return _resolved_layout(params, layout) == "unrolled" and _stores_transposed(config)
+    return (_resolved_layout(params, layout, config) in DECODE_LAYOUTS
+            and _stores_transposed(config))
 
 
 def decode_head_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
@@ -173,7 +191,8 @@ def decode_head_params(config: ModelConfig, params: Any, layout: str = "auto") -
     unrolled layout q/k/v fused (`fuse_qkv`), and each dense weight transposed where the
     target's are (`transposes_denses`, `transposed_denses`); `params` itself in the
     scanned one. Its layers read either layout."""
-    if _resolved_layout(params, layout) != "unrolled" or "self_attn" not in params:
+    if (_resolved_layout(params, layout, config) not in DECODE_LAYOUTS
+            or "self_attn" not in params):
         return params
     # a handful of eager concatenations and transposes: a jitted closure would compile
     # anew on every call (`calibrate` lays a speculator out per measurement)

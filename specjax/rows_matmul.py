@@ -297,16 +297,29 @@ def sweeps(rows: int, out: int) -> bool:
     return 2 <= rows <= FEW_ROWS and (out >= VERY_WIDE or (out >= WIDE and rows <= WIDE_ROWS))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _kernel(x: jax.Array, w: jax.Array, form: int) -> jax.Array:  # [R, I] @ [I, O]
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, form=np.int64(form))
+def _layer_operand(layer) -> jax.Array:
+    """The kernels' layer operand: an int32 scalar (0 for a single matrix)."""
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+
+
+def layer_of(w: jax.Array, layer) -> jax.Array:
+    """Layer `layer` of a stacked weight [L, A, B] (`w` itself when 2-D): a slice, so on
+    XLA:CPU a copy; the kernels read the layer in place instead."""
+    return w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _kernel(x: jax.Array, w: jax.Array, layer: jax.Array, form: int) -> jax.Array:
+    """[R, I] @ w [I, O], or @ layer `layer` of w [L, I, O], by the kernel."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, layer,
+                                                                    form=np.int64(form))
 
 
 @_kernel.defjvp
 def _kernel_jvp(form, primals, tangents):  # differentiable: tangents through XLA's matmul
-    (x, w), (dx, dw) = primals, tangents
-    return _kernel(x, w, form), dx @ w + x @ dw
+    (x, w, layer), (dx, dw, _) = primals, tangents
+    return _kernel(x, w, layer, form), dx @ layer_of(w, layer) + x @ layer_of(dw, layer)
 
 
 def in_form(name: str):
@@ -317,41 +330,53 @@ def in_form(name: str):
     return functools.partial(_rows, form=FORMS[name])
 
 
-def _rows(x: jax.Array, w: jax.Array, form: int | None = None) -> jax.Array:
-    """[..., I] @ [I, O] -> [..., O] by the kernel, 2-8 rows in `form` (a value of
-    `FORMS`; None: the one `sweeps` picks)."""
+def _rows(x: jax.Array, w: jax.Array, form: int | None = None, layer=None) -> jax.Array:
+    """[..., I] @ [I, O] (or layer `layer` of [L, I, O]) -> [..., O] by the kernel, 2-8
+    rows in `form` (a value of `FORMS`; None: the one `sweeps` picks)."""
     rows = x.reshape(-1, x.shape[-1])
     if form is None:
-        form = FORMS["sweep" if sweeps(rows.shape[0], w.shape[1]) else "register blocks"]
-    return _kernel(rows, w, form).reshape(*x.shape[:-1], w.shape[1])
+        form = FORMS["sweep" if sweeps(rows.shape[0], w.shape[-1]) else "register blocks"]
+    return _kernel(rows, w, _layer_operand(layer), form).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
-           max_rows: int = MAX_ROWS, race: bool = True) -> jax.Array:
+           max_rows: int = MAX_ROWS, race: bool = True, layer=None) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O]: the kernel where it `applies` (float32 in and
     out), else XLA's. `max_rows` above `MAX_ROWS` and race=False (the kernel wherever it
-    can, won or not) are for measuring it (`specjax.bench.matmul_rows`)."""
+    can, won or not) are for measuring it (`specjax.bench.matmul_rows`).
+    layer: w is a stack [L, I, O] and the product is by its layer `layer` (the decode
+    layout's scanned layers): the kernel for few float32 rows, won or not (XLA's
+    alternative would slice, i.e. copy, the layer first), else XLA's on the slice."""
+    if layer is not None and w.ndim == 3:
+        if _few_float32_rows(x, w, max_rows) and available():
+            return _rows(x, w, layer=layer)
+        return jnp.matmul(x, layer_of(w, layer), preferred_element_type=preferred_element_type)
     if not applies(x, w, max_rows, race):
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     return _rows(x, w)
 
 
-def _kernel_t(x: jax.Array, wt: jax.Array) -> jax.Array:  # [R, I] @ [O, I]^T
-    out = jax.ShapeDtypeStruct((x.shape[0], wt.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_T, out, vmap_method="sequential")(x, wt)
+def _kernel_t(x: jax.Array, wt: jax.Array, layer=None) -> jax.Array:
+    """[R, I] @ wt [O, I]^T (or layer `layer` of wt [L, O, I]) by the transposed-weight
+    kernel."""
+    out = jax.ShapeDtypeStruct((x.shape[0], wt.shape[-2]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_T, out, vmap_method="sequential")(
+        x, wt, _layer_operand(layer))
 
 
 @jax.custom_jvp
-def _rows_t(x: jax.Array, wt: jax.Array) -> jax.Array:
-    """[..., I] @ [O, I]^T -> [..., O] by the transposed-weight kernel."""
+def _rows_t(x: jax.Array, wt: jax.Array, layer: jax.Array) -> jax.Array:
+    """[..., I] @ [O, I]^T (or layer `layer` of [L, O, I]) -> [..., O] by the
+    transposed-weight kernel."""
     rows = x.reshape(-1, x.shape[-1])
-    return _kernel_t(rows, wt).reshape(*x.shape[:-1], wt.shape[0])
+    return _kernel_t(rows, wt, layer).reshape(*x.shape[:-1], wt.shape[-2])
 
 
 @_rows_t.defjvp
 def _rows_t_jvp(primals, tangents):  # differentiable: tangents through XLA's matmul
-    (x, wt), (dx, dwt) = primals, tangents
-    return _rows_t(x, wt), _xla_t(dx, wt) + _xla_t(x, dwt)
+    (x, wt, layer), (dx, dwt, _) = primals, tangents
+    return (_rows_t(x, wt, layer),
+            _xla_t(dx, layer_of(wt, layer)) + _xla_t(x, layer_of(dwt, layer)))
 
 
 def _xla_t(x: jax.Array, wt: jax.Array, preferred_element_type=None) -> jax.Array:
@@ -359,14 +384,17 @@ def _xla_t(x: jax.Array, wt: jax.Array, preferred_element_type=None) -> jax.Arra
 
 
 def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
-             max_rows: int = MAX_ROWS) -> jax.Array:
+             max_rows: int = MAX_ROWS, layer=None) -> jax.Array:
     """x [..., I] @ wt [O, I]^T -> [..., O] for a weight the decode layout stores
     transposed (`transposed_wins`): the transposed-weight kernel for float32 products of
     at most `max_rows` rows, else XLA's (prefill's many rows, where its GEMM on either
-    layout is as fast)."""
+    layout is as fast). layer: wt is a stack [L, O, I] and the product is by its layer
+    `layer`, read in place by the kernel (XLA's product takes a slice: a copy)."""
+    if layer is None and wt.ndim == 3:
+        raise ValueError(f"a stacked weight {wt.shape} needs the layer to multiply by")
     if _few_float32_rows(x, wt, max_rows) and available_t():
-        return _rows_t(x, wt)
-    return _xla_t(x, wt, preferred_element_type)
+        return _rows_t(x, wt, _layer_operand(layer))
+    return _xla_t(x, layer_of(wt, layer), preferred_element_type)
 
 
 transposed_product = Transposed(_kernel_t)  # the race's form; needs `available_t`

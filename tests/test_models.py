@@ -146,18 +146,31 @@ def test_forward_rejects_out_of_vocab_tokens(bad):
         specjax.forward(model, [[1, 2, bad, 3]])
 
 
-def test_unrolled_decode_layout_matches_scanned():
-    """`unstack_layers` (the CPU decode layout) computes what the stacked scan computes,
-    cached step with tree mask and hidden taps included, and `Model.decode_params` converts
-    a params object once."""
+def _layer(dec, i: int):
+    """Layer i's params in either CPU decode layout (unrolled, or stacked in place)."""
+    if "layers_0" in dec:
+        return dec[f"layers_{i}"]
+    return jax.tree.map(lambda x: x[i], dec["layers"])
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "in_place"])
+def test_decode_layouts_match_scanned(layout):
+    """The CPU decode layouts (`unstack_layers`'s unrolled layers; the stacked layers
+    scanned in place) compute what the stored scan computes, cached step with tree mask
+    and hidden taps included, and `Model.decode_params` converts a params object once,
+    to the in-place layout on CPU."""
     from specjax.cache import PagedKVCache
-    from specjax.model import unstack_layers
+    from specjax.model import decode_params, unstack_layers
+    from specjax.models.transformer import layout_of
 
     cfg = specjax.config.tiny_llama(num_layers=3)
     params = specjax.init_params(cfg, 1)
     flat = unstack_layers(params)
     assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == [
         "layers_0", "layers_1", "layers_2"]
+    if layout == "in_place":
+        flat = decode_params(cfg, params, layout)
+        assert layout_of(flat) == "in_place" and "layers_0" not in flat
     cache = PagedKVCache.create(cfg, jnp.array([[2, 0], [1, 3]]), num_pages=4, page_size=8,
                                 lengths=jnp.array([3, 9]))
     tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, cfg.vocab_size)
@@ -172,11 +185,42 @@ def test_unrolled_decode_layout_matches_scanned():
     np.testing.assert_allclose(ca.k_pages, cb.k_pages, atol=1e-6)
     model = specjax.Model(cfg, params)
     assert model.decode_params() is model.decode_params()
-    assert "layers_0" in model.decode_params()  # this suite runs on CPU
+    assert layout_of(model.decode_params()) == "in_place"  # this suite runs on CPU
+    assert decode_params(cfg, flat, "auto") is flat  # laid out already
 
 
+def test_in_place_layout_compiles_one_layer():
+    """The in-place layout scans its layers: a decode step's program holds one layer's
+    kernel calls whatever the depth, and each takes the whole stack [L, O, I] and the
+    layer index (read in place; no slice of the stack), where the unrolled layout's
+    program grows by a layer's calls per layer."""
+    from specjax import rows_matmul
+    from specjax.cache import PagedKVCache
+    from specjax.model import decode_params
+
+    def kernel_calls(num_layers, layout):
+        cfg = specjax.config.tiny_llama(num_layers=num_layers)
+        dec = decode_params(cfg, specjax.init_params(cfg, 0), layout)
+        cache = PagedKVCache.create(cfg, jnp.array([[0, 1]]), num_pages=2, page_size=8,
+                                    lengths=jnp.array([3]))
+        tok = jnp.zeros((1, 1), jnp.int32)
+        hlo = jax.jit(lambda p, c, t: specjax.step(cfg, p, c, t, c.lengths[:, None])[0]
+                      ).lower(dec, cache, tok).as_text()
+        return [ln for ln in hlo.splitlines()
+                if rows_matmul.TARGET in ln and "custom_call" in ln]  # both kernels' names
+
+    if not (rows_matmul.available() and rows_matmul.available_t()):
+        pytest.fail("the few-row matmul kernels could not be built here")
+    two, four = kernel_calls(2, "in_place"), kernel_calls(4, "in_place")
+    assert len(two) == len(four) >= 5  # q/k/v, o, gate, up, down (the head outside)
+    assert any("tensor<4x" in ln for ln in four)  # a stacked weight, read in place
+    assert len(kernel_calls(4, "unrolled")) > len(kernel_calls(2, "unrolled"))
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "in_place"])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, monkeypatch):
+def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, layout,
+                                                               monkeypatch):
     """Tied embeddings: where the transposed-weight kernel wins, the CPU decode layout
     multiplies by the embedding itself ([V, D]: the kernel's layout; no copy)
     and its dense weights are stored [O, I]; else it adds the embedding as [D, V] for
@@ -190,9 +234,9 @@ def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, monke
     monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: transposed)
     cfg = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=True)
     params = specjax.init_params(cfg, 2)
-    dec = decode_params(cfg, params, "unrolled")
+    dec = decode_params(cfg, params, layout)
     emb = params["embed_tokens"]["embedding"]
-    down = dec["layers_0"]["mlp"]["down_proj"]
+    down = _layer(dec, 0)["mlp"]["down_proj"]
     if transposed:
         assert TIED_HEAD_T not in dec
         np.testing.assert_array_equal(down[KERNEL_T], params["layers"]["mlp"]["down_proj"][
@@ -225,13 +269,14 @@ def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, monke
     heads = head_ops(17)
     assert heads and all("dot_general" in ln and head in ln for ln in heads)
     untied = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=False)
-    dec_untied = decode_params(untied, specjax.init_params(untied, 0), "unrolled")
+    dec_untied = decode_params(untied, specjax.init_params(untied, 0), layout)
     assert TIED_HEAD_T not in dec_untied
     assert (KERNEL_T if transposed else "kernel") in dec_untied["lm_head"]
 
 
+@pytest.mark.parametrize("layout", ["unrolled", "in_place"])
 @pytest.mark.parametrize("extra", [{}, {"qkv_bias": True}, {"qk_norm": True}])
-def test_decode_layout_fuses_q_k_and_v(extra):
+def test_decode_layout_fuses_q_k_and_v(extra, layout):
     """The CPU decode layout holds each layer's q/k/v as one dense (`fuse_qkv`: kernels
     and biases concatenated), and a cached step over it computes what the stored layout
     does (Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
@@ -245,8 +290,8 @@ def test_decode_layout_fuses_q_k_and_v(extra):
     keys = jax.random.split(jax.random.key(4), len(leaves))
     params = jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
                                        for x, k in zip(leaves, keys)])
-    dec = decode_params(cfg, params, "unrolled")
-    attn = dec["layers_1"]["self_attn"]
+    dec = decode_params(cfg, params, layout)
+    attn = _layer(dec, 1)["self_attn"]
     assert not {"q_proj", "k_proj", "v_proj"} & set(attn)
     stored = {n: params["layers"]["self_attn"][n] for n in ("q_proj", "k_proj", "v_proj")}
     for name in ("kernel", "bias"):
@@ -280,6 +325,6 @@ def test_layer_layout_choice_is_checked():
     with pytest.raises(ValueError, match="layer_layout='stacked'"):
         decode_params(cfg, params, "stacked")
     model = specjax.Model(cfg, params)
-    a = specjax.generate(model, [[1, 2, 3]], max_new_tokens=6, layer_layout="scan")
-    b = specjax.generate(model, [[1, 2, 3]], max_new_tokens=6, layer_layout="unrolled")
-    assert a.tokens == b.tokens
+    runs = [specjax.generate(model, [[1, 2, 3]], max_new_tokens=6, layer_layout=layout)
+            for layout in ("scan", "in_place", "unrolled")]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens

@@ -173,6 +173,46 @@ def test_gradients_equal_xlas_matmuls():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_stacked_weights_layer_is_multiplied_in_place(transposed):
+    """`layer=`: each kernel multiplies by one layer of a stacked weight [L, ...] without
+    slicing it (the stack itself is the call's operand), the layer's bits exactly as
+    the same matrix alone gets them, gradients through XLA's matmul; past the kernel's
+    rows XLA multiplies the slice; a layer outside the stack is an error naming it."""
+    x, w = _data((3, 40), (4, 40, 70), seed=5)
+    w = np.ascontiguousarray(np.swapaxes(w, 1, 2)) if transposed else w
+    product = rows_matmul.matmul_t if transposed else rows_matmul.matmul
+    target = rows_matmul.TARGET_T if transposed else rows_matmul.TARGET
+
+    def by_layer(x, w, layer):
+        return product(x, w, layer=layer)
+
+    hlo = jax.jit(by_layer).lower(x, w, jnp.int32(2)).as_text()
+    assert target in hlo and "dynamic_slice" not in hlo
+    for layer in range(4):
+        got = np.asarray(jax.jit(by_layer)(x, w, jnp.int32(layer)))
+        alone = np.asarray(jax.jit(product)(x, w[layer]) if transposed else
+                           jax.jit(functools.partial(product, race=False))(x, w[layer]))
+        np.testing.assert_array_equal(got, alone)
+        want = x.astype(np.float64) @ (w[layer].T if transposed else w[layer])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    many = _data((rows_matmul.MAX_ROWS + 1, 40), (1, 1))[0]
+    assert target not in jax.jit(by_layer).lower(many, w, jnp.int32(1)).as_text()
+    np.testing.assert_allclose(by_layer(many, w, jnp.int32(1)),
+                               many @ (w[1].T if transposed else w[1]), rtol=1e-5, atol=1e-4)
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(by_layer(x, w, jnp.int32(3))) ** 2)
+
+    got = jax.grad(loss, argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.tanh(
+        x @ (w[3].T if transposed else w[3])) ** 2), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(by_layer(x, w, jnp.int32(4)))
+
+
 def test_dot_general_takes_dense_products_only():
     x, w = _data((2, 16), (16, 8))
     dense = (((1,), (0,)), ((), ()))

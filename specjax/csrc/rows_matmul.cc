@@ -30,6 +30,7 @@
 #include <cstring>
 #include <utility>
 
+#include "layered.h"
 #include "parallel_items.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -194,12 +195,13 @@ void columns(const float* x, const float* w, float* y, int64_t rows, int64_t in,
 }
 
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int64_t form) {
+                      ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t form) {
   if (form != kRegisterBlocks && form != kSweep)
     return ffi::Error::InvalidArgument("form must be 1 (register blocks) or 2 (sweep)");
-  const auto wd = w.dimensions();
-  if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [in, out]");
-  const int64_t in = wd[0], out = wd[1];
+  specjax::Matrix m;  // w [in, out], or layer `layer` of [L, in, out] (layered.h)
+  if (ffi::Error e = specjax::layer_matrix(w, layer, &m); e.failure()) return e;
+  const int64_t in = m.a, out = m.b;
   if (in == 0 || x.element_count() % in != 0)
     return ffi::Error::InvalidArgument("x's last dimension must equal w's first");
   const int64_t rows = x.element_count() / in;
@@ -212,7 +214,7 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       ((out + threads - 1) / threads + kColumnBlock - 1) / kColumnBlock * kColumnBlock;
   // Column chunks, one per thread (`parallel_items.h`).
   const float* xs = x.typed_data();
-  const float* ws = w.typed_data();
+  const float* ws = m.data;
   float* ys = y->typed_data();
   specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
     const int64_t c0 = k * per;
@@ -226,7 +228,8 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_rows_matmul, RowsMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("form"));

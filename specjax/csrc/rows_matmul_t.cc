@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "layered.h"
 #include "parallel_items.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -108,10 +109,11 @@ void columns(const float* x, const float* wt, float* y, int64_t rows, int64_t in
 }
 
 ffi::Error RowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                       ffi::Buffer<ffi::F32> wt, ffi::ResultBuffer<ffi::F32> y) {
-  const auto wd = wt.dimensions();
-  if (wd.size() != 2) return ffi::Error::InvalidArgument("wt must be [out, in]");
-  const int64_t out = wd[0], in = wd[1];
+                       ffi::Buffer<ffi::F32> wt, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  specjax::Matrix m;  // wt [out, in], or layer `layer` of [L, out, in] (layered.h)
+  if (ffi::Error e = specjax::layer_matrix(wt, layer, &m); e.failure()) return e;
+  const int64_t out = m.a, in = m.b;
   if (in == 0 || x.element_count() % in != 0)
     return ffi::Error::InvalidArgument("x's last dimension must equal wt's second");
   const int64_t rows = x.element_count() / in;
@@ -122,7 +124,7 @@ ffi::Error RowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
   const int64_t per = (out + threads - 1) / threads;
   const float* xs = x.typed_data();
-  const float* ws = wt.typed_data();
+  const float* ws = m.data;
   float* ys = y->typed_data();
   specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
     const int64_t c0 = k * per;
@@ -136,6 +138,7 @@ ffi::Error RowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_rows_matmul_t, RowsMatmulT,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // wt
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -48,7 +48,7 @@ generate's arguments:
   proposal_prior: the rate at which the speculator finds a draft when asked, which the
     rule starts from (None: 1); a calibration run's `stats.proposal_rate`. At batch > 1
     a row whose n-gram finds nothing still pays the batch's verify.
-  layer_layout: "auto", "scan" or "unrolled" (`specjax.model.decode_params`).
+  layer_layout: "auto", "scan", "in_place" or "unrolled" (`specjax.model.decode_params`).
   prefill_chunk: the most prompt tokens one prefill forward takes (`prefill_chunks`).
   num_pages: cache pages in the pool (default: exactly what the batch needs); on a mesh
     whose `data` axis splits the rows, split evenly between the data shards.

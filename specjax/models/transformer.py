@@ -11,6 +11,9 @@ Axis names, used in shape comments and einsums everywhere in specjax:
 Parameters follow Hugging Face names (`embed_tokens`, `layers/self_attn/q_proj`, ...)
 with layers stacked on a leading L axis, because layers run under `nn.scan` (compile
 time does not grow with depth). Dense kernels are [in, out] (HF's weight transposed).
+The CPU decode layouts (`specjax.model.decode_params`) keep other forms of the same
+weights: the layers stacked and scanned with each layer's weights read in place by
+`specjax.rows_matmul`'s kernels (`Transformer.in_place`), or unrolled.
 
 A call takes the new tokens of every row, their RoPE positions and, optionally, the
 paged KV cache; it returns float32 logits, the hidden states asked for, and a
@@ -109,45 +112,68 @@ def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
                        offset, backend, ops)
 
 
+def layer_param(module: nn.Module, name: str, layer) -> jax.Array | None:
+    """Param `name` of `module` where it holds every layer's ([L, ...], the in-place
+    scanned decode layout, `Transformer.in_place`): its layer `layer`; None where the
+    param is one layer's own (or not there yet: init)."""
+    if layer is None or not module.has_variable("params", name):
+        return None
+    stacked = module.get_variable("params", name)
+    return stacked[layer] if stacked.ndim == module.PARAM_NDIM[name] + 1 else None
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
+    PARAM_NDIM = {"weight": 1}  # one layer's (`layer_param`)
 
     @nn.compact
-    def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    def __call__(self, x, layer=None):
+        """layer: the layer index, to pick this layer's weight where the weights are
+        stacked (`layer_param`)."""
+        w = layer_param(self, "weight", layer)
+        if w is None:
+            w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (w * xf.astype(x.dtype).astype(jnp.float32)).astype(self.dtype)
 
 
 def dense_layer(features: int, name: str, dtype, use_bias: bool = False,
-                rows_kernel: bool = False):
-    """A dense layer; `rows_kernel` (the unrolled decode layout): few-row float32 products
-    through `specjax.rows_matmul` on XLA:CPU (`RowsDense`)."""
+                rows_kernel: bool = False, layer=None):
+    """A dense layer; `rows_kernel` (the CPU decode layouts): few-row float32 products
+    through `specjax.rows_matmul` on XLA:CPU (`RowsDense`, told the `layer` index)."""
     if rows_kernel:
-        return RowsDense(features, use_bias, dtype, name=name)
+        return functools.partial(RowsDense(features, use_bias, dtype, name=name), layer=layer)
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
                     kernel_init=nn.initializers.normal(0.02), name=name)
 
 
 class RowsDense(nn.Module):
-    """`nn.Dense` for the CPU decode layout: a `KERNEL_T` param ([O, I], stored so by
+    """`nn.Dense` for the CPU decode layouts: a `KERNEL_T` param ([O, I], stored so by
     `specjax.model.decode_params` where the transposed-weight kernel wins) multiplies
     through `rows_matmul.matmul_t`; a `kernel` ([I, O]) as `nn.Dense` does, few rows
-    through `rows_matmul.dot_general`."""
+    through `rows_matmul.dot_general`. Stacked params ([L, ...], the in-place scanned
+    layout) multiply by their layer `layer`, read in place by the kernels."""
 
     features: int
     use_bias: bool
     dtype: Any
+    PARAM_NDIM = {KERNEL_T: 2, "kernel": 2, "bias": 1}  # one layer's (`layer_param`)
 
     @nn.compact
-    def __call__(self, x):
-        if self.has_variable("params", KERNEL_T):
-            wt = self.get_variable("params", KERNEL_T)
+    def __call__(self, x, layer=None):
+        name = KERNEL_T if self.has_variable("params", KERNEL_T) else "kernel"
+        w = self.get_variable("params", name) if self.has_variable("params", name) else None
+        if w is not None and w.ndim == 3:  # every layer's, stacked: the kernels index it
+            bias = layer_param(self, "bias", layer) if self.use_bias else None
+            x, w, bias = nn.dtypes.promote_dtype(x, w, bias, dtype=self.dtype)
+            product = rows_matmul.matmul_t if name == KERNEL_T else rows_matmul.matmul
+            y = product(x, w, layer=layer)
+        elif name == KERNEL_T:
             bias = self.get_variable("params", "bias") if self.use_bias else None
-            x, wt, bias = nn.dtypes.promote_dtype(x, wt, bias, dtype=self.dtype)
-            y = rows_matmul.matmul_t(x, wt)
+            x, w, bias = nn.dtypes.promote_dtype(x, w, bias, dtype=self.dtype)
+            y = rows_matmul.matmul_t(x, w)
         else:
             kernel = self.param("kernel", nn.initializers.normal(0.02),
                                 (x.shape[-1], self.features), jnp.float32)
@@ -170,20 +196,20 @@ class Attention(nn.Module):
         dt = jnp.dtype(c.dtype)
         b, t, _ = x.shape
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        if FUSED_QKV in self.variables.get("params", {}):  # the CPU decode layout
+        if FUSED_QKV in self.variables.get("params", {}):  # the CPU decode layouts
             q, k, v = jnp.split(dense_layer(nq + 2 * nk, FUSED_QKV, dt, c.qkv_bias,
-                                            self.rows_kernel)(x),
+                                            self.rows_kernel, layer)(x),
                                 [nq, nq + nk], axis=-1)
         else:
             dense = functools.partial(dense_layer, dtype=dt, use_bias=c.qkv_bias,
-                                      rows_kernel=self.rows_kernel)
+                                      rows_kernel=self.rows_kernel, layer=layer)
             q, k, v = dense(nq, "q_proj")(x), dense(nk, "k_proj")(x), dense(nk, "v_proj")(x)
         q = q.reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q, layer)
+            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k, layer)
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         scale = c.head_dim ** -0.5
@@ -204,7 +230,8 @@ class Attention(nn.Module):
                 mask=ctx.mask, **layer_kv(kv, layer), **opts)
         out = out.reshape(b, t, c.num_heads * c.head_dim)
         # k, v as computed: a later write quantizes them as the in-layer one would
-        out = dense_layer(c.hidden_size, "o_proj", dt, rows_kernel=self.rows_kernel)(out)
+        out = dense_layer(c.hidden_size, "o_proj", dt, rows_kernel=self.rows_kernel,
+                          layer=layer)(out)
         return out, kv, (k, v)
 
 
@@ -213,10 +240,12 @@ class MLP(nn.Module):
     rows_kernel: bool = False  # `dense_layer`
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, layer=None):
+        """layer: the layer index (`layer_param`)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        dense = functools.partial(dense_layer, dtype=dt, rows_kernel=self.rows_kernel)
+        dense = functools.partial(dense_layer, dtype=dt, rows_kernel=self.rows_kernel,
+                                  layer=layer)
         gate = dense(c.intermediate_size, "gate_proj")(x)
         up = dense(c.intermediate_size, "up_proj")(x)
         return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
@@ -236,10 +265,10 @@ class DecoderLayer(nn.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         h, kv, new_kv = Attention(c, self.rows_kernel, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x), ctx, kv, layer)
+            RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x, layer), ctx, kv, layer)
         x = x + h
         x = x + MLP(c, self.rows_kernel, name="mlp")(
-            RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x))
+            RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x, layer), layer)
         if taps is not None:  # record this layer's output if it was asked for
             taps = taps.at[tap_slots[layer]].set(x.astype(taps.dtype), mode="drop")
         return (x, kv, layer + 1, taps), new_kv
@@ -270,17 +299,31 @@ class Transformer(nn.Module):
 
     config: ModelConfig
     # True: params["layers"] stacked on L, run under nn.scan (the stored layout).
-    # False: params["layers_0"], ["layers_1"], ... run as an unrolled Python loop: the
-    # decode layout on XLA:CPU, whose scan copies each layer's weights out of the
+    # False: params["layers_0"], ["layers_1"], ... run as an unrolled Python loop: a
+    # decode layout on XLA:CPU, whose scan would copy each layer's weights out of the
     # stack every step (`specjax.model.unstack_layers`, docs/benchmarks.md).
     scan_layers: bool = True
+    # With scan_layers: the CPU decode layout scanned in place. Every layer is handed
+    # the whole stacked params (`variable_broadcast`) and its index, and the kernels
+    # (`RowsDense`, `specjax.cpu_attention`) read the layer where it lies: no copies,
+    # and one layer's program to compile rather than L of them.
+    in_place: bool = False
+
+    @property
+    def rows_kernel(self) -> bool:
+        """Whether this layout is a CPU decode layout (few-row products by the kernels)."""
+        return not self.scan_layers or self.in_place
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
                                      param_dtype=jnp.float32,
                                      embedding_init=nn.initializers.normal(0.02))
-        if self.scan_layers:
+        if self.in_place:
+            self.layers = nn.scan(
+                DecoderLayer, variable_broadcast="params", split_rngs={"params": False},
+                in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c, rows_kernel=True)
+        elif self.scan_layers:
             self.layers = nn.scan(
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c)
@@ -291,7 +334,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype))
         if not c.tie_word_embeddings:
             self.lm_head = dense_layer(c.vocab_size, "lm_head", jnp.dtype(c.dtype),
-                                       rows_kernel=not self.scan_layers)
+                                       rows_kernel=self.rows_kernel)
 
     def embed(self, tokens):
         return self.embed_tokens(tokens)
@@ -309,7 +352,7 @@ class Transformer(nn.Module):
                     return rows_matmul.matmul(h, wt.astype(h.dtype),
                                               preferred_element_type=jnp.float32)
             w = self.embed_tokens.embedding
-            if not self.scan_layers:  # the decode layout kept no [D, V] copy: the
+            if self.rows_kernel:  # the decode layout kept no [D, V] copy: the
                 # transposed-weight kernel won, and [V, D] is its layout
                 with jax.named_scope("lm_head"):
                     return rows_matmul.matmul_t(h, w.astype(h.dtype),
@@ -393,20 +436,32 @@ class Hidden:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(config: ModelConfig, scan_layers: bool) -> Transformer:
-    return Transformer(config, scan_layers=scan_layers)
+def _module(config: ModelConfig, layout: str) -> Transformer:
+    return Transformer(config, scan_layers=layout != "unrolled", in_place=layout == "in_place")
+
+
+def layout_of(params: Any) -> str:
+    """The layer layout `params` hold: "scan" (stored: stacked, scanned), "unrolled"
+    (`layers_0`, ...) or "in_place" (stacked, q/k/v fused: scanned with each layer read
+    in place); the last two are the CPU decode layouts `specjax.model.decode_params`
+    builds off a mesh."""
+    if params is None:
+        return "scan"
+    if "layers_0" in params:
+        return "unrolled"
+    attn = params.get("layers", {}).get("self_attn", {})
+    return "in_place" if FUSED_QKV in attn else "scan"
 
 
 def is_decode_layout(params: Any) -> bool:
-    """Whether `params` hold the unrolled CPU decode layout (`layers_0`, ...; built by
-    `specjax.model.decode_params` off a mesh only), whose few-row matmuls run
-    `specjax.rows_matmul`'s kernel."""
-    return params is not None and "layers_0" in params
+    """Whether `params` hold a CPU decode layout (`layout_of`), whose few-row matmuls run
+    `specjax.rows_matmul`'s kernels."""
+    return layout_of(params) != "scan"
 
 
 def module_for(config: ModelConfig, params: Any = None) -> Transformer:
     """The module for `config`, in the layer layout of `params` (stacked by default)."""
-    return _module(config, not is_decode_layout(params))
+    return _module(config, layout_of(params))
 
 
 def param_shapes(config: ModelConfig) -> Any:

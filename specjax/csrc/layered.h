@@ -1,0 +1,41 @@
+// One layer's matrix of a weight that is either one matrix [A, B] or a stack of them
+// [L, A, B], picked by a layer index operand, for specjax's few-row matmul kernels
+// (rows_matmul.cc, rows_matmul_t.cc). The stacked form lets the CPU decode layout run
+// its layers in a scan that hands every layer the whole stack and its index: the kernel
+// reads the layer where it lies, where a slice of the stack would be a copy per layer
+// and step on XLA:CPU.
+#ifndef SPECJAX_CSRC_LAYERED_H_
+#define SPECJAX_CSRC_LAYERED_H_
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace specjax {
+
+struct Matrix {
+  const float* data;  // the layer's [a, b] matrix
+  int64_t a, b;
+};
+
+// The layer's matrix of w ([A, B], or [L, A, B] with 0 <= layer < L); an error naming
+// what is wrong otherwise.
+inline xla::ffi::Error layer_matrix(xla::ffi::Buffer<xla::ffi::F32> w,
+                                    xla::ffi::Buffer<xla::ffi::S32> layer, Matrix* m) {
+  const auto d = w.dimensions();
+  if (d.size() != 2 && d.size() != 3)
+    return xla::ffi::Error::InvalidArgument("the weight must be [A, B] or [L, A, B]");
+  if (layer.element_count() != 1)
+    return xla::ffi::Error::InvalidArgument("the layer must be one int32");
+  const int64_t stack = d.size() == 3 ? d[0] : 1;
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= stack) return xla::ffi::Error::InvalidArgument("layer out of range");
+  m->a = d[d.size() - 2];
+  m->b = d[d.size() - 1];
+  m->data = w.typed_data() + l * m->a * m->b;
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace specjax
+
+#endif  // SPECJAX_CSRC_LAYERED_H_
