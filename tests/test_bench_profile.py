@@ -40,6 +40,7 @@ ENTRY %main {{
   %fusion.6 = f32[2,40]{{1,0}} fusion(%p.1), metadata={{op_name="{T}/layers_0/self_attn/gather"}}
   %fusion.7 = f32[1]{{0}} fusion(%p.1), metadata={{op_name="{T}/layers_0/input_layernorm/mul"}}
   %fusion.8 = s32[1]{{0}} fusion(%p.1), metadata={{op_name="jit(run)/while/body/reduce_min"}}
+  %fusion.13 = f32[1,64]{{1,0}} fusion(%p.1), metadata={{op_name="{T}/while/body/layers/add"}}
   %while.9 = (s32[], f32[2]{{0}}) while(%t), condition=%c, body=%b
   %ynn_fusion.10 = f32[3,15,64]{{2,1,0}} fusion(%a, %b), kind=kCustom, calls=%fused_computation.9
   %ynn_fusion.12 = f32[1,{CONFIG.vocab_size}]{{1,0}} fusion(%p.1), calls=%fused_computation.11
@@ -52,6 +53,7 @@ def test_each_op_gets_its_part_from_metadata_or_matmul_shapes():
     want = {"dot.1": "LM head", "dot.2": "MLP", "dot.3": profile.PARTS[0],
             "dot.4": profile.PARTS[1], "fusion.5": "MLP", "fusion.6": profile.PARTS[1],
             "fusion.7": "norms and residuals", "fusion.8": profile.PARTS[5],
+            "fusion.13": "norms and residuals",  # the in-place layout's scanned layers
             # XLA:CPU's YNNPACK fusions: no metadata, a part by the dot they compute
             "ynn_fusion.10": profile.PARTS[1], "ynn_fusion.12": "LM head"}
     assert {k: ops[k][1] for k in want} == want

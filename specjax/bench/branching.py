@@ -4,7 +4,7 @@ The speculative loop picks its verify width per step, so its target forward sits
 a branch (`lax.switch`), while a plain decode loop runs the forward at the loop's top
 level. A loop step that drafts nothing then costs more than a plain step even though it
 does the same arithmetic. This script isolates the control flow: the same greedy
-one-token step (`specjax.step` on the ~25M benchmark Llama, unrolled layers, compiled as
+one-token step (`specjax.step` on the ~25M benchmark Llama in its decode layout, compiled as
 `generate` compiles) run `--steps` times in a `lax.fori_loop`, as
 
 * `bare`: the step at the loop's top level (what plain decoding does);

@@ -157,9 +157,10 @@ def markdown(result: dict, args, command: str) -> str:
         f"- {args.prompt_len}-token prompts, {args.new_tokens} new tokens per row, greedy; "
         f"median of {args.repeats} interleaved rounds after a warm-up",
         "- ms/token = wall time of one `generate` call / new tokens per row (prefill included)",
-        "- specjax decodes with `layer_layout='auto'` (unrolled layers on CPU); the scan column "
-        "is the same run with `layer_layout='scan'` (XLA:CPU copies each layer's weights out "
-        "of the stack every step, docs/speculators.md)",
+        "- specjax decodes with `layer_layout='auto'` (on CPU the layers scanned with each "
+        "layer's weights read in place by its kernels); the scan column is the same run with "
+        "`layer_layout='scan'`, the stored layout (XLA:CPU copies each layer's weights out of "
+        "the stack every step, docs/design.md)",
         f"- transformers timed with torch's default {result['threads']} thread(s) and with 1; "
         "the ratio uses the faster",
         "",

@@ -63,7 +63,7 @@ def part_of(op_name: str) -> str:
         return PARTS[2]
     if "D,DV->" in op_name or "lm_head" in op_name:
         return PARTS[3]
-    if "layernorm" in op_name or re.search(r"/layers_\d+/add", op_name) or "/norm/" in op_name:
+    if "layernorm" in op_name or re.search(r"/layers(_\d+)?/add", op_name) or "/norm/" in op_name:
         return PARTS[4]
     return PARTS[5]
 

@@ -150,7 +150,7 @@ class Eagle(Speculator):
     def for_decoding(self, layout: str = "auto") -> "Eagle":
         """The head's layer laid out as the target's decode layout lays out its own
         (`specjax.model.decode_head_params`: q/k/v fused, [O, I] weights where the
-        transposed-weight kernel wins beside an unrolled float32 target on CPU)."""
+        transposed-weight kernel wins beside a float32 target in a CPU decode layout)."""
         return self.replace(params=decode_head_params(self.target_config, self.params,
                                                       layout))
 
