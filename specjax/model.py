@@ -152,9 +152,9 @@ def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any
     return jax.jit(functools.partial(_cpu_decode_layout, config, layout=resolved))(params)
 
 
-def _resolved_layout(params: Any, layout: str, config: ModelConfig | None = None) -> str:
+def _resolved_layout(params: Any, layout: str, config: ModelConfig) -> str:
     """"scan", "in_place" or "unrolled": `layout` checked, "auto" resolved as
-    `decode_params` does (for a model of `config`; None: float32)."""
+    `decode_params` does for a model of `config`."""
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layout!r} must be one of {LAYER_LAYOUTS}")
     on_mesh = mesh_of(params) is not None
@@ -164,21 +164,21 @@ def _resolved_layout(params: Any, layout: str, config: ModelConfig | None = None
     if layout == "auto":
         if jax.default_backend() != "cpu" or on_mesh:
             return "scan"
-        in_place = ((config is None or _stores_transposed(config))
+        in_place = (_stores_transposed(config)
                     and (rows_matmul.available_t() or rows_matmul.available()))
         return "in_place" if in_place else "unrolled"
     return layout
 
 
 def _stores_transposed(config: ModelConfig) -> bool:
-    """Whether the unrolled decode layout of a model of `config` stores its dense weights
+    """Whether the CPU decode layouts of a model of `config` store its dense weights
     transposed where the transposed-weight kernel wins: float32, on CPU."""
     return config.dtype == "float32" and jax.default_backend() == "cpu"
 
 
 def transposes_denses(config: ModelConfig, params: Any, layout: str = "auto") -> bool:
     """Whether a model of `config` decoded in `layout` stores its dense weights transposed
-    where the transposed-weight kernel wins (`_cpu_decode_layout`): the unrolled layout,
+    where the transposed-weight kernel wins (`_cpu_decode_layout`): a CPU decode layout,
     float32, on CPU. Weights beside such a target (an EAGLE head's, a draft's trimmed LM
     head) are then laid out the same way."""
     return (_resolved_layout(params, layout, config) in DECODE_LAYOUTS
@@ -187,10 +187,10 @@ def transposes_denses(config: ModelConfig, params: Any, layout: str = "auto") ->
 
 def decode_head_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
     """A one-layer head's params (`self_attn`, `mlp`, other dense layers at the top) beside
-    a target of `config` decoded in `layout`, laid out as that target's own layers: in the
-    unrolled layout q/k/v fused (`fuse_qkv`), and each dense weight transposed where the
+    a target of `config` decoded in `layout`, laid out as that target's own layers: in a
+    CPU decode layout q/k/v fused (`fuse_qkv`), and each dense weight transposed where the
     target's are (`transposes_denses`, `transposed_denses`); `params` itself in the
-    scanned one. Its layers read either layout."""
+    stored one. Its layers read either layout."""
     if (_resolved_layout(params, layout, config) not in DECODE_LAYOUTS
             or "self_attn" not in params):
         return params

@@ -217,8 +217,8 @@ def test_in_place_layout_compiles_one_layer():
     assert len(kernel_calls(4, "unrolled")) > len(kernel_calls(2, "unrolled"))
 
 
-@pytest.mark.parametrize("layout", ["unrolled", "in_place"])
-@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("transposed, layout", [(True, "in_place"), (False, "in_place"),
+                                                (True, "unrolled")])
 def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, layout,
                                                                monkeypatch):
     """Tied embeddings: where the transposed-weight kernel wins, the CPU decode layout
@@ -274,8 +274,9 @@ def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, layou
     assert (KERNEL_T if transposed else "kernel") in dec_untied["lm_head"]
 
 
-@pytest.mark.parametrize("layout", ["unrolled", "in_place"])
-@pytest.mark.parametrize("extra", [{}, {"qkv_bias": True}, {"qk_norm": True}])
+@pytest.mark.parametrize("extra, layout", [
+    ({}, "in_place"), ({"qkv_bias": True}, "in_place"), ({"qk_norm": True}, "in_place"),
+    ({"qkv_bias": True, "qk_norm": True}, "unrolled")])
 def test_decode_layout_fuses_q_k_and_v(extra, layout):
     """The CPU decode layout holds each layer's q/k/v as one dense (`fuse_qkv`: kernels
     and biases concatenated), and a cached step over it computes what the stored layout
