@@ -302,6 +302,12 @@ def _layer_operand(layer) -> jax.Array:
     return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
 
 
+def _check_stacked(w: jax.Array, layer) -> None:
+    """A stacked weight [L, A, B] needs the layer to multiply by."""
+    if layer is None and w.ndim == 3:
+        raise ValueError(f"a stacked weight {w.shape} needs the layer to multiply by")
+
+
 def layer_of(w: jax.Array, layer) -> jax.Array:
     """Layer `layer` of a stacked weight [L, A, B] (`w` itself when 2-D): a slice, so on
     XLA:CPU a copy; the kernels read the layer in place instead."""
@@ -347,6 +353,7 @@ def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
     layer: w is a stack [L, I, O] and the product is by its layer `layer` (the decode
     layout's scanned layers): the kernel for few float32 rows, won or not (XLA's
     alternative would slice, i.e. copy, the layer first), else XLA's on the slice."""
+    _check_stacked(w, layer)
     if layer is not None and w.ndim == 3:
         if _few_float32_rows(x, w, max_rows) and available():
             return _rows(x, w, layer=layer)
@@ -390,8 +397,7 @@ def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
     at most `max_rows` rows, else XLA's (prefill's many rows, where its GEMM on either
     layout is as fast). layer: wt is a stack [L, O, I] and the product is by its layer
     `layer`, read in place by the kernel (XLA's product takes a slice: a copy)."""
-    if layer is None and wt.ndim == 3:
-        raise ValueError(f"a stacked weight {wt.shape} needs the layer to multiply by")
+    _check_stacked(wt, layer)
     if _few_float32_rows(x, wt, max_rows) and available_t():
         return _rows_t(x, wt, _layer_operand(layer))
     return _xla_t(x, layer_of(wt, layer), preferred_element_type)

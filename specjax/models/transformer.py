@@ -165,15 +165,15 @@ class RowsDense(nn.Module):
     def __call__(self, x, layer=None):
         name = KERNEL_T if self.has_variable("params", KERNEL_T) else "kernel"
         w = self.get_variable("params", name) if self.has_variable("params", name) else None
-        if w is not None and w.ndim == 3:  # every layer's, stacked: the kernels index it
-            bias = layer_param(self, "bias", layer) if self.use_bias else None
+        stacked = w is not None and w.ndim == 3  # every layer's: the kernels index it
+        if name == KERNEL_T or stacked:
+            bias = None
+            if self.use_bias:
+                bias = (layer_param(self, "bias", layer) if stacked
+                        else self.get_variable("params", "bias"))
             x, w, bias = nn.dtypes.promote_dtype(x, w, bias, dtype=self.dtype)
             product = rows_matmul.matmul_t if name == KERNEL_T else rows_matmul.matmul
-            y = product(x, w, layer=layer)
-        elif name == KERNEL_T:
-            bias = self.get_variable("params", "bias") if self.use_bias else None
-            x, w, bias = nn.dtypes.promote_dtype(x, w, bias, dtype=self.dtype)
-            y = rows_matmul.matmul_t(x, w)
+            y = product(x, w, layer=layer if stacked else None)
         else:
             kernel = self.param("kernel", nn.initializers.normal(0.02),
                                 (x.shape[-1], self.features), jnp.float32)
