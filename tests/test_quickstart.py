@@ -96,12 +96,14 @@ def _tiny_real(target) -> list[str]:
             "quickstart.quickstart.new_tokens = 8", "quickstart.quickstart.num_prompts = 2",
             "quickstart.quickstart.prompt_len = 24",  # no k sweep, as the real run
             "quickstart.quickstart.repeats = 2", "quickstart.quickstart.calibrate = 1",
-            # the head trains on the target's own continuations
-            "quickstart.quickstart.regenerate = @regenerate.RegenerateConfig()",
-            "regenerate.RegenerateConfig.prompts = 8", "regenerate.RegenerateConfig.batch = 4",
-            "regenerate.RegenerateConfig.prompt_len = 16",
-            "regenerate.RegenerateConfig.new_tokens = 48",
-            "regenerate.RegenerateConfig.eval_fraction = 0.3"]
+            "data.DataConfig.train_rows = 8"]  # 3 steps of 8: the rows once, then again
+
+
+REGENERATE = [  # the head trains on the target's own continuations
+    "quickstart.quickstart.regenerate = @regenerate.RegenerateConfig()",
+    "regenerate.RegenerateConfig.prompts = 8", "regenerate.RegenerateConfig.batch = 4",
+    "regenerate.RegenerateConfig.prompt_len = 16", "regenerate.RegenerateConfig.new_tokens = 48",
+    "regenerate.RegenerateConfig.eval_fraction = 0.3"]
 
 
 def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
@@ -128,12 +130,18 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "draft" / "metrics.jsonl").read_text(
     ).splitlines() if json.loads(line)["split"] == "eval"]
     assert evals and 0 < evals[-1]["in_vocab"] <= 1
-    regenerated = tmp_path / "regenerated" / "regenerated.jsonl"
-    assert len(regenerated.read_text().splitlines()) == 8
-    head_data = res["settings"]["stages"]["eagle3"]["stage"]["data_config"]["corpus"]
-    assert head_data["source"] == str(regenerated)
+    # one features dump of the 8 training rows, read by the draft and the head alike
+    store = json.loads((tmp_path / "features" / "features.json").read_text())
+    assert store["identity"]["data"]["train"]["rows"] == 8
+    assert store["identity"]["layers"] and store["written"]["train"] == 8
+    for stage in ("draft", "eagle3"):
+        run = json.loads((tmp_path / stage / "config.json").read_text())
+        assert run["settings"]["features"] == "offline"
+        assert run["settings"]["features_dir"] == str(tmp_path / "features")
+        assert run["identity"]["data"]["train_rows"] == 8
+        assert not (tmp_path / stage / "features").exists()
     summary = json.loads((tmp_path / "eagle3" / "summary.json").read_text())
-    assert summary["features"] == "online" and "speculative" not in summary  # the table's
+    assert summary["features"] == "offline" and "speculative" not in summary  # the table's
     eagle = [r for r in res["rows"] if r["method"] == "eagle3"]
     assert len(eagle) == 2 and all(r["tau"] >= 1.0 for r in eagle)
     # the analytical figure is the per-position one (`expected_speedup`): 1 for plain
@@ -151,6 +159,23 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
             # per draft depth 1..max_depth, measured at both ends
             assert len(cal["overhead"]) == len(cal["prior"])
             assert all(math.isfinite(o) and o >= 0 for o in cal["overhead"])
+
+
+def test_real_target_quickstart_heads_on_regenerated_text(finished, tmp_path):
+    """With `regenerate` the head trains on the target's own continuations: rows no
+    draft reads, so the head stage dumps its own features and nothing is shared."""
+    workdir, _ = finished
+    res = run_config(QUICKSTART, _tiny_real(workdir / "target" / "export") + REGENERATE + [
+        "quickstart.quickstart.draft_layers = ()", "quickstart.quickstart.temperatures = (0.0,)",
+        "quickstart.quickstart.repeats = 1", "quickstart.quickstart.calibrate = 0"],
+        workdir=tmp_path)
+    assert {r["method"] for r in res["rows"]} == {"autoregressive", "ngram", "eagle3"}
+    regenerated = tmp_path / "regenerated" / "regenerated.jsonl"
+    assert len(regenerated.read_text().splitlines()) == 8
+    head_data = res["settings"]["stages"]["eagle3"]["stage"]["data_config"]["corpus"]
+    assert head_data["source"] == str(regenerated)
+    assert not (tmp_path / "features").exists() and not (tmp_path / "draft").exists()
+    assert (tmp_path / "eagle3" / "features" / "features.json").exists()
 
 
 def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Corpus discovery and split, BPE tokenizer, packing, and the step-addressed order."""
 
+import dataclasses
 import json
 import sysconfig
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 
 from specjax.corpus import CorpusConfig, is_held_out, load_corpus, split_documents, stdlib_files
 from specjax.train import tokenizer as tok_lib
-from specjax.train.data import TokenData, batch_rows, pack, tokenize_corpus
+from specjax.train.data import DataConfig, TokenData, batch_rows, build_data, pack, tokenize_corpus
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +113,21 @@ def test_token_data_batches(corpus, tokenizer):
     assert data.describe() == tokenize_corpus(corpus, tokenizer, 32, 0).describe()
     with pytest.raises(ValueError, match="packs into no sequences"):
         TokenData(data.train[:0], data.eval, 2, 0, "empty")
+
+
+def test_train_rows_keeps_evenly_spaced_rows(tokenizer):
+    """DataConfig.train_rows keeps that many distinct training rows spread over the whole
+    packed split (first and last included), the held-out rows untouched; more rows than
+    the split holds keeps them all; a bad count names itself."""
+    config = DataConfig(CorpusConfig(max_files=60, eval_fraction=0.2), seq_len=32)
+    whole = build_data(config, tokenizer, seed=0)
+    kept = build_data(dataclasses.replace(config, train_rows=7), tokenizer, seed=0)
+    assert kept.train.shape == (7, 32)
+    rows = [next(i for i, r in enumerate(whole.train) if (r == k).all()) for k in kept.train]
+    assert rows[0] == 0 and rows[-1] == len(whole.train) - 1 and rows == sorted(set(rows))
+    assert min(np.diff(rows)) >= (len(whole.train) - 1) // 6 - 1  # spread, not a prefix
+    np.testing.assert_array_equal(kept.eval, whole.eval)
+    everything = build_data(dataclasses.replace(config, train_rows=10**6), tokenizer, seed=0)
+    np.testing.assert_array_equal(everything.train, whole.train)
+    with pytest.raises(ValueError, match="train_rows=0"):
+        DataConfig(train_rows=0)

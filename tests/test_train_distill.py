@@ -11,7 +11,8 @@ from train_setup import DATA, DRAFT, MODEL, VOCAB, tiny_data, train_config
 
 import specjax
 from specjax.train import jobs, losses, tokenizer as tok_lib
-from specjax.train.forward import causal_logits
+from specjax.train.features import embedding_and_head
+from specjax.train.forward import FINAL_KEY, causal_logits, frozen_hidden
 from specjax.train.methods import Distill
 
 
@@ -80,7 +81,7 @@ def test_a_kept_vocabularys_loss_is_both_heads_on_those_rows(target):
 
     @jax.jit
     def run(draft_params, target_params):
-        p, q = method._logits(draft_params, target_params, batch["tokens"])
+        p, q = method._logits(draft_params, target_params, batch, batch["tokens"])
         whole_p = causal_logits(MODEL, target_params, batch["tokens"])
         whole_q = causal_logits(DRAFT, draft_params, batch["tokens"])
         loss = method.loss_fn(draft_params, target_params, batch, jax.random.key(0))[0]
@@ -103,6 +104,59 @@ def test_a_kept_vocabularys_loss_is_both_heads_on_those_rows(target):
         Distill(DRAFT, MODEL, vocab=(5, 3))
     with pytest.raises(ValueError, match=r"Distill vocab holds ids outside"):
         Distill(DRAFT, MODEL, vocab=(3, VOCAB))
+
+
+@pytest.mark.parametrize("vocab", [None, tuple(range(3, 300, 3))], ids=["whole", "kept"])
+def test_offline_features_give_the_online_loss_and_gradients(target, vocab):
+    """A batch carrying the target's final hidden state (an offline features dump) gives
+    the online step's loss and draft gradients while reading only the target's embedding
+    and LM head; with source="target" (tokens the dump never saw) it is refused."""
+    model = specjax.load(target.export_dir)
+    method = Distill(DRAFT, MODEL, vocab=vocab)
+    batch = {"tokens": jnp.asarray(tiny_data().eval[:2, :16]), "mask": jnp.ones((2, 16))}
+    offline = dict(batch, **{FINAL_KEY: frozen_hidden(MODEL, model.params, batch).final})
+    draft_params = specjax.init_params(DRAFT, jax.random.key(1))
+    key = jax.random.key(0)
+
+    def loss_and_grads(target_params, batch):
+        return jax.jit(jax.value_and_grad(lambda d: method.loss_fn(d, target_params, batch,
+                                                                   key)[0]))(draft_params)
+
+    loss, grads = loss_and_grads(model.params, batch)
+    off_loss, off_grads = loss_and_grads(embedding_and_head(model.params), offline)
+    assert off_loss == pytest.approx(float(loss), rel=1e-5) and float(loss) > 0
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(off_grads)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+    sampled = Distill(DRAFT, MODEL, source="target", prompt_len=4)
+    with pytest.raises(ValueError, match="source='target'"):
+        sampled.loss_fn(draft_params, model.params, offline, key)
+
+
+def test_distill_job_on_offline_features(target, tmp_path):
+    """jobs.distill(features="offline") dumps the target's final hidden states once and
+    trains on them: the same losses as the online run of the same batches; a bad mode or
+    the target-sampled source with offline features names itself before anything runs."""
+    config = train_config(steps=4, checkpoint_every=0)
+    online = jobs.distill(tmp_path / "online", target.export_dir, DRAFT, config, DATA)
+    offline = jobs.distill(tmp_path / "offline", target.export_dir, DRAFT, config, DATA,
+                           features="offline")
+    assert json.loads((tmp_path / "offline" / "features" / "features.json").read_text()
+                      )["identity"]["layers"] == []
+
+    def train_losses(workdir):
+        lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in lines if r["split"] == "train"]
+
+    assert len(train_losses(online.workdir)) == 2
+    np.testing.assert_allclose(train_losses(offline.workdir), train_losses(online.workdir),
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="features='dumped'"):
+        jobs.distill(tmp_path / "bad", target.export_dir, DRAFT, config, DATA,
+                     features="dumped")
+    with pytest.raises(ValueError, match="source='target'"):
+        jobs.distill(tmp_path / "bad", target.export_dir, DRAFT, config, DATA,
+                     features="offline", source="target")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_pretrain_job_exports_the_target(target):

@@ -30,10 +30,16 @@ class DataConfig:
 
     corpus: CorpusConfig = CorpusConfig()
     seq_len: int = 256
+    # At most this many training rows, evenly spaced over the packed split (None: all):
+    # fewer distinct rows, which a run on offline features passes over several times
+    # for the price of one target forward each.
+    train_rows: int | None = None
 
     def __post_init__(self):
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len} must be at least 2")
+        if self.train_rows is not None and self.train_rows < 1:
+            raise ValueError(f"train_rows={self.train_rows} must be at least 1 (or None)")
 
 
 def pack(docs: Sequence[np.ndarray], seq_len: int, bos: int | None, eos: int | None
@@ -132,4 +138,9 @@ def tokenize_corpus(corpus: Corpus, tokenizer, seq_len: int, seed: int) -> Token
 
 
 def build_data(config: DataConfig, tokenizer, seed: int) -> TokenData:
-    return tokenize_corpus(load_corpus(config.corpus), tokenizer, config.seq_len, seed)
+    data = tokenize_corpus(load_corpus(config.corpus), tokenizer, config.seq_len, seed)
+    n = len(data.train)
+    if config.train_rows is None or config.train_rows >= n:
+        return data
+    keep = np.linspace(0, n - 1, config.train_rows).round().astype(np.int64)  # distinct
+    return dataclasses.replace(data, train=data.train[keep])

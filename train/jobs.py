@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -146,8 +146,9 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
             train_config: TrainConfig, data_config: DataConfig = DataConfig(), *,
             divergence: str = "tvd", temperature: float = 1.0, source: str = "corpus",
             prompt_len: int = 16, sample_temperature: float = 1.0,
-            draft_init_dir: str | Path | None = None, vocab=None, data_parallel: bool = False,
-            mesh_shape: Mapping[str, int] | None = None,
+            draft_init_dir: str | Path | None = None, vocab=None, features: str = "online",
+            features_dir: str | Path | None = None, features_dtype: str = "float32",
+            data_parallel: bool = False, mesh_shape: Mapping[str, int] | None = None,
             stop_at: int | None = None) -> JobResult:
     """Distills the target at `target_dir` (HF layout with tokenizer.json) into a draft.
 
@@ -158,7 +159,17 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
     distribution `DraftModel.create(vocab=)` proposes from; the export keeps every row.
     `mesh_shape` (see `job_mesh`): the target is loaded straight onto the mesh, split over
     `model` with the draft; `data_parallel`: a 1-D data mesh.
+    features: "online" runs the target inside every step; "offline" reads its final hidden
+      states from a dump (`features_dir`, default `<workdir>/features`; made there if
+      missing, as `heads` makes it, and shared with heads trained on the same rows: a
+      dump holding EAGLE-3's layers too serves both), so a step runs only the target's LM
+      head. Corpus text only (source "corpus"). Same batches, same loss.
     """
+    if features not in features_lib.MODES:
+        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
+    if features == "offline" and source != "corpus":
+        raise ValueError(f"features='offline' needs source='corpus' (source={source!r} "
+                         "trains on the target's own samples, which no dump holds)")
     mesh = job_mesh(data_parallel, mesh_shape)
     target = load_target(target_dir, "distillation", mesh=mesh)
     if draft_config.vocab_size != target.config.vocab_size:
@@ -179,10 +190,21 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                      temperature=temperature, source=source, prompt_len=prompt_len,
                      sample_temperature=sample_temperature,
                      vocab=None if vocab is None else tuple(np.sort(np.asarray(vocab)).tolist()))
-    result = train(method, data, train_config, workdir, frozen=target.params, init_params=init,
+    train_data, frozen = data, target.params
+    if features == "offline":
+        store = features_lib.dump_features(
+            features_dir or Path(workdir).absolute() / FEATURES_DIR, target.config,
+            target.params, data, dtype=features_dtype, batch_size=train_config.micro_batch,
+            progress=train_config.progress)
+        # The step reads the final hidden state, not the target: only its LM head stays.
+        train_data = features_lib.OfflineData(data, store)
+        frozen = features_lib.embedding_and_head(target.params)
+    result = train(method, train_data, train_config, workdir, frozen=frozen, init_params=init,
                    mesh=mesh, stop_at=stop_at,
                    settings=_settings("distill", data_config, target_dir=str(target_dir),
-                                      draft_init_dir=draft_init_dir and str(draft_init_dir)))
+                                      draft_init_dir=draft_init_dir and str(draft_init_dir),
+                                      features=features,
+                                      features_dir=features_dir and str(features_dir)))
     return JobResult(Path(workdir).absolute(), _export(result, draft_config, target.tokenizer),
                      result)
 
@@ -424,7 +446,7 @@ def heads(workdir: str | Path, target_dir: str | Path, head_config: MedusaConfig
 
 def offline_features(workdir: str | Path, target_dir: str | Path,
                      data_config: DataConfig = DataConfig(), *,
-                     head_config: MedusaConfig | EagleConfig | None = None,
+                     head_config: MedusaConfig | EagleConfig | Sequence | None = None,
                      dtype: str = "float32",
                      batch_size: int = 8, expect_target: ModelConfig | None = None,
                      progress: bool = True) -> features_lib.FeatureStore:
@@ -433,13 +455,14 @@ def offline_features(workdir: str | Path, target_dir: str | Path,
     train heads with `heads(..., features="offline", features_dir=workdir)`. Resumes a
     killed dump; refuses a directory holding another one.
 
-    head_config: the heads the dump serves; an EAGLE-3 config adds its low/mid/high
-      layers (resolved for this target), anything else stores the final hidden state only.
+    head_config: the heads the dump serves (one config, or a sequence of them); an EAGLE-3
+      config adds its low/mid/high layers (resolved for this target), anything else
+      stores the final hidden state only (all a Medusa run or a distillation reads).
     """
     target = load_target(target_dir, "dumping features", expect_target)
-    layers = ()
-    if isinstance(head_config, EagleConfig):  # the layers TrainEagle reads
-        layers = TrainEagle(target.config, head_config).hidden_layers
+    configs = head_config if isinstance(head_config, (list, tuple)) else (head_config,)
+    layers = tuple(sorted({i for c in configs if isinstance(c, EagleConfig)  # TrainEagle's
+                           for i in TrainEagle(target.config, c).hidden_layers}))
     data = build_data(data_config, target.tokenizer, seed=0)  # the rows; order is per run
     return features_lib.dump_features(workdir, target.config, target.params, data,
                                       layers=layers, dtype=dtype, batch_size=batch_size,

@@ -5,6 +5,8 @@ SmolLM2-135M-Instruct by default; `from_scratch` (from_scratch.gin) first pretra
 small target with its own tokenizer. Stages, each in its own sub-directory of the
 workdir and skipped when finished with the same settings:
   target/   quickstart: the target as a HF directory; from_scratch: BPE + pretraining
+  features/ quickstart, with offline head stages: the target's hidden states over the
+            training rows, dumped once and read by the draft and those heads
   draft/    a draft distilled from the target (quickstart: sliced from its layers)
   regenerated/  quickstart with `regenerate`: the target's own continuations of corpus
             prefixes, what the heads then train on
@@ -73,16 +75,19 @@ def _jsonable(x):
 
 def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_stages,
                 common: dict, num_prompts: int, prompt_len: int, new_tokens: int, seed: int,
-                k: int, record_tau: bool = True) -> dict:
-    """Trains (or reuses) each head stage; returns {name: speculator}."""
+                k: int, record_tau: bool = True, shared: tuple[str, ...] = (),
+                features_dir: Path | None = None) -> dict:
+    """Trains (or reuses) each head stage; returns {name: speculator}. The stages named in
+    `shared` read the features dump at `features_dir`."""
     specs = {}
     for name, make in (head_stages or {}).items():
         # The stage's own α/τ record uses the comparison's greedy prompts: same numbers,
         # and the same compiled generation.
         tau = (SpeculativeEval(num_prompts, prompt_len, new_tokens, seed, make.eagle_tree)
                if record_tau else None)
-        hdir = _stage(workdir, name, lambda d, make=make, tau=tau: make(d, target_export, tau),
-                      dict(common, stage=make.settings))
+        fdir = features_dir if name in shared else None
+        hdir = _stage(workdir, name, lambda d, make=make, tau=tau, fdir=fdir: make(
+            d, target_export, tau, features_dir=fdir), dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
     return specs
 
@@ -133,6 +138,14 @@ def draft_from_target(target: specjax.Model, layers: tuple[int, ...]) -> specjax
                                params=jax.tree.map(jax.numpy.asarray, params))
 
 
+def sharing_stages(head_stages: dict | None, data_config: DataConfig) -> tuple[str, ...]:
+    """The head stages that read the quickstart's shared features dump: those on offline
+    features over the quickstart's own rows (`data_config`)."""
+    return tuple(name for name, stage in (head_stages or {}).items()
+                 if getattr(stage, "features", None) == "offline"
+                 and stage.data_config == data_config)
+
+
 def _target_stage(d: Path, source: str | Path, dtype: str = "float32") -> None:
     """The target as a Hugging Face directory in `d/export` (tokenizer and chat template
     included), so every later stage, the benchmarks and transformers read one layout."""
@@ -177,6 +190,9 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     regenerate: the heads train on the target's own continuations of the corpus's
       training documents (`specjax.train.regenerate`, a stage of its own) instead of the
       documents; None trains them on the documents.
+    Head stages on offline features over `data_config`'s rows (`sharing_stages`) and the
+    draft read one dump of the target's hidden states (the `features` stage), so no
+    training step runs the target.
     """
     from specjax.checkpoint.packaged import smollm2
 
@@ -193,6 +209,15 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     from specjax.speculators.draft_model import VOCAB_FILE, load_vocab
 
     specs, draft = {"autoregressive": None, "ngram": NGram(k=k)}, None
+    # Offline head stages on the quickstart's own rows share one features dump with the
+    # draft: each row's target forward then serves every stage and every epoch over it.
+    shared = () if regenerate is not None else sharing_stages(head_stages, data_config)
+    fdir = None
+    if shared:
+        heads = [head_stages[n].head_config for n in shared]
+        fdir = _stage(workdir, jobs.FEATURES_DIR, lambda d: jobs.offline_features(
+            d, export, data_config, head_config=heads, progress=draft_train.progress),
+            dict(common, heads=_jsonable(heads)))
     if layers:
         vocab, trimmed = None, {}
         if draft_vocab_size is not None and draft_vocab_size < target_model.config.vocab_size:
@@ -205,10 +230,12 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
             init = d / "init"
             specjax.save_hf(draft_from_target(target_model, layers), init)
             jobs.distill(d, export, target_model.config.replace(num_layers=len(layers)),
-                         draft_train, data_config, draft_init_dir=init, vocab=vocab)
+                         draft_train, data_config, draft_init_dir=init, vocab=vocab,
+                         **({"features": "offline", "features_dir": fdir} if shared else {}))
 
-        ddir = _stage(workdir, "draft", distill, dict(common, layers=list(layers),
-                                                      train=_jsonable(draft_train), **trimmed))
+        ddir = _stage(workdir, "draft", distill, dict(
+            common, layers=list(layers), train=_jsonable(draft_train), **trimmed,
+            **({"features": "offline"} if shared else {})))
         draft = specjax.load(ddir / jobs.EXPORT_DIR, dtype="float32")
         specs["draft"] = DraftModel.create(draft, k=k, target=target_model, vocab=vocab)
     if regenerate is not None and head_stages:
@@ -220,7 +247,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
         head_stages = {name: dataclasses.replace(make, data_config=head_data)
                        for name, make in head_stages.items()}
     specs.update(_head_specs(workdir, export, target_model, head_stages, common,
-                             num_prompts, prompt_len, new_tokens, seed, k, record_tau=False))
+                             num_prompts, prompt_len, new_tokens, seed, k, record_tau=False,
+                             shared=shared, features_dir=fdir))
     # Prompts from the held-out split of the whole corpus: the split is by document hash,
     # so no prompt comes from a document the (smaller) training corpus trained on.
     prompt_corpus = dataclasses.replace(data_config.corpus, max_files=None, max_chars=None)
@@ -249,11 +277,12 @@ class HeadStage:
         return _jsonable(self)
 
     def __call__(self, stage_dir: Path, target_export: Path,
-                 speculative: SpeculativeEval | None):
-        """Trains the heads; `speculative` is the end-of-run τ record (None: none)."""
+                 speculative: SpeculativeEval | None, features_dir: Path | None = None):
+        """Trains the heads; `speculative` is the end-of-run τ record (None: none);
+        `features_dir`: an offline stage's dump (None: its own, in the stage)."""
         return jobs.heads(stage_dir, target_export, self.head_config, self.train_config,
-                          self.data_config, features=self.features, speculative=speculative,
-                          **dict(self.options))
+                          self.data_config, features=self.features, features_dir=features_dir,
+                          speculative=speculative, **dict(self.options))
 
     def speculator(self, stage_dir: Path, target: specjax.Model, k: int):
         return head_speculator(stage_dir / jobs.HEADS_DIR, target, self.eagle_tree)

@@ -5,7 +5,9 @@ at every position under one of `specjax.train.losses.DIVERGENCES` (DistillSpec f
 whose complement is the speculative-sampling acceptance rate, tracks acceptance best).
 Tokens are corpus text (teacher forcing, the default) or, with source="target", a
 corpus prompt of `prompt_len` tokens continued by the target's own samples, drawn
-inside the step from the step's rng (so resuming stays exact).
+inside the step from the step's rng (so resuming stays exact). On corpus text the
+target's final hidden states may come with the batch (offline features,
+`specjax.train.features`), so the step runs only the target's LM head.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from specjax.config import ModelConfig
 from specjax.model import init_params
 from specjax.speculators.draft_model import check_vocab
 from specjax.train import losses
-from specjax.train.forward import causal_forward, causal_logits, kept_logits
+from specjax.train.forward import (
+    FINAL_KEY,
+    causal_forward,
+    causal_logits,
+    frozen_hidden,
+    head_logits,
+    kept_logits,
+)
 from specjax.train.methods.pretrain import next_token_metrics
 from specjax.train.sampler import sample_continuation
 
@@ -76,24 +85,27 @@ class Distill:
         # Match distributions where the next token is the target's own sample.
         return tokens, mask * (jnp.arange(t) >= self.prompt_len - 1)[None, :]
 
-    def _logits(self, draft_params, target_params, tokens):
+    def _logits(self, draft_params, target_params, batch, tokens):
         """(target logits, draft logits) [B, T, V], or [B, T, Vk] both at `vocab`: the
         softmax of the target's is its distribution renormalised on the kept ids, all
-        the divergences need, so neither side computes the other V - Vk columns."""
+        the divergences need, so neither side computes the other V - Vk columns. The
+        target's final hidden state is the batch's offline feature when it carries one
+        (`tokens` are then the batch's own), else a causal forward of `target_params`."""
+        if FINAL_KEY in batch and tokens is not batch["tokens"]:
+            raise ValueError("offline features describe the batch's tokens; source="
+                             f"{self.source!r} trains on the target's own samples instead")
+        target = frozen_hidden(self.target, target_params, {**batch, "tokens": tokens}).final
         if self.vocab is None:
-            target_logits = causal_logits(self.target, target_params, tokens)
-            return (jax.lax.stop_gradient(target_logits),
+            return (jax.lax.stop_gradient(head_logits(self.target, target_params, target)),
                     causal_logits(self.draft, draft_params, tokens))
         ids = jnp.asarray(self.vocab, jnp.int32)
-        _, target = causal_forward(self.target, target_params, tokens, return_logits=False)
         _, draft = causal_forward(self.draft, draft_params, tokens, return_logits=False)
-        return (jax.lax.stop_gradient(kept_logits(self.target, target_params, target.final,
-                                                  ids)),
+        return (jax.lax.stop_gradient(kept_logits(self.target, target_params, target, ids)),
                 kept_logits(self.draft, draft_params, draft.final, ids))
 
     def loss_fn(self, draft_params, target_params, batch, rng):
         tokens, mask = self._tokens(target_params, batch, rng)
-        p, q = self._logits(draft_params, target_params, tokens)
+        p, q = self._logits(draft_params, target_params, batch, tokens)
         loss = losses.divergence(self.divergence)(p, q, mask, self.temperature)
         return loss, {"agreement": losses.top1_agreement(p, q, mask)}
 
@@ -103,7 +115,7 @@ class Distill:
         `vocab`, both over the kept ids (as EAGLE-3's), and `draft_ce` over the positions
         whose next token the draft can propose (`in_vocab`, their share)."""
         tokens, mask = batch["tokens"], batch["mask"]
-        p, q = self._logits(draft_params, target_params, tokens)
+        p, q = self._logits(draft_params, target_params, batch, tokens)
         out = {name: fn(p, q, mask, self.temperature)
                for name, fn in losses.DIVERGENCES.items()}
         out["loss"] = out[self.divergence]
