@@ -315,6 +315,21 @@ def filled_batches(prompts, batch: int) -> list[list]:
     return [[prompts[j % len(prompts)] for j in range(i, i + batch)] for i in range(0, n, batch)]
 
 
+# Timed calls per pass at the least: each pass is priced at its fastest call
+# (`fastest_step`), and one call alone on a shared host can read a loop's upkeep as 0 in
+# one run and a third of a step in the next (docs/benchmarks.md, "Repetitive edits at
+# batches 1 and 4").
+MIN_TIMED_CALLS = 2
+
+
+def timed_calls(calls: list[list], least: int = MIN_TIMED_CALLS) -> list[list]:
+    """`calls` repeated in order until there are at least `least` of them (none stay
+    none): at batch > 1 a few calibration prompts fill one call."""
+    if not calls:
+        return []
+    return [calls[i % len(calls)] for i in range(max(len(calls), least))]
+
+
 def warmup_calls(calls: list[list]) -> list[tuple[int, list]]:
     """(index, rows) of the first call of each shape (its rows' lengths): the calls that
     compile and first run every program all of `calls` use."""
@@ -329,8 +344,9 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                  verification: str | None = None, batch: int = 1) -> dict:
     """{temperature: {method: `Calibration`}} for every speculator (None: autoregressive,
     skipped), in `generate` calls of `batch` rows (the prompts repeated to fill the last;
-    call i seeded `seed + i`): calibrate at the batch size the runs will use, since a
-    verify's cost and the loop's own work grow differently with the batch.
+    call i seeded `seed + i`; at least `MIN_TIMED_CALLS` calls, repeating them
+    (`timed_calls`)): calibrate at the batch size the runs will use, since a verify's
+    cost and the loop's own work grow differently with the batch.
 
     Per call, plain decoding and then every speculator at full depth (adaptive=False:
     every depth is tried whenever the one before was accepted), at depth 1
@@ -352,7 +368,7 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     from specjax.stats import merge_stats
 
     specs = {name: spec for name, spec in speculators.items() if spec is not None}
-    calls = filled_batches(list(prompts), batch)
+    calls = timed_calls(filled_batches(list(prompts), batch))
     out = {}
     for n, temp in enumerate(temperatures):
         def passes(i, rows):

@@ -1233,6 +1233,45 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
         (None, 1, [[3], [1]])]
 
 
+def test_calibration_times_one_filled_call_twice(monkeypatch):
+    """Four prompts at batch 4 fill one call; each pass is still timed in two calls (the
+    call repeated, seeded 0 and 1), so one slowed call (the first full-depth one at three
+    times its time) does not become the step's overhead: 16 plain steps in 1.6 s, 10
+    full-depth steps in 2 s, 0.6 past 2 draft calls at c = 0.1 and a 1.2-step verify."""
+    import numpy as np
+
+    import specjax.decoding.generate as generate_mod
+    from specjax.calibrate import calibrations, timed_calls
+    from specjax.stats import build_stats
+
+    assert timed_calls([["a"]]) == [["a"], ["a"]] and timed_calls([]) == []
+    assert timed_calls([["a"], ["b"], ["c"]]) == [["a"], ["b"], ["c"]]
+    ones, spec, ran = np.ones(4, np.int64), NGram(k=4), []
+
+    def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
+        kind = _pass_kind(speculator, kw)
+        ran.append((seed, kind, len(prompts)))
+        if kind == "full":
+            counts = dict(target_calls=10 * ones, draft_calls=20 * ones, drafted=30 * ones,
+                          accepted=20 * ones, cost_ratio=0.1, verify_cost=12.0 * ones)
+        else:  # plain, and the depth-1 and idle passes timed as plain steps here
+            counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
+                          accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
+        decode = 2.0 if kind == "full" else 1.6
+        if (seed, kind, len(ran) > 4) == (0, "full", True):  # the first timed full pass
+            decode *= 3.0
+        stats = build_stats(new_tokens=31 * ones, hist=np.zeros((4, 4), np.int64),
+                            ttft_s=0.0, decode_s=decode, compile_s=0.0, **counts)
+        return SimpleNamespace(stats=stats)
+
+    monkeypatch.setattr(generate_mod, "generate", fake_generate)
+    cal = calibrations(SimpleNamespace(config=None), {"spec": spec}, [[1], [2], [3], [4]],
+                       new_tokens=32, batch=4)[0.0]["spec"]
+    assert cal.overhead[-1] == pytest.approx(0.6)
+    kinds = ("plain", "full", "shallow", "idle")
+    assert ran == [(seed, kind, 4) for seed in (0, 0, 1) for kind in kinds]  # warm-up first
+
+
 def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
     """At batch > 1 a row asked to draft pays the batch's verify whether or not its
     speculator finds a draft. Rows that found one in 4 of 40 asked steps (α 0.8 where
