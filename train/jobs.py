@@ -165,8 +165,7 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
       dump holding EAGLE-3's layers too serves both), so a step runs only the target's LM
       head. Corpus text only (source "corpus"). Same batches, same loss.
     """
-    if features not in features_lib.MODES:
-        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
+    _check_features(features)
     if features == "offline" and source != "corpus":
         raise ValueError(f"features='offline' needs source='corpus' (source={source!r} "
                          "trains on the target's own samples, which no dump holds)")
@@ -192,10 +191,8 @@ def distill(workdir: str | Path, target_dir: str | Path, draft_config: ModelConf
                      vocab=None if vocab is None else tuple(np.sort(np.asarray(vocab)).tolist()))
     train_data, frozen = data, target.params
     if features == "offline":
-        store = features_lib.dump_features(
-            features_dir or Path(workdir).absolute() / FEATURES_DIR, target.config,
-            target.params, data, dtype=features_dtype, batch_size=train_config.micro_batch,
-            progress=train_config.progress)
+        store = _features_store(Path(workdir).absolute(), features_dir, features_dtype,
+                                target, data, (), train_config)
         # The step reads the final hidden state, not the target: only its LM head stays.
         train_data = features_lib.OfflineData(data, store)
         frozen = features_lib.embedding_and_head(target.params)
@@ -309,11 +306,16 @@ def serving_export(workdir: Path, kind: str, head_config, params, target: Model,
         return f"not written: {e}"
 
 
+def _check_features(features: str) -> None:
+    """Refuses a features mode other than `features_lib.MODES` (heads and distill)."""
+    if features not in features_lib.MODES:
+        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
+
+
 def _check_heads_args(features: str, head_config, method_kwargs: Mapping[str, Any]) -> None:
     """Refuses a bad `features` mode or a setting the training method does not take, before
     anything is loaded (a misspelled gin binding lands here)."""
-    if features not in features_lib.MODES:
-        raise ValueError(f"features={features!r} must be one of {features_lib.MODES}")
+    _check_features(features)
     method_cls = TrainMedusa if isinstance(head_config, MedusaConfig) else TrainEagle
     settings = {f.name for f in dataclasses.fields(method_cls)} - {"target", "heads", "head"}
     unknown = sorted(set(method_kwargs) - settings)
@@ -348,14 +350,22 @@ def _heads_method(head_config, target: Model, corpus: CorpusConfig, train_config
     return kind, method, init, frozen, d2t, layers
 
 
+def _features_store(workdir: Path, features_dir, features_dtype: str, target: Model, data,
+                    layers, train_config: TrainConfig) -> features_lib.FeatureStore:
+    """The dump at `features_dir` (default `<workdir>/features`) of `target`'s features
+    over `data`, made or resumed there first, in batches of the run's micro-batch."""
+    return features_lib.dump_features(
+        features_dir or workdir / FEATURES_DIR, target.config, target.params, data,
+        layers=layers, dtype=features_dtype, batch_size=train_config.micro_batch,
+        progress=train_config.progress)
+
+
 def _offline_heads_data(workdir: Path, features_dir, features_dtype: str, target: Model, data,
                         layers, kind: str, d2t, train_config: TrainConfig):
     """Dumps (or resumes) the target's features and returns the data that streams them plus
     the frozen inputs the step still needs, so training never runs the target."""
-    store = features_lib.dump_features(
-        features_dir or workdir / FEATURES_DIR, target.config, target.params, data,
-        layers=layers, dtype=features_dtype, batch_size=train_config.micro_batch,
-        progress=train_config.progress)
+    store = _features_store(workdir, features_dir, features_dtype, target, data, layers,
+                            train_config)
     train_data = features_lib.OfflineData(data, store, layers)
     # The step reads features, not the target: only the embedding and LM head stay.
     if kind == "medusa":
