@@ -134,8 +134,13 @@ def test_transposed_products_past_the_kernel_run_xlas(x_shape, dtype):
     x, w = _data(x_shape, (32, 48))
     x, wt = jnp.asarray(x, dtype), jnp.asarray(np.ascontiguousarray(w.T), dtype)
     assert not _calls_kernel_t(rows_matmul.matmul_t, x, wt)
+    # XLA's product on the stored [O, I] layout, bit for bit (`x @ wt.T` is another XLA
+    # program, a transpose then a dot, whose sums run in another order on AVX-512 hosts)
+    np.testing.assert_array_equal(np.asarray(rows_matmul.matmul_t(x, wt), np.float32),
+                                  np.asarray(jnp.einsum("...i,oi->...o", x, wt), np.float32))
     np.testing.assert_allclose(np.asarray(rows_matmul.matmul_t(x, wt), np.float32),
-                               np.asarray(x @ wt.T, np.float32))
+                               np.asarray(x, np.float32) @ np.asarray(wt, np.float32).T,
+                               rtol=1e-5 if dtype == jnp.float32 else 2e-2, atol=1e-5)
 
 
 def test_transposed_kernel_gradients_equal_xlas_matmuls():

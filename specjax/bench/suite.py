@@ -345,9 +345,9 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     (`specjax.timing.side_by_side`); the first method (autoregressive) becomes the
     batch's `reference`.
     A speculator whose warm-up ran plain decoding's programs in every call
-    (`specjax.stats.untimed_methods`) runs once after the rounds, for its tokens and
-    stats, and reports autoregressive's rounds (`timed` False), as the quickstart's
-    comparison does.
+    (`specjax.stats.untimed_methods`) is not timed again: its warm-up pass, over every
+    prompt, gives its tokens and stats, and it reports autoregressive's rounds (`timed`
+    False), as the quickstart's comparison does.
     peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
     Returns the specjax rows and {peer: its timed rounds' results}."""
     from specjax.bench import speculative
@@ -362,7 +362,8 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     base = next(iter(speculators))
     plain = untimed_methods(speculators, {n: (warmed[n][1].speculative_calls, calls)
                                           for n in speculators})
-    results = side_by_side(passes, repeats, untimed=plain)
+    results = side_by_side({n: f for n, f in passes.items() if n not in plain}, repeats)
+    results.update({name: [warmed[name]] for name in plain})  # a run over every prompt
     rows = []
     for name in speculators:
         tokens, stats, _ = results[name][-1]

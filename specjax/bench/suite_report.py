@@ -159,8 +159,8 @@ def _markdown_method_notes(s: dict) -> list[str]:
         "are not reported for them",
         "- loop: which loop specjax's `generate` calls ran. plain: plain decoding's own "
         "programs, because the calibrated rule saw that drafting could never pay "
-        "(`policy.may_draft`); \"plain, untimed\": such a method runs once after the "
-        "rounds, for its tokens and stats, and reports autoregressive's rounds (timing "
+        "(`policy.may_draft`); \"plain, untimed\": such a method's warm-up pass gives "
+        "its tokens and stats, and it reports autoregressive's rounds (timing "
         "the same programs again would only measure the machine's spread)",
         "- greedy identical: the tokens equal specjax autoregressive's at the same batch "
         "(`hf_*`: at batch 1), token for token", ""]
