@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
 
 import numpy as np
 
@@ -29,18 +28,15 @@ def interleaved_medians(programs: dict, repeats: int) -> dict:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def side_by_side(passes: dict, repeats: int, untimed: Sequence = ()) -> dict[str, list]:
+def side_by_side(passes: dict, repeats: int) -> dict[str, list]:
     """{name: its passes' results}: `repeats` rounds running each of `passes` (name ->
-    a call) not in `untimed` once, in round r's `balanced_order`, so that methods timed
-    side by side see the same machine load; then each `untimed` pass once (a method on
-    the baseline's programs, `specjax.stats.untimed_methods`: its tokens, not its time)."""
-    timed = [name for name in passes if name not in untimed]
-    results = {name: [] for name in passes}
+    a call) once, in round r's `balanced_order`, so that methods timed side by side see
+    the same machine load."""
+    names = list(passes)
+    results = {name: [] for name in names}
     for r in range(repeats):
-        for i in balanced_order(len(timed), r):
-            results[timed[i]].append(passes[timed[i]]())
-    for name in untimed:
-        results[name].append(passes[name]())
+        for i in balanced_order(len(names), r):
+            results[names[i]].append(passes[names[i]]())
     return results
 
 

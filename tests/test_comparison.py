@@ -2,6 +2,7 @@
 on one call's prompts when they all have the same length."""
 
 import numpy as np
+import pytest
 
 from specjax.decoding import programs
 from specjax.decoding.generate import PROGRAMS
@@ -88,20 +89,23 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     assert per_call[2:4] == per_call[5:7] == [0, 0]
 
 
-def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch):
+@pytest.mark.parametrize("draft_warm_tokens", [[[1]], [[2]]])
+def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch, draft_warm_tokens):
     """A speculator whose warm-up ran plain decoding's programs (no speculative call)
-    runs once after the rounds, for its tokens and stats, and reports the first
-    method's tokens/s at a speedup of 1; the other methods are timed every round."""
+    does not run again: its warm-up gives its stats and its greedy identity (against the
+    first method's warm-up), and it reports the first method's tokens/s at a speedup of
+    1; the other methods are timed every round."""
     order = []
     speeds = {"autoregressive": [10.0, 9.0, 11.0], "ngram": [12.0, 12.0, 13.0]}
 
     def fake_run(target, spec, prompts, **kw):
         calls = 0 if spec == "draft" else 1  # the rule never lets the draft draft
         if len(prompts) == 1:  # the warm-up
-            return [[1]], dict(speculative_calls=calls, calls=1)
+            tokens = draft_warm_tokens if spec == "draft" else [[1]]
+            return tokens, dict(speculative_calls=calls, calls=1, alpha=0.5 * calls)
         order.append(spec)
         r = sum(1 for s in order if s == spec) - 1
-        return [[1]], dict(speculative_calls=2 * calls, calls=2,
+        return [[1]], dict(speculative_calls=2 * calls, calls=2, alpha=0.5 * calls,
                            tokens_per_s=speeds.get(spec, [99.0])[min(r, 2)])
 
     monkeypatch.setattr(comparison, "speculative_run", fake_run)
@@ -109,11 +113,12 @@ def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch):
     rows = compare(None, {m: m for m in names}, [[1, 2, 3], [4, 5, 6]], new_tokens=4,
                    temperatures=(0.0,), batch=1, repeats=3)
     assert order.count("autoregressive") == order.count("ngram") == 3
-    assert order.count("draft") == 1 and order[-1] == "draft"  # after the rounds, once
+    assert "draft" not in order  # its warm-up is its run
     by = {r["method"]: r for r in rows}
     assert by["draft"]["loop"] == "plain" and by["ngram"]["loop"] == "speculative"
     assert by["draft"]["tokens_per_s"] == 10.0 and by["draft"]["speedup"] == 1.0
-    assert by["draft"]["identical_to_plain"]
+    assert by["draft"]["calls"] == 1 and by["draft"]["alpha"] == 0.0  # the warm-up's stats
+    assert by["draft"]["identical_to_plain"] == (draft_warm_tokens == [[1]])
     assert [r["timed"] for r in rows] == [True, True, False]
     assert by["ngram"]["tokens_per_s"] == 12.0
 

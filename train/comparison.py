@@ -53,9 +53,10 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     speedup the median of each round's ratio to the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
     A speculator whose warm-up ran plain decoding's programs in every call
-    (`specjax.stats.untimed_methods`) runs once after the rounds, for its tokens and
-    stats, and reports the first method's tokens/s with a speedup of 1 (`timed` False;
-    `loop`: `specjax.stats.loop_kind`).
+    (`specjax.stats.untimed_methods`) is not run again: its warm-up gives its stats and
+    its greedy identity (against the first method's warm-up on the same prompts), and it
+    reports the first method's tokens/s with a speedup of 1 (`timed` False; `loop`:
+    `specjax.stats.loop_kind`). Running it again would time the same programs twice.
     cost_ratios: {temperature: {method: measured c}} for the adaptive rule and the
     analytical figure (`specjax.calibrate.measured_cost_ratios`), else the run's own
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
@@ -80,19 +81,21 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         plain = untimed_methods(speculators, {n: (r["speculative_calls"], r["calls"])
                                               for n, (_, r) in warmed.items()})
         results = side_by_side({name: (lambda n=name: run(n, speculators[n]))
-                                for name in names}, repeats, untimed=plain)
-        speeds = {name: [r["tokens_per_s"] for _, r in results[name]]
-                  for name in names if name not in plain}  # per timed round
+                                for name in names if name not in plain}, repeats)
+        speeds = {name: [r["tokens_per_s"] for _, r in rounds]
+                  for name, rounds in results.items()}  # per timed round
         for name in names:
-            tokens, r = results[name][-1]
+            # a plain-program method's own result is its warm-up's, compared on its prompts
+            tokens, r = results[name][-1] if name in results else warmed[name]
+            baseline = results[base][-1][0] if name in results else warmed[base][0]
             # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
-            same = speeds[name if name not in plain else base]
+            same = speeds[name if name in results else base]
             rows.append(dict(r, method=name, temperature=temp,
                              loop=loop_kind(r["speculative_calls"], r["calls"]),
-                             timed=name not in plain,
+                             timed=name in results,
                              tokens_per_s=float(np.median(same)),
                              speedup=paired_speedup(same, speeds[base]),
-                             identical_to_plain=tokens == results[base][-1][0]))
+                             identical_to_plain=tokens == baseline))
     return rows
 
 
@@ -117,7 +120,7 @@ def table(rows: list) -> str:
              if not r.get("timed", True)]  # rows of an earlier version were all timed
     if plain:
         lines += ["", "On plain decoding's programs (the rule saw that drafting could never "
-                  "pay; run once, not re-timed: autoregressive's tokens/s): "
+                  "pay; not run again after its warm-up: autoregressive's tokens/s): "
                   + ", ".join(plain) + "."]
     return "\n".join(lines)
 
