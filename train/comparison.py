@@ -84,15 +84,16 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                                 for name in names if name not in plain}, repeats)
         speeds = {name: [r["tokens_per_s"] for _, r in rounds]
                   for name, rounds in results.items()}  # per timed round
+        results.update({name: [warmed[name]] for name in plain})  # its warm-up is its run
         for name in names:
-            # a plain-program method's own result is its warm-up's, compared on its prompts
-            tokens, r = results[name][-1] if name in results else warmed[name]
-            baseline = results[base][-1][0] if name in results else warmed[base][0]
+            tokens, r = results[name][-1]
+            # a plain-program method ran on the warm-up prompts: compare it with the baseline there
+            baseline = warmed[base][0] if name in plain else results[base][-1][0]
             # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
-            same = speeds[name if name in results else base]
+            same = speeds[base if name in plain else name]
             rows.append(dict(r, method=name, temperature=temp,
                              loop=loop_kind(r["speculative_calls"], r["calls"]),
-                             timed=name in results,
+                             timed=name not in plain,
                              tokens_per_s=float(np.median(same)),
                              speedup=paired_speedup(same, speeds[base]),
                              identical_to_plain=tokens == baseline))
