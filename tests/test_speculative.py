@@ -1304,6 +1304,46 @@ def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
                                [8 / 44], rtol=1e-6)
 
 
+def test_a_rarely_finding_row_alone_weighs_its_empty_steps():
+    """At batch 1 a step whose speculator finds no draft verifies only its root, one
+    token, yet pays the step's measured overhead: a row whose n-gram finds a match at
+    3 % of its asked steps gains little from a deep prior (α 0.25, then 1, 0.5, 1) and
+    stays plain, where one that always finds drafts. Without the overhead and the
+    rule's margin, asking costs nothing where nothing is found, and it drafts too."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.decoding.policy import Rule, decide_from, leviathan_gain
+    from specjax.decoding.state import Counters
+
+    a = jnp.asarray([[0.25, 1.0, 0.5, 1.0]] * 2)
+    v, calls = jnp.asarray([1.0, 1.1, 1.2, 1.25, 1.3]), jnp.arange(5)
+    over = jnp.asarray([0.0, 0.03, 0.03, 0.03, 0.03])
+    sure = leviathan_gain(a, 0.0, 4, v, calls, overhead=over)[0]
+    # 1.75 tokens for 1.33 at depth 4; mixed at p = 0.03: 1.0225 for 1.039
+    np.testing.assert_allclose(sure[4], 1.75 / 1.33, rtol=1e-6)
+    mixed = leviathan_gain(a, 0.0, 4, v, calls, jnp.asarray([0.03, 1.0]), over)
+    np.testing.assert_allclose(mixed[0, 4], 1.0225 / 1.039, rtol=1e-5)
+    np.testing.assert_allclose(mixed[1], sure, rtol=1e-6)
+    np.testing.assert_allclose(mixed[:, 0], 1.0)  # k = 0: a plain step either way
+
+    spec = NGram(k=4)
+    rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(jump=0.1).validated(),
+                jnp.asarray([0.25, 1.0, 0.5, 1.0], jnp.float32),
+                overhead=jnp.float32(0.03), proposal=jnp.float32(0.03))
+    buckets = ((0, 0), (1, 1), (2, 2), (4, 4))
+
+    def limit(r):
+        ones = jnp.ones((1,), jnp.int32)
+        return int(decide_from(spec, r, buckets, Counters.zeros(1, 4), ones > 0, 32 * ones,
+                               32).limit[0])
+
+    assert limit(rule) == 0
+    assert limit(rule.replace(proposal=jnp.float32(1.0))) > 0
+    assert limit(rule.replace(overhead=jnp.float32(0.0))) == 0  # 1.019x: in the margin
+    assert limit(rule.replace(overhead=jnp.float32(0.0), margin=jnp.float32(0.0))) > 0
+
+
 def test_generate_counts_asked_and_proposed_drafts(tiny_target):
     """Every full-depth step asks each active row for a draft; at batch 1 the row's
     draft is verified whenever it found one, so found drafts are the steps that tried

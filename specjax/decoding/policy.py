@@ -151,26 +151,40 @@ def proposal_rate(proposed, asked, prior=np.float32(np.nan)):
 
 
 def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
-                   draft_calls=None):
-    """[B, k_max+1] E[tokens](k) / (n_k c + v_k) for k = 0..k_max, per row.
+                   draft_calls=None, proposal=None, overhead=None):
+    """[B, k_max+1] E[tokens](k) / (n_k c + v_k + o_k) for k = 0..k_max, per row, per
+    step that asks the speculator for k tokens.
 
     alpha: [B] one rate per row, or [B, k_max] per position (`expected_tokens`);
     verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free);
-    draft_calls: [k_max+1] draft calls n_k that drafting k positions takes (default k)."""
+    draft_calls: [k_max+1] draft calls n_k that drafting k positions takes (default k);
+    proposal: [B] P(the speculator proposes | asked) (None: 1). A step that asks and gets
+    nothing verifies only its root (a plain forward, one token), so tokens and verify
+    cost mix with it: p (E_k - 1) + 1 over p (v_k - 1) + 1. An n-gram that finds a
+    match at 3 % of steps gains little from a deep prior, yet every asked step pays the
+    loop's overhead;
+    overhead: [k_max+1] the step's cost beyond its draft calls and verify, o_k (default
+    0), per asked step as `specjax.calibrate.step_overhead` measures it."""
     a = jnp.asarray(alpha, jnp.float32)
     if a.ndim == 1:
         a = jnp.repeat(a[:, None], k_max, axis=1)
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)  # [K+1]
     v = jnp.ones_like(ks) if verify_cost is None else jnp.asarray(verify_cost, jnp.float32)
     n = ks if draft_calls is None else jnp.asarray(draft_calls, jnp.float32)
-    return expected_tokens(a[:, :k_max]) / (n * cost_ratio + v)  # cost_ratio may be traced
+    o = 0.0 if overhead is None else jnp.asarray(overhead, jnp.float32)
+    e = expected_tokens(a[:, :k_max])  # [B, K+1]
+    if proposal is not None:
+        p = jnp.clip(jnp.asarray(proposal, jnp.float32), 0.0, 1.0)[:, None]
+        e, v = p * (e - 1.0) + 1.0, p * (v - 1.0) + 1.0
+    return e / (n * cost_ratio + v + o)  # cost_ratio may be traced
 
 
 def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
-                        draft_calls=None, margin=0.0):
+                        draft_calls=None, margin=0.0, proposal=None, overhead=None):
     """argmax_k over 0..k_max of `leviathan_gain`, per row, a k > 0 counted only where it
     beats k = 0 by the factor 1 + margin."""
-    gain = leviathan_gain(alpha, cost_ratio, k_max, verify_cost, draft_calls)
+    gain = leviathan_gain(alpha, cost_ratio, k_max, verify_cost, draft_calls, proposal,
+                          overhead)
     ks = jnp.arange(k_max + 1)
     gain = gain / jnp.where(ks > 0, 1.0 + margin, 1.0)
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
@@ -428,30 +442,37 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     inputs = np.asarray([w + 1 for _, w in buckets])  # verified tokens per bucket
     depths = tuple(d for d, _ in buckets)
     over = overhead_at(rule.overhead, np.asarray(depths + (0,)))  # [NB+1]
-    cost = rule.vcost.speculative(inputs, rows, context) + over[:-1]
+    forward = rule.vcost.speculative(inputs, rows, context)
+    cost = forward + over[:-1]
     spent = rule.vcost.speculative(np.append(inputs, 1), b, context) + over
     per_k = np.asarray(bucket_per_depth(buckets))
     calls = np.minimum(np.arange(spec.shape.max_depth + 1), spec.cost.calls_per_step)
     # k = 0 is a plain step (`DecodeLoop.plain_steps`); k > 0 a forward in the switch
-    v = jnp.where(inputs[per_k] > 1, cost[per_k], 1.0)
-    gains = lambda a: leviathan_gain(a, rule.cost_ratio, spec.shape.max_depth, v, calls)
-    best = lambda a: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, v, calls,
-                                         rule.margin)
+    wide = inputs[per_k] > 1
+    verify, step_over = jnp.where(wide, forward[per_k], 1.0), jnp.where(wide, over[per_k], 0.0)
+    v = verify + step_over
+    gains = lambda a, q: leviathan_gain(a, rule.cost_ratio, spec.shape.max_depth, verify,
+                                        calls, q, step_over)
+    best = lambda a, q: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, verify,
+                                            calls, rule.margin, q, step_over)
     hist, tried = counters.hist, counters.tried
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
                                   tried.at[:, 0].add(PROBE_LOOKAHEAD), mean=rule.prior)
     # At batch > 1 a row asked to draft pays the batch's verify width whether or not its
     # speculator finds a draft, so the first position's acceptance counts the steps it
-    # finds none (at batch 1 such a step runs no wider forward; probes assume they find)
+    # finds none. At batch 1, or where rows decide alone, such a step verifies only its
+    # root, so the gain mixes the steps that find a draft with those that do not
+    # (`leviathan_gain`'s proposal); the hopeful case assumes the probes found theirs.
     shared = ~rule.per_row & (b > 1)
     p = proposal_rate(counters.proposed, counters.asked, rule.proposal)
     p_hopeful = proposal_rate(counters.proposed + PROBE_LOOKAHEAD,
                               counters.asked + PROBE_LOOKAHEAD, rule.proposal)
     alpha = alpha.at[:, 0].multiply(jnp.where(shared, p, 1.0))
     hopeful = hopeful.at[:, 0].multiply(jnp.where(shared, p_hopeful, 1.0))
-    own, hopeful_k = best(alpha), best(hopeful)
-    g = gains(hopeful)
+    mix, mix_hopeful = jnp.where(shared, 1.0, p), jnp.where(shared, 1.0, p_hopeful)
+    own, hopeful_k = best(alpha, mix), best(hopeful, mix_hopeful)
+    g = gains(hopeful, mix_hopeful)
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     upkeep = rule.idle + probe_loss(alpha[:, 0], v[1] + call_cost[1], rule.probe_gap)
