@@ -1344,6 +1344,28 @@ def test_a_rarely_finding_row_alone_weighs_its_empty_steps():
     assert limit(rule.replace(overhead=jnp.float32(0.0), margin=jnp.float32(0.0))) > 0
 
 
+def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
+    """An asked step that gets no draft still runs the verify switch's one-token forward
+    (1 + branch plain steps), and a probe is accepted only where the speculator
+    proposes: with the loop's upkeep calibrated at 0, an n-gram that finds a match at
+    3 % of steps runs plain decoding's programs, where one that always finds drafts
+    (or finds them at 30 %) may draft."""
+    import jax.numpy as jnp
+
+    from specjax.decoding.policy import Rule, may_draft
+
+    def rule(proposal, branch):
+        return Rule(jnp.float32(0.0), jnp.bool_(True),
+                    VerifyCost(jump=0.1, branch=branch).validated(),
+                    jnp.asarray([0.25, 1.0, 0.5, 1.0], jnp.float32), overhead=jnp.float32(0.0),
+                    proposal=jnp.float32(proposal), idle=jnp.float32(0.0))
+
+    spec = NGram(k=4)
+    assert not may_draft(spec, rule(0.03, 0.08), 1, 64)
+    assert may_draft(spec, rule(0.3, 0.08), 1, 64)
+    assert may_draft(spec, rule(1.0, 0.08), 1, 64)
+
+
 def test_generate_counts_asked_and_proposed_drafts(tiny_target):
     """Every full-depth step asks each active row for a draft; at batch 1 the row's
     draft is verified whenever it found one, so found drafts are the steps that tried

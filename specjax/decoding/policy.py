@@ -151,7 +151,7 @@ def proposal_rate(proposed, asked, prior=np.float32(np.nan)):
 
 
 def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
-                   draft_calls=None, proposal=None, overhead=None):
+                   draft_calls=None, proposal=None, overhead=None, empty=None):
     """[B, k_max+1] E[tokens](k) / (n_k c + v_k + o_k) for k = 0..k_max, per row, per
     step that asks the speculator for k tokens.
 
@@ -159,12 +159,14 @@ def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     verify_cost: [k_max+1] cost of the verify forward for each k (default 1: free);
     draft_calls: [k_max+1] draft calls n_k that drafting k positions takes (default k);
     proposal: [B] P(the speculator proposes | asked) (None: 1). A step that asks and gets
-    nothing verifies only its root (a plain forward, one token), so tokens and verify
-    cost mix with it: p (E_k - 1) + 1 over p (v_k - 1) + 1. An n-gram that finds a
-    match at 3 % of steps gains little from a deep prior, yet every asked step pays the
-    loop's overhead;
+    nothing verifies only its root, one token, so tokens and cost mix with it:
+    p (E_k - 1) + 1 over p (v_k + o_k) + (1 - p) u + n_k c. An n-gram that finds a
+    match at 3 % of steps gains little from a deep prior, yet every asked step pays for
+    the speculative step;
     overhead: [k_max+1] the step's cost beyond its draft calls and verify, o_k (default
-    0), per asked step as `specjax.calibrate.step_overhead` measures it."""
+    0), per asked step as `specjax.calibrate.step_overhead` measures it;
+    empty: [] u, what an asked step that gets no draft costs: its one-token forward in
+    the verify switch and that step's overhead (default 1 + o_k)."""
     a = jnp.asarray(alpha, jnp.float32)
     if a.ndim == 1:
         a = jnp.repeat(a[:, None], k_max, axis=1)
@@ -173,18 +175,21 @@ def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     n = ks if draft_calls is None else jnp.asarray(draft_calls, jnp.float32)
     o = 0.0 if overhead is None else jnp.asarray(overhead, jnp.float32)
     e = expected_tokens(a[:, :k_max])  # [B, K+1]
+    step = v + o  # [K+1] or [B, K+1]: an asked step that gets its draft
     if proposal is not None:
         p = jnp.clip(jnp.asarray(proposal, jnp.float32), 0.0, 1.0)[:, None]
-        e, v = p * (e - 1.0) + 1.0, p * (v - 1.0) + 1.0
-    return e / (n * cost_ratio + v + o)  # cost_ratio may be traced
+        u = 1.0 + o if empty is None else jnp.where(ks > 0, empty, 1.0)  # k = 0: plain
+        e, step = p * (e - 1.0) + 1.0, p * step + (1.0 - p) * u
+    return e / (n * cost_ratio + step)  # cost_ratio may be traced
 
 
 def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
-                        draft_calls=None, margin=0.0, proposal=None, overhead=None):
+                        draft_calls=None, margin=0.0, proposal=None, overhead=None,
+                        empty=None):
     """argmax_k over 0..k_max of `leviathan_gain`, per row, a k > 0 counted only where it
     beats k = 0 by the factor 1 + margin."""
     gain = leviathan_gain(alpha, cost_ratio, k_max, verify_cost, draft_calls, proposal,
-                          overhead)
+                          overhead, empty)
     ks = jnp.arange(k_max + 1)
     gain = gain / jnp.where(ks > 0, 1.0 + margin, 1.0)
     return jnp.argmax(gain, axis=-1).astype(jnp.int32)
@@ -205,10 +210,12 @@ def probe_value(alpha1, gain, upkeep):
 
 def probe_loss(alpha1, probe_cost, gap):
     """[B] what a row's probes lose against plain steps, per step: a probe costs
-    probe_cost [] (a 2-token verify and one draft call, in plain steps) for 1 + alpha1 [B]
-    tokens, once every `gap` [] steps (its first gap: later ones only grow). A measured
-    upkeep of 0 (`Rule.idle`, a noisy timing clipped at 0) would otherwise make any
-    chance of turning drafting on worth probing for, however rarely drafts are accepted."""
+    probe_cost [] or [B] (a 2-token verify and one draft call, in plain steps; mixed
+    with an empty step where the speculator may find no draft) for 1 + alpha1 [B]
+    tokens (alpha1: P(the probe is accepted)), once every `gap` [] steps (its first
+    gap: later ones only grow). A measured upkeep of 0 (`Rule.idle`, a noisy timing
+    clipped at 0) would otherwise make any chance of turning drafting on worth probing
+    for, however rarely drafts are accepted."""
     loss = jnp.maximum(probe_cost - 1.0 - jnp.asarray(alpha1, jnp.float32), 0.0)
     return loss / jnp.maximum(jnp.asarray(gap, jnp.float32), 1.0)
 
@@ -451,10 +458,12 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     wide = inputs[per_k] > 1
     verify, step_over = jnp.where(wide, forward[per_k], 1.0), jnp.where(wide, over[per_k], 0.0)
     v = verify + step_over
+    # an asked step that gets no draft still runs the switch: its smallest forward
+    empty = forward[per_k[0]] + over[per_k[0]]
     gains = lambda a, q: leviathan_gain(a, rule.cost_ratio, spec.shape.max_depth, verify,
-                                        calls, q, step_over)
+                                        calls, q, step_over, empty)
     best = lambda a, q: leviathan_optimal_k(a, rule.cost_ratio, spec.shape.max_depth, verify,
-                                            calls, rule.margin, q, step_over)
+                                            calls, rule.margin, q, step_over, empty)
     hist, tried = counters.hist, counters.tried
     alpha = position_acceptance(hist, tried, mean=rule.prior)  # [B, Dm]
     hopeful = position_acceptance(hist.at[:, 1].add(PROBE_LOOKAHEAD),
@@ -475,8 +484,12 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     g = gains(hopeful, mix_hopeful)
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
-    upkeep = rule.idle + probe_loss(alpha[:, 0], v[1] + call_cost[1], rule.probe_gap)
-    worth = (hopeful_k > 0) & probe_value(alpha[:, 0], hopeful_gain, upkeep)
+    # A probe is accepted only where the speculator proposes, and one that gets no draft
+    # costs an empty step: at batch 1 both mix with the proposal rate (shared: in α₁).
+    hit = alpha[:, 0] * mix
+    probe_cost = mix * v[1] + (1.0 - mix) * empty + call_cost[1]
+    upkeep = rule.idle + probe_loss(hit, probe_cost, rule.probe_gap)
+    worth = (hopeful_k > 0) & probe_value(hit, hopeful_gain, upkeep)
     alpha_low = slowest_row_acceptance(alpha, tried, b)
     hopeful_low = slowest_row_acceptance(hopeful, tried.at[:, 0].add(PROBE_LOOKAHEAD), b)
     drafts = call_cost[jnp.max(jnp.where(active, own, 0))]
