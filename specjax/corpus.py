@@ -176,3 +176,20 @@ def token_counts(documents: Sequence[str], tokenizer, vocab_size: int) -> np.nda
                              f"vocabulary of vocab_size={vocab_size}")
         counts += np.bincount(ids, minlength=vocab_size)
     return counts
+
+
+def heldout_prompts(corpus: Corpus, tokenizer, num: int, length: int,
+                    seed: int) -> list[list[int]]:
+    """`num` prompts of `length` tokens from held-out documents (never trained on)."""
+    rng = np.random.default_rng(seed)
+    docs = [tokenizer.encode(t).ids for t in corpus.eval]
+    docs = [d for d in docs if len(d) > length + 8]
+    if not docs:
+        raise ValueError(f"no held-out document has more than {length + 8} tokens; lower "
+                         f"prompt_len={length}")
+    prompts = []
+    for _ in range(num):
+        d = docs[int(rng.integers(len(docs)))]
+        start = int(rng.integers(0, len(d) - length))
+        prompts.append(d[start:start + length])
+    return prompts

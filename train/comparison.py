@@ -16,10 +16,10 @@ import numpy as np
 
 import specjax
 from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
-from specjax.corpus import CorpusConfig, load_corpus
+from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side
-from specjax.train.speculation import heldout_prompts, speculative_run
+from specjax.train.speculation import speculative_run
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
 

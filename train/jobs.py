@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from specjax.checkpoint import load, save_hf
 from specjax.config import ModelConfig
-from specjax.corpus import CorpusConfig, load_corpus, token_counts
+from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus, token_counts
 from specjax.heads import EagleConfig, MedusaConfig, build_vocab_map, save_heads, target_fingerprint
 from specjax.model import Model
 from specjax.sharding import make_mesh
@@ -33,7 +33,7 @@ from specjax.train import (
 from specjax.train.data import DataConfig, build_data, tokenize_corpus
 from specjax.train.methods import Distill, Pretrain, TrainEagle, TrainMedusa
 from specjax.train.regenerate import RegenerateConfig
-from specjax.train.speculation import SpeculativeEval, heldout_prompts, speculative_run
+from specjax.train.speculation import SpeculativeEval, speculative_run
 from specjax.train.trainer import (
     DATA_AXIS,
     METRICS_FILE,

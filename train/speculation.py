@@ -9,11 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 import specjax
 from specjax.calibrate import calibrated_kwargs
-from specjax.corpus import Corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,23 +27,6 @@ class SpeculativeEval:
         if min(self.num_prompts, self.prompt_len, self.new_tokens) < 1:
             raise ValueError(f"num_prompts={self.num_prompts}, prompt_len={self.prompt_len} "
                              f"and new_tokens={self.new_tokens} must be positive")
-
-
-def heldout_prompts(corpus: Corpus, tokenizer, num: int, length: int,
-                    seed: int) -> list[list[int]]:
-    """`num` prompts of `length` tokens from held-out documents (never trained on)."""
-    rng = np.random.default_rng(seed)
-    docs = [tokenizer.encode(t).ids for t in corpus.eval]
-    docs = [d for d in docs if len(d) > length + 8]
-    if not docs:
-        raise ValueError(f"no held-out document has more than {length + 8} tokens; lower "
-                         f"prompt_len={length}")
-    prompts = []
-    for _ in range(num):
-        d = docs[int(rng.integers(len(docs)))]
-        start = int(rng.integers(0, len(d) - length))
-        prompts.append(d[start:start + length])
-    return prompts
 
 
 def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: int,

@@ -150,6 +150,13 @@ def proposal_rate(proposed, asked, prior=np.float32(np.nan)):
         jnp.asarray(asked, jnp.float32) + PRIOR_TRIES)
 
 
+def asked_step_cost(step, empty, proposal):
+    """What a step that asks the speculator to draft costs on average: `step` where it
+    proposes (with probability `proposal`), `empty` where it finds nothing and the step
+    verifies only its root (shapes broadcast)."""
+    return proposal * step + (1.0 - proposal) * empty
+
+
 def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
                    draft_calls=None, proposal=None, overhead=None, empty=None):
     """[B, k_max+1] E[tokens](k) / (n_k c + v_k + o_k) for k = 0..k_max, per row, per
@@ -178,8 +185,8 @@ def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     step = v + o  # [K+1] or [B, K+1]: an asked step that gets its draft
     if proposal is not None:
         p = jnp.clip(jnp.asarray(proposal, jnp.float32), 0.0, 1.0)[:, None]
-        u = 1.0 + o if empty is None else jnp.where(ks > 0, empty, 1.0)  # k = 0: plain
-        e, step = p * (e - 1.0) + 1.0, p * step + (1.0 - p) * u
+        u = jnp.where(ks > 0, 1.0 + o if empty is None else empty, 1.0)  # k = 0: plain
+        e, step = p * (e - 1.0) + 1.0, asked_step_cost(step, u, p)
     return e / (n * cost_ratio + step)  # cost_ratio may be traced
 
 
@@ -487,7 +494,7 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     # A probe is accepted only where the speculator proposes, and one that gets no draft
     # costs an empty step: at batch 1 both mix with the proposal rate (shared: in α₁).
     hit = alpha[:, 0] * mix
-    probe_cost = mix * v[1] + (1.0 - mix) * empty + call_cost[1]
+    probe_cost = asked_step_cost(v[1], empty, mix) + call_cost[1]
     upkeep = rule.idle + probe_loss(hit, probe_cost, rule.probe_gap)
     worth = (hopeful_k > 0) & probe_value(hit, hopeful_gain, upkeep)
     alpha_low = slowest_row_acceptance(alpha, tried, b)
