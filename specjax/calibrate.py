@@ -348,22 +348,20 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     (`timed_calls`)): calibrate at the batch size the runs will use, since a verify's
     cost and the loop's own work grow differently with the batch.
 
-    Per call, plain decoding, every speculator at full depth (adaptive=False: every depth is
-    tried whenever the one before was accepted), at depth 1 (`shallow_kwargs`; speculators
-    deeper than 1) and drafting nothing (`idle_kwargs`), then plain decoding again, so that
-    each sees the same machine load. Every overhead is read against the plain steps, so
-    those are timed on both sides of the speculators' passes: one plain pass slowed by the
-    host would read every overhead as too small (clipped at 0), the side on which the rule
-    drafts where drafting loses. The full-depth pass gives the acceptance per depth, so a
-    good draft drafts deep from its first step, and how often the speculator finds a draft;
-    timed against the plain pass, it and the depth-1 pass give the step's overhead at both
-    ends (`step_overhead`, `depth_overheads`): one figure from the full depth would price a
-    one-level tree's step at a four-level tree's bookkeeping. The idle pass gives what its
-    loop costs where it drafts nothing (`idle_overhead`). Each pass runs once untimed first
-    (on the first call of each shape, `warmup_calls`), at the first temperature only:
-    temperature is traced, so every temperature runs the same programs. Each pass is priced
-    at its fastest call (seconds per loop step, `fastest_step`): on a shared host noise only
-    adds time, and one slowed pass of a few seconds would read as a large overhead.
+    Per call, plain decoding and then every speculator at full depth (adaptive=False:
+    every depth is tried whenever the one before was accepted), at depth 1
+    (`shallow_kwargs`; speculators deeper than 1) and drafting nothing (`idle_kwargs`),
+    so that each sees the same machine load. The full-depth pass gives the acceptance
+    per depth, so a good draft drafts deep from its first step, and how often the
+    speculator finds a draft; timed against the plain pass, it and the depth-1 pass give
+    the step's overhead at both ends (`step_overhead`, `depth_overheads`): one figure
+    from the full depth would price a one-level tree's step at a four-level tree's
+    bookkeeping. The idle pass gives what its loop costs where it drafts nothing
+    (`idle_overhead`). Each pass runs once untimed first (on the first call of each
+    shape, `warmup_calls`), at the first temperature only: temperature is traced, so
+    every temperature runs the same programs. Each pass is priced at its fastest call
+    (seconds per loop step, `fastest_step`): on a shared host noise only adds time, and
+    one slowed pass of a few seconds would read as a large overhead.
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
     (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
@@ -373,13 +371,12 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     calls = timed_calls(filled_batches(list(prompts), batch))
     out = {}
     for n, temp in enumerate(temperatures):
-        def passes(i, rows, timed=True):
+        def passes(i, rows):
             """Call i's plain pass, then each speculator's full-depth, depth-1 and idle
-            passes, then (timed) plain again."""
+            passes."""
             kw = dict(max_new_tokens=new_tokens, temperature=temp, seed=seed + i,
                       ignore_eos=True, verification=verification)
-            plain = lambda: generate(target, rows, **{**kw, "verification": None}).stats
-            yield "plain", None, plain()
+            yield "plain", None, generate(target, rows, **{**kw, "verification": None}).stats
             for name, spec in specs.items():
                 c = cost_ratio_of(cost_ratios, temp, name)
                 yield "full", name, generate(target, rows, **kw, speculator=spec,
@@ -389,8 +386,6 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                         target, rows, **kw, **shallow_kwargs(spec, new_tokens, c)).stats
                 yield "idle", name, generate(target, rows, **kw, **idle_kwargs(
                     spec, new_tokens, default_verify_cost(target.config))).stats
-            if timed:
-                yield "plain", None, plain()
 
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:
@@ -398,7 +393,7 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         # shapes only (not on the temperature), so one call per shape, at the first
         # temperature, runs them all.
         for i, rows in warmup_calls(calls) if n == 0 else ():
-            for _ in passes(i, rows, timed=False):
+            for _ in passes(i, rows):
                 pass
         stats = {("plain", None): []}
         stats.update({(kind, name): [] for name in specs for kind in ("full", "shallow", "idle")})
