@@ -8,10 +8,10 @@ Passes: plain decoding; "adaptive", the timed run's own `generate` call (the rul
 calibration and draft cost ratio the run's results.json recorded); "full", every depth
 drafted every step (adaptive=False); "idle", the speculative loop drafting nothing
 (`specjax.calibrate.idle_kwargs`). Each decodes the run's prompts one call at a time;
-the passes interleave, their order reversed each round (a noisy host slows whichever
-runs then), and each reports the median over rounds of its decode seconds per loop step
-over plain decoding's, its decode and prefill seconds, its loop steps, and (full pass)
-the acceptance per draft position.
+the passes interleave in a balanced order per round (`specjax.timing.side_by_side`: a
+noisy host slows whichever runs then), and each reports the median over rounds of its
+decode seconds per loop step over plain decoding's, its decode and prefill seconds, its
+loop steps, and the acceptance per draft position.
 """
 
 from __future__ import annotations
@@ -22,12 +22,18 @@ import statistics
 from pathlib import Path
 
 import specjax
-from specjax.calibrate import Calibration, default_verify_cost, idle_kwargs, loop_steps
+from specjax.calibrate import (
+    Calibration,
+    default_verify_cost,
+    idle_kwargs,
+    loop_steps,
+    warmup_calls,
+)
 from specjax.stats import merge_stats
+from specjax.timing import side_by_side
 
-# the quickstart's method names, and `bench.speculative.build_speculators`' for the same
-SPECULATOR_NAMES = {"ngram": "ngram", "draft": "draft", "eagle3": "eagle", "eagle": "eagle",
-                    "medusa": "medusa"}
+# the quickstart's method names -> `bench.speculative.build_speculators`' for the same
+SPECULATOR_NAMES = {"ngram": "ngram", "draft": "draft", "eagle3": "eagle"}
 
 
 def pass_kwargs(speculator, calibration: Calibration, cost_ratio: float | None,
@@ -44,34 +50,35 @@ def time_passes(target: specjax.Model, prompts: list[list[int]], passes: dict[st
                 temperature: float, new_tokens: int, rounds: int, seed: int = 0) -> dict:
     """{pass: {step_ratio, decode_s, ttft_s, steps, acceptance}}: medians over `rounds`
     interleaved rounds of every prompt (call i seeded `seed + i`), each pass's decode
-    seconds per loop step over the first pass's; every pass runs once untimed first."""
+    seconds per loop step over the plain pass's; every pass first runs each prompt
+    shape once untimed (`calibrate.warmup_calls`), so no timed call compiles."""
     if "plain" not in passes or rounds < 1 or not prompts:
         raise ValueError(f"need a 'plain' pass, rounds >= 1 (got {rounds}) and prompts "
                          f"(got {len(prompts)})")
 
-    def one_pass(kw):
-        return [specjax.generate(target, [p], max_new_tokens=new_tokens,
-                                 temperature=temperature, seed=seed + i, ignore_eos=True,
-                                 **kw).stats for i, p in enumerate(prompts)]
+    calls = [[p] for p in prompts]
 
-    for kw in passes.values():  # compiles, and runs each program once
-        one_pass(kw)
-    runs: dict[str, list] = {name: [] for name in passes}
-    for r in range(rounds):
-        for name in (list(passes) if r % 2 == 0 else list(passes)[::-1]):
-            runs[name].append(one_pass(passes[name]))
+    def run(kw, which):
+        return [specjax.generate(target, rows, max_new_tokens=new_tokens,
+                                 temperature=temperature, seed=seed + i, ignore_eos=True,
+                                 **kw).stats for i, rows in which]
+
+    for kw in passes.values():
+        run(kw, warmup_calls(calls))
+    runs = side_by_side({name: lambda kw=kw: run(kw, enumerate(calls))
+                         for name, kw in passes.items()}, rounds)
+    per_step = {}
     out = {}
     for name, per_round in runs.items():
-        decode = [sum(s.wall_s - s.ttft_s for s in calls) for calls in per_round]
-        steps = [sum(loop_steps(s) for s in calls) for calls in per_round]
-        merged = merge_stats(per_round[-1])
-        out[name] = dict(per_step=statistics.median(d / max(n, 1) for d, n in zip(decode, steps)),
-                         decode_s=statistics.median(decode),
-                         ttft_s=statistics.median(sum(s.ttft_s for s in c) for c in per_round),
-                         steps=steps[-1], acceptance=merged.acceptance_by_position)
-    plain = out["plain"]["per_step"]
-    for row in out.values():
-        row["step_ratio"] = row.pop("per_step") / plain
+        decode = [sum(s.wall_s - s.ttft_s for s in stats) for stats in per_round]
+        steps = [sum(loop_steps(s) for s in stats) for stats in per_round]
+        per_step[name] = statistics.median(d / max(n, 1) for d, n in zip(decode, steps))
+        out[name] = dict(decode_s=statistics.median(decode),
+                         ttft_s=statistics.median(sum(s.ttft_s for s in st) for st in per_round),
+                         steps=steps[-1],
+                         acceptance=merge_stats(per_round[-1]).acceptance_by_position)
+    for name, row in out.items():
+        row["step_ratio"] = per_step[name] / per_step["plain"]
     return out
 
 
@@ -96,7 +103,7 @@ def _run_inputs(workdir: Path, method: str, temperature: float):
         raise SystemExit(f"{res_file} is missing: run the quickstart into {workdir} first")
     res = json.loads(res_file.read_text())
     priors = (res.get("priors") or {}).get(str(float(temperature)), {})
-    if method not in SPECULATOR_NAMES or method not in priors:
+    if method not in priors:
         raise SystemExit(f"--method {method!r} at temperature {temperature}: the run "
                          f"calibrated {sorted(priors)}")
     paths = workdir_paths(workdir)
@@ -119,7 +126,7 @@ def main(argv=None) -> int:
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True, type=Path, help="a quickstart run directory")
-    ap.add_argument("--method", default="eagle3", help="ngram, draft or eagle3")
+    ap.add_argument("--method", default="eagle3", choices=sorted(SPECULATOR_NAMES))
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
