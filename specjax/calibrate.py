@@ -14,6 +14,7 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -293,11 +294,26 @@ def idle_overhead(idle_decode_s: float, idle_steps: int, plain_step_s: float) ->
     return max(idle_decode_s / idle_steps / plain_step_s - 1.0, 0.0)
 
 
-def fastest_step(stats: list[GenerationStats]) -> tuple[float, int]:
-    """(decode seconds, loop steps) of the call among `stats` with the fewest seconds per
-    loop step ((0.0, 0) for none, or none that stepped)."""
-    ran = [(s.wall_s - s.ttft_s, loop_steps(s)) for s in stats if loop_steps(s) > 0]
-    return min(ran, key=lambda t: t[0] / t[1], default=(0.0, 0))
+def call_step(stats: GenerationStats) -> tuple[float, int]:
+    """(decode seconds, loop steps) of one `generate` call."""
+    return stats.wall_s - stats.ttft_s, loop_steps(stats)
+
+
+def paired_median(passes: list[GenerationStats], plain: list[GenerationStats],
+                  price: Callable[[GenerationStats, float, int, float], float]) -> float:
+    """The median over calls of `price(stats, decode seconds, loop steps, plain step
+    seconds)`, each call's pass priced against the plain pass of the same call: the same
+    prompts, run beside the same machine load. Taking the fastest of each pass instead
+    compares moments the host was quiet for one pass and not the other, and reads a
+    plain pass slowed in every call as a free speculative step; the median of
+    `MIN_TIMED_CALLS` or more calls leaves one slowed pass out either way. Calls where
+    either pass ran no step are left out (0.0 when none is left)."""
+    priced = []
+    for s, p in zip(passes, plain):
+        (secs, steps), (plain_s, plain_steps) = call_step(s), call_step(p)
+        if steps > 0 and plain_steps > 0:
+            priced.append(price(s, secs, steps, plain_s / plain_steps))
+    return float(np.median(priced)) if priced else 0.0
 
 
 def loop_steps(stats: GenerationStats) -> int:
@@ -315,11 +331,12 @@ def filled_batches(prompts, batch: int) -> list[list]:
     return [[prompts[j % len(prompts)] for j in range(i, i + batch)] for i in range(0, n, batch)]
 
 
-# Timed calls per pass at the least: each pass is priced at its fastest call
-# (`fastest_step`), and one call alone on a shared host can read a loop's upkeep as 0 in
-# one run and a third of a step in the next (docs/benchmarks.md, "Repetitive edits at
-# batches 1 and 4").
-MIN_TIMED_CALLS = 2
+# Timed calls per pass at the least: each pass is priced at the median of its calls
+# against their own plain passes (`paired_median`), and a median of three leaves one
+# slowed pass out, where one call alone on a shared host can read a loop's upkeep as 0
+# in one run and a third of a step in the next (docs/benchmarks.md, "Repetitive edits
+# at batches 1 and 4").
+MIN_TIMED_CALLS = 3
 
 
 def timed_calls(calls: list[list], least: int = MIN_TIMED_CALLS) -> list[list]:
@@ -359,9 +376,10 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     bookkeeping. The idle pass gives what its loop costs where it drafts nothing
     (`idle_overhead`). Each pass runs once untimed first (on the first call of each
     shape, `warmup_calls`), at the first temperature only: temperature is traced, so
-    every temperature runs the same programs. Each pass is priced at its fastest call
-    (seconds per loop step, `fastest_step`): on a shared host noise only adds time, and
-    one slowed pass of a few seconds would read as a large overhead.
+    every temperature runs the same programs. Each pass is priced per call against
+    that call's plain pass, and the median over calls counts (`paired_median`): on a
+    shared host one slowed pass of a few seconds would read as a large overhead, or a
+    slowed plain pass as none.
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
     (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
@@ -400,26 +418,25 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
                 stats[kind, name].append(s)
-        plain_s, plain_steps = fastest_step(stats["plain", None])
-        plain_step_s = plain_s / max(plain_steps, 1)
+        plain = stats["plain", None]
         out[temp] = {}
         for name, spec in specs.items():
             if not stats["full", name]:
                 out[temp][name] = Calibration()
                 continue
-            over = {}
-            for kind in ("full", "shallow"):
-                if stats[kind, name]:
-                    secs, steps = fastest_step(stats[kind, name])
-                    over[kind] = step_overhead(merge_stats(stats[kind, name]), secs,
-                                               plain_step_s, steps)
+            over = {kind: paired_median(
+                        stats[kind, name], plain, lambda s, secs, steps, plain_step_s:
+                        step_overhead(s, secs, plain_step_s, steps))
+                    for kind in ("full", "shallow") if stats[kind, name]}
+            idle = paired_median(stats["idle", name], plain,
+                                 lambda s, secs, steps, plain_step_s: idle_overhead(
+                                     secs, steps, plain_step_s))
             full = merge_stats(stats["full", name])
             out[temp][name] = Calibration(
                 full.acceptance_by_position,
                 depth_overheads(over.get("shallow", over["full"]), over["full"],
                                 spec.shape.max_depth),
-                full.proposal_rate,
-                idle_overhead(*fastest_step(stats["idle", name]), plain_step_s))
+                full.proposal_rate, idle)
     return out
 
 

@@ -3,6 +3,8 @@ tiny target with an n-gram speculator."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specjax.bench import loop_steps
@@ -34,4 +36,7 @@ def test_bad_arguments_name_the_value(tiny_target, tmp_path):
         loop_steps.time_passes(tiny_target, PROMPTS, {"plain": {}}, temperature=0.0,
                                new_tokens=NEW, rounds=0)
     with pytest.raises(SystemExit, match="results.json is missing"):
+        loop_steps.main(["--workdir", str(tmp_path)])
+    (tmp_path / "results.json").write_text(json.dumps({"settings": {}, "priors": {}}))
+    with pytest.raises(SystemExit, match="records no prompt ids"):
         loop_steps.main(["--workdir", str(tmp_path)])

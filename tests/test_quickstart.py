@@ -42,6 +42,10 @@ def test_quickstart_compares_every_method(finished):
     assert res["greedy_identical"] is True
     saved = json.loads((workdir / "results.json").read_text())
     assert saved["versions"]["jax"] and saved["settings"]["seed"] == 0
+    # the timed prompts' ids, as bench.loop_steps reads them
+    assert saved["prompts"] == [list(p) for p in saved["prompts"]]
+    assert len(saved["prompts"]) == saved["settings"]["prompts"]
+    assert {len(p) for p in saved["prompts"]} == {saved["settings"]["prompt_len"]}
     # the n-gram's own settings key the finished table: a new default re-measures it
     assert saved["settings"]["lookups"]["ngram"] == dict(k=saved["settings"]["k"], n_min=2,
                                                          n_max=3)

@@ -1148,13 +1148,15 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert ran == passes(0, 2) + passes(0, 1, 2)  # warm-up passes, then timed ones
 
 
-def test_calibration_prices_each_pass_at_its_fastest_call(monkeypatch):
-    """A call slowed by the host (a full-depth pass at twice its time, a plain pass at
-    three times) does not move the step overhead: each pass is priced at its fastest
-    call. Quiet: 16 plain steps in 1.6 s, 10 full-depth steps in 2 s (0.6 unmodelled
-    past 2 draft calls at c = 0.1 and a 1.2-step verify); summed over the calls, the
-    slowed passes would read 0.2 (8 s over 30 full-depth steps against 8 s over 48
-    plain ones)."""
+def test_calibration_prices_each_pass_against_its_own_calls_plain_pass(monkeypatch):
+    """Each call's passes are priced against that call's plain pass and the median over
+    calls counts. The host's load rises across the calls (every pass of call i at 1,
+    1.5 and 2 times its time) and call 0's full-depth pass is slowed twice more: quiet,
+    16 plain steps take 1.6 s and 10 full-depth steps 2 s, 0.6 unmodelled past 2 draft
+    calls at c = 0.1 and a 1.2-step verify, which calls 1 and 2 read. The fastest of
+    each pass would compare call 0's plain pass with call 1's full-depth one and read
+    1.6; a plain pass slowed alone (call 2's idle pass at its plain pass's time while
+    the plain pass runs 3 times slower) reads no idle cost in its call only."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
@@ -1162,7 +1164,8 @@ def test_calibration_prices_each_pass_at_its_fastest_call(monkeypatch):
     from specjax.stats import build_stats
 
     ones, spec = np.ones(1, np.int64), NGram(k=4)
-    slowed = {(1, "full"): 2.0, (2, "plain"): 3.0}  # (seed, pass) -> time factor
+    load = {0: 1.0, 1: 1.5, 2: 2.0}  # seed -> the host's factor over the call
+    slowed = {(0, "full"): 2.0, (2, "plain"): 3.0}  # (seed, pass) -> time factor
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
         kind = _pass_kind(speculator, kw)
@@ -1172,7 +1175,8 @@ def test_calibration_prices_each_pass_at_its_fastest_call(monkeypatch):
         else:  # plain, and the depth-1 and idle passes timed as plain steps here
             counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
                           accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
-        decode = (2.0 if kind == "full" else 1.6) * slowed.get((seed, kind), 1.0)
+        decode = dict(plain=1.6, full=2.0, shallow=1.6, idle=1.76)[kind]
+        decode *= load[seed] * slowed.get((seed, kind), 1.0)
         stats = build_stats(new_tokens=31 * ones, hist=np.zeros((1, 4), np.int64),
                             ttft_s=0.0, decode_s=decode, compile_s=0.0, **counts)
         return SimpleNamespace(stats=stats)
@@ -1180,11 +1184,12 @@ def test_calibration_prices_each_pass_at_its_fastest_call(monkeypatch):
     monkeypatch.setattr(generate_mod, "generate", fake_generate)
     cal = calibrations(SimpleNamespace(config=None), {"spec": spec}, [[1], [2], [3]],
                        new_tokens=32)[0.0]["spec"]
-    assert cal.overhead[-1] == pytest.approx(0.6) and cal.idle == 0.0
+    assert cal.overhead[-1] == pytest.approx(0.6) and cal.idle == pytest.approx(0.1)
 
 
 def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
-    """At batch 2, three prompts fill two calls (the first repeated), and the overhead
+    """At batch 2, three prompts fill two calls (the first repeated; the first call again
+    as the third timed call, `MIN_TIMED_CALLS`), and the overhead
     is per loop step, which runs until the call's slowest row: rows of 10 and 6 target
     calls in 2 s are 10 steps of 0.2 s (0.1 s plain), so 2 steps against a modelled 1.2
     verify and 0.2 of draft calls leave 0.6 (per row-call it would read 0.1). The
@@ -1230,12 +1235,14 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
         (None, 0, [[1], [2]]), (spec, 0, [[1], [2]]), (None, 0, [[1], [2]]),
         (None, 0, [[1], [2]]),
         (None, 1, [[3], [1]]), (spec, 1, [[3], [1]]), (None, 1, [[3], [1]]),
-        (None, 1, [[3], [1]])]
+        (None, 1, [[3], [1]]),
+        (None, 2, [[1], [2]]), (spec, 2, [[1], [2]]), (None, 2, [[1], [2]]),
+        (None, 2, [[1], [2]])]
 
 
-def test_calibration_times_one_filled_call_twice(monkeypatch):
-    """Four prompts at batch 4 fill one call; each pass is still timed in two calls (the
-    call repeated, seeded 0 and 1), so one slowed call (the first full-depth one at three
+def test_calibration_times_one_filled_call_three_times(monkeypatch):
+    """Four prompts at batch 4 fill one call; each pass is still timed in three calls
+    (the call repeated, seeded 0 to 2), so one slowed call (the first full-depth one at three
     times its time) does not become the step's overhead: 16 plain steps in 1.6 s, 10
     full-depth steps in 2 s, 0.6 past 2 draft calls at c = 0.1 and a 1.2-step verify."""
     import numpy as np
@@ -1244,7 +1251,7 @@ def test_calibration_times_one_filled_call_twice(monkeypatch):
     from specjax.calibrate import calibrations, timed_calls
     from specjax.stats import build_stats
 
-    assert timed_calls([["a"]]) == [["a"], ["a"]] and timed_calls([]) == []
+    assert timed_calls([["a"]]) == [["a"]] * 3 and timed_calls([]) == []
     assert timed_calls([["a"], ["b"], ["c"]]) == [["a"], ["b"], ["c"]]
     ones, spec, ran = np.ones(4, np.int64), NGram(k=4), []
 
@@ -1269,7 +1276,7 @@ def test_calibration_times_one_filled_call_twice(monkeypatch):
                        new_tokens=32, batch=4)[0.0]["spec"]
     assert cal.overhead[-1] == pytest.approx(0.6)
     kinds = ("plain", "full", "shallow", "idle")
-    assert ran == [(seed, kind, 4) for seed in (0, 0, 1) for kind in kinds]  # warm-up first
+    assert ran == [(seed, kind, 4) for seed in (0, 0, 1, 2) for kind in kinds]  # warm-up first
 
 
 def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():

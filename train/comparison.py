@@ -253,7 +253,8 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
                      costs=costs, batch=batch, adaptive=adaptive, repeats=repeats)
     greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
     text = table(rows)
-    results = dict(settings=settings, rows=rows, sweep=sweep, table=text,
+    # the prompts' ids, so that a later tool times exactly these (`bench.loop_steps`)
+    results = dict(settings=settings, prompts=prompts, rows=rows, sweep=sweep, table=text,
                    priors=priors and {t: {m: dataclasses.asdict(c) for m, c in per.items()}
                                       for t, per in priors.items()},
                    greedy_identical=greedy_same, versions=versions(),

@@ -96,12 +96,14 @@ def _run_inputs(workdir: Path, method: str, temperature: float):
     """(target, speculator, calibration, cost ratio, prompts, new tokens) as the
     quickstart run in `workdir` timed `method` at `temperature`."""
     from specjax.bench.speculative import build_speculators, workdir_paths
-    from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus
 
     res_file = workdir / "results.json"
     if not res_file.exists():
         raise SystemExit(f"{res_file} is missing: run the quickstart into {workdir} first")
     res = json.loads(res_file.read_text())
+    if "prompts" not in res:
+        raise SystemExit(f"{res_file} records no prompt ids (an older evaluation): remove "
+                         "it and run the quickstart again to re-evaluate")
     priors = (res.get("priors") or {}).get(str(float(temperature)), {})
     if method not in priors:
         raise SystemExit(f"--method {method!r} at temperature {temperature}: the run "
@@ -113,12 +115,8 @@ def _run_inputs(workdir: Path, method: str, temperature: float):
                               k=res["settings"]["k"], draft_vocab=paths["draft_vocab"])
     cost = next(r["cost_ratio"] for r in res["rows"]
                 if r["method"] == method and r["temperature"] == temperature)
-    s = res["settings"]
-    corpus = CorpusConfig(**{**s["data"]["corpus"], "max_files": None, "max_chars": None})
-    prompts = heldout_prompts(load_corpus(corpus), target.tokenizer, s["prompts"],
-                              s["prompt_len"], s["seed"])
     return (target, specs[SPECULATOR_NAMES[method]], Calibration(**priors[method]), cost,
-            prompts, s["new"])
+            res["prompts"], res["settings"]["new"])
 
 
 def main(argv=None) -> int:
