@@ -1308,7 +1308,31 @@ def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
     assert (limit(4, 4, asked=4, r=rule.replace(proposal=jnp.float32(1.0))) > 0).all()
     assert (limit(4, 0, asked=0, r=rule.replace(proposal=jnp.float32(0.1))) == 0).all()
     np.testing.assert_allclose(proposal_rate(jnp.asarray([4]), jnp.asarray([40])),
-                               [8 / 44], rtol=1e-6)
+                               [20 / 56], rtol=1e-6)
+
+
+def test_a_row_s_first_misses_do_not_outweigh_the_calibrated_proposal_rate():
+    """A prompt-lookup row finds few matches until its output repeats itself: 20 asks
+    without a match leave a calibrated proposal rate of 0.3 at 4.8 / 36 (its 16
+    pseudo-asks), and the row keeps drafting (α 0.7-0.8 by depth, a verify of 1 + 0.5
+    log2 T steps); at 4 pseudo-asks (1.2 / 24) it would stop. 200 misses stop it."""
+    import jax.numpy as jnp
+
+    from specjax.decoding.policy import PROPOSAL_PRIOR_TRIES, Rule, decide_from
+    from specjax.decoding.state import Counters
+
+    assert PROPOSAL_PRIOR_TRIES == 16
+    spec = NGram(k=4)
+    rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(slope=0.5).validated(),
+                jnp.asarray([0.7, 0.75, 0.8, 0.8], jnp.float32), proposal=jnp.float32(0.3))
+    buckets = ((0, 0), (1, 1), (2, 2), (4, 4))
+
+    def limit(asked):
+        c = Counters.zeros(1, 4).replace(asked=jnp.asarray([asked], jnp.int32))
+        one = jnp.ones((1,), jnp.int32)
+        return int(decide_from(spec, rule, buckets, c, one > 0, 32 * one, 32).limit[0])
+
+    assert limit(20) > 0 and limit(200) == 0
 
 
 def test_a_rarely_finding_row_alone_weighs_its_empty_steps():

@@ -140,14 +140,22 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, PRIOR_TR
     return jnp.stack(out, axis=1) if out else jnp.asarray(at_least, jnp.float32)
 
 
+# Pseudo-asks the proposal rate is shrunk with. A prompt-lookup speculator finds more
+# matches as a generation goes on and its output repeats itself, so a row's first asks
+# read it low; at 4 pseudo-asks a few early misses kept the n-gram at k = 0, where the
+# rate is not re-measured, for the rest of the row (docs/benchmarks.md, "n-gram: the
+# shortest match").
+PROPOSAL_PRIOR_TRIES = 16.0
+
+
 def proposal_rate(proposed, asked, prior=np.float32(np.nan)):
     """[B] P(the speculator proposes at least one token | the row asked it to draft), from
     the counters proposed and asked [B], shrunk towards `prior` (NaN: 1) with
-    PRIOR_TRIES pseudo-steps. An n-gram speculator proposes only where its pattern
+    PROPOSAL_PRIOR_TRIES pseudo-steps. An n-gram speculator proposes only where its pattern
     recurs; a draft model always proposes."""
     p0 = jnp.where(jnp.isnan(prior), 1.0, jnp.clip(prior, 0.0, 1.0))
-    return (jnp.asarray(proposed, jnp.float32) + PRIOR_TRIES * p0) / (
-        jnp.asarray(asked, jnp.float32) + PRIOR_TRIES)
+    return (jnp.asarray(proposed, jnp.float32) + PROPOSAL_PRIOR_TRIES * p0) / (
+        jnp.asarray(asked, jnp.float32) + PROPOSAL_PRIOR_TRIES)
 
 
 def asked_step_cost(step, empty, proposal):
