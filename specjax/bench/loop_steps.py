@@ -24,9 +24,9 @@ from pathlib import Path
 import specjax
 from specjax.calibrate import (
     Calibration,
+    call_step,
     default_verify_cost,
     idle_kwargs,
-    loop_steps,
     warmup_calls,
 )
 from specjax.stats import merge_stats
@@ -70,8 +70,9 @@ def time_passes(target: specjax.Model, prompts: list[list[int]], passes: dict[st
     per_step = {}
     out = {}
     for name, per_round in runs.items():
-        decode = [sum(s.wall_s - s.ttft_s for s in stats) for stats in per_round]
-        steps = [sum(loop_steps(s) for s in stats) for stats in per_round]
+        per_call = [[call_step(s) for s in stats] for stats in per_round]
+        decode = [sum(secs for secs, _ in calls) for calls in per_call]
+        steps = [sum(n for _, n in calls) for calls in per_call]
         per_step[name] = statistics.median(d / max(n, 1) for d, n in zip(decode, steps))
         out[name] = dict(decode_s=statistics.median(decode),
                          ttft_s=statistics.median(sum(s.ttft_s for s in st) for st in per_round),
