@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
+from flax import struct
 
 import specjax
 from specjax import cpu_attention
@@ -26,6 +27,15 @@ def _speculators(tiny_target, tiny_draft):
         "draft": DraftModel.create(tiny_draft, k=3),
         "self": DraftModel.create(tiny_target, k=4),
     }
+
+
+@struct.dataclass
+class BlindNGram(NGram):
+    """An n-gram that cannot tell before drafting whether it finds a draft (as a
+    speculator with a model call behind its lookup): the rule then weighs how often it
+    finds one."""
+
+    peeks = False
 
 
 # "self" (the target as its own draft, every draft accepted) is also
@@ -1312,35 +1322,39 @@ def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
 
 
 def test_a_row_s_first_misses_do_not_outweigh_the_calibrated_proposal_rate():
-    """A prompt-lookup row finds few matches until its output repeats itself: 20 asks
-    without a match leave a calibrated proposal rate of 0.3 at 4.8 / 36 (its 16
-    pseudo-asks), and the row keeps drafting (α 0.7-0.8 by depth, a verify of 1 + 0.5
-    log2 T steps); at 4 pseudo-asks (1.2 / 24) it would stop. 200 misses stop it."""
+    """A row whose speculator cannot tell before drafting whether it finds a draft
+    (`BlindNGram`) may find few until its output repeats itself: 20 asks without a
+    match leave a calibrated proposal rate of 0.3 at 4.8 / 36 (its 16 pseudo-asks), and
+    the row keeps drafting (α 0.7-0.8 by depth, a verify of 1 + 0.5 log2 T steps); at 4
+    pseudo-asks (1.2 / 24) it would stop. 200 misses stop it; a speculator that peeks
+    (the n-gram) drafts wherever it finds a match, however rarely that is."""
     import jax.numpy as jnp
 
     from specjax.decoding.policy import PROPOSAL_PRIOR_TRIES, Rule, decide_from
     from specjax.decoding.state import Counters
 
     assert PROPOSAL_PRIOR_TRIES == 16
-    spec = NGram(k=4)
+    spec = BlindNGram(k=4)
     rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(slope=0.5).validated(),
                 jnp.asarray([0.7, 0.75, 0.8, 0.8], jnp.float32), proposal=jnp.float32(0.3))
     buckets = ((0, 0), (1, 1), (2, 2), (4, 4))
 
-    def limit(asked):
+    def limit(asked, spec=spec):
         c = Counters.zeros(1, 4).replace(asked=jnp.asarray([asked], jnp.int32))
         one = jnp.ones((1,), jnp.int32)
         return int(decide_from(spec, rule, buckets, c, one > 0, 32 * one, 32).limit[0])
 
     assert limit(20) > 0 and limit(200) == 0
+    assert limit(200, NGram(k=4)) > 0
 
 
 def test_a_rarely_finding_row_alone_weighs_its_empty_steps():
     """At batch 1 a step whose speculator finds no draft verifies only its root, one
-    token, yet pays the step's measured overhead: a row whose n-gram finds a match at
-    3 % of its asked steps gains little from a deep prior (α 0.25, then 1, 0.5, 1) and
-    stays plain, where one that always finds drafts. Without the overhead and the
-    rule's margin, asking costs nothing where nothing is found, and it drafts too."""
+    token, yet pays the step's measured overhead: a row whose speculator (one that
+    cannot peek) finds a draft at 3 % of its asked steps gains little from a deep prior
+    (α 0.25, then 1, 0.5, 1) and stays plain, where one that always finds drafts.
+    Without the overhead and the rule's margin, asking costs nothing where nothing is
+    found, and it drafts too."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -1358,7 +1372,7 @@ def test_a_rarely_finding_row_alone_weighs_its_empty_steps():
     np.testing.assert_allclose(mixed[1], sure, rtol=1e-6)
     np.testing.assert_allclose(mixed[:, 0], 1.0)  # k = 0: a plain step either way
 
-    spec = NGram(k=4)
+    spec = BlindNGram(k=4)
     rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(jump=0.1).validated(),
                 jnp.asarray([0.25, 1.0, 0.5, 1.0], jnp.float32),
                 overhead=jnp.float32(0.03), proposal=jnp.float32(0.03))
@@ -1378,9 +1392,9 @@ def test_a_rarely_finding_row_alone_weighs_its_empty_steps():
 def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
     """An asked step that gets no draft still runs the verify switch's one-token forward
     (1 + branch plain steps), and a probe is accepted only where the speculator
-    proposes: with the loop's upkeep calibrated at 0, an n-gram that finds a match at
-    3 % of steps runs plain decoding's programs, where one that always finds drafts
-    (or finds them at 30 %) may draft."""
+    proposes: with the loop's upkeep calibrated at 0, a speculator that cannot peek and
+    finds a draft at 3 % of steps runs plain decoding's programs, where one that always
+    finds drafts (or finds them at 30 %) may draft, as does one that peeks."""
     import jax.numpy as jnp
 
     from specjax.decoding.policy import Rule, may_draft
@@ -1391,10 +1405,44 @@ def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
                     jnp.asarray([0.25, 1.0, 0.5, 1.0], jnp.float32), overhead=jnp.float32(0.0),
                     proposal=jnp.float32(proposal), idle=jnp.float32(0.0))
 
-    spec = NGram(k=4)
+    spec = BlindNGram(k=4)
     assert not may_draft(spec, rule(0.03, 0.08), 1, 64)
     assert may_draft(spec, rule(0.3, 0.08), 1, 64)
     assert may_draft(spec, rule(1.0, 0.08), 1, 64)
+    assert may_draft(NGram(k=4), rule(0.03, 0.08), 1, 64)
+
+
+def test_ngram_has_draft_where_it_proposes_one():
+    """`has_draft` (the loop's peek) agrees with `propose` on random rows, short and
+    long, repetitive and not."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.speculators.base import ProposeContext
+
+    rng = np.random.default_rng(0)
+    toks = jnp.asarray(rng.integers(0, 5, (64, 24)), jnp.int32)
+    lens = jnp.asarray(rng.integers(1, 25, 64), jnp.int32)
+    for spec in (NGram(k=4), NGram(k=2, n_max=4, n_min=3), NGram(k=3, n_min=1)):
+        ctx = ProposeContext(toks, lens, lens > 0, None, None, jnp.full((64,), spec.k))
+        tree, _ = spec.propose(None, ctx, None)
+        found = np.asarray(spec.has_draft(None, toks, lens))
+        np.testing.assert_array_equal(found, np.asarray(tree.valid).any(axis=1))
+        assert 0 < found.sum() < 64
+
+
+def test_a_peeking_row_drafts_only_where_its_lookup_finds_a_match(tiny_target, greedy_ref):
+    """With a speculator that peeks, the loop runs plain steps until the lookup finds a
+    match: every step that asks for a draft has one (at full depth, without the rule,
+    some do not), and the tokens are plain decoding's."""
+    free = VerifyCost.from_table({1: 1.0, 10_000: 1.0})
+    kw = dict(max_new_tokens=16, ignore_eos=True, speculator=NGram(k=4))
+    ruled = specjax.generate(tiny_target, PROMPTS[:1], **kw, acceptance_prior=[0.9] * 4,
+                             cost_ratio=0.0, verify_cost=free)
+    assert ruled.tokens == greedy_ref[:1]
+    assert ruled.stats.asked == ruled.stats.proposed > 0
+    full = specjax.generate(tiny_target, PROMPTS[:1], **kw, adaptive=False).stats
+    assert full.asked > full.proposed
 
 
 def test_generate_counts_asked_and_proposed_drafts(tiny_target):

@@ -174,19 +174,27 @@ class DecodeLoop:
 
     def plain_steps(self, params: Params, st: LoopState, decision: Decision) -> LoopState:
         """Plain decode steps in a nested `lax.while_loop` while no row would draft (every
-        active row at k = 0, no probe due, and the speculator able to skip its draft call
+        active row at k = 0 or, where the speculator can tell cheaply (`has_draft`),
+        without a draft now; no probe due; and the speculator able to skip its draft call
         or every row settled), so the target forward runs outside the verify switch. Each
         step hands the speculator its one pair (`commit`)."""
         spec = params.speculator
-        idle = decision.rule.adaptive & jnp.all(st.done | (decision.limit == 0))
+        adaptive = decision.rule.adaptive
+        idle = adaptive & jnp.all(st.done | (decision.limit == 0))
         # ... and none ever will in this call: no probe could pay, and without drafts α
         # cannot move. The speculator's state is then never read again: no commit, and no
         # draft call to empty a full queue.
         settled = idle & ~decision.probes_could_pay(~st.done)
+        def drafts_now(s: LoopState):
+            """[] bool: whether a row would draft at this step."""
+            wants = (decision.limit > 0) | decision.probing(s)
+            if spec.peeks:  # a row drafts where it has a draft (probes wait for one)
+                wants &= spec.has_draft(s.spec_state, s.tokens, s.lengths)
+            return jnp.any(wants & ~s.done)
 
         def go_on(s: LoopState):
-            no_probe = settled | ~jnp.any(decision.probing(s))  # settled: never again
-            return (idle & no_probe & jnp.any(~s.done) & (s.steps < params.max_new)
+            quiet = settled | ~drafts_now(s)  # settled: never again
+            return (adaptive & quiet & jnp.any(~s.done) & (s.steps < params.max_new)
                     & (settled | spec.can_skip(s.spec_state)))
 
         def plain(s: LoopState) -> LoopState:

@@ -488,13 +488,18 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     # finds none. At batch 1, or where rows decide alone, such a step verifies only its
     # root, so the gain mixes the steps that find a draft with those that do not
     # (`leviathan_gain`'s proposal); the hopeful case assumes the probes found theirs.
+    # A speculator that peeks (`Speculator.peeks`) runs plain steps until a row has a
+    # draft, so there a row's step that drafts always has one.
     shared = ~rule.per_row & (b > 1)
     p = proposal_rate(counters.proposed, counters.asked, rule.proposal)
     p_hopeful = proposal_rate(counters.proposed + PROBE_LOOKAHEAD,
                               counters.asked + PROBE_LOOKAHEAD, rule.proposal)
     alpha = alpha.at[:, 0].multiply(jnp.where(shared, p, 1.0))
     hopeful = hopeful.at[:, 0].multiply(jnp.where(shared, p_hopeful, 1.0))
-    mix, mix_hopeful = jnp.where(shared, 1.0, p), jnp.where(shared, 1.0, p_hopeful)
+    if spec.peeks:
+        mix = mix_hopeful = jnp.ones_like(p)
+    else:
+        mix, mix_hopeful = jnp.where(shared, 1.0, p), jnp.where(shared, 1.0, p_hopeful)
     own, hopeful_k = best(alpha, mix), best(hopeful, mix_hopeful)
     g = gains(hopeful, mix_hopeful)
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]

@@ -147,6 +147,11 @@ class Speculator:
     verification: str = "rejection"
     #: what one step of drafting costs (free unless a subclass says otherwise)
     cost: DraftCost = DraftCost()
+    #: whether `has_draft` tells, at next to no cost (a prompt lookup, not a model call),
+    #: which rows would get a draft now: the loop then runs plain steps until a row that
+    #: may draft has one, and the rule prices drafting for the steps that have a draft
+    #: (`policy.decide_from`), so the rate of finding one no longer weighs against it
+    peeks: bool = False
 
     @property
     def shape(self) -> TreeShape:
@@ -187,3 +192,8 @@ class Speculator:
     def skip(self, state: Any) -> Any:
         """The state after a step that made no draft call (see `can_skip`)."""
         return state
+
+    def has_draft(self, state: Any, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+        """[B] bool: the rows for which `propose` would find a draft now, from their
+        tokens [B, S] and lengths [B]; only speculators that set `peeks`."""
+        raise NotImplementedError(f"{type(self).__name__} does not peek (`peeks`)")

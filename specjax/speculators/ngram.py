@@ -7,6 +7,8 @@ one with the longest (the earliest). The most recent occurrence alone is often j
 behind the end (a repeated token, a line being repeated), with one or two tokens after
 it, so it drafted too little to beat prompt lookup; this choice drafts far deeper
 (docs/benchmarks.md, History).
+The lookup costs next to nothing, so the n-gram peeks (`has_draft`): the loop runs plain
+steps until a row has a match, and the adaptive rule prices only the steps that have one.
 Repetitive input (code edits, quoting the prompt) gives long accepted runs. A match of
 one token is right about one time in four, of two more often than not, so `n_min`
 defaults to 2 (docs/benchmarks.md, "n-gram: the shortest match"). `n_min` is a traced
@@ -29,6 +31,7 @@ class NGram(Speculator):
     k: int = struct.field(pytree_node=False, default=4)
     n_max: int = struct.field(pytree_node=False, default=3)
     n_min: int = 2  # a leaf: traced inside the loop
+    peeks = True  # a class attribute, not a field: `has_draft` is a prompt lookup
 
     def __post_init__(self):
         if self.k < 1:
@@ -45,6 +48,21 @@ class NGram(Speculator):
 
     def propose(self, state, ctx: ProposeContext, target_params) -> tuple[DraftTree, tuple]:
         toks, lens = ctx.tokens, ctx.lengths  # [B, S], [B]
+        s = toks.shape[1]
+        best = self._match(toks, lens)
+        idx = best[:, None] + 1 + jnp.arange(self.k)[None, :]  # [B, k]
+        drafts = jnp.take_along_axis(toks, jnp.clip(idx, 0, s - 1), axis=1)
+        valid = (best[:, None] >= 0) & (idx < lens[:, None])
+        return chain(drafts, valid=valid), state
+
+    def has_draft(self, state, tokens, lengths):
+        """[B] bool: rows whose last n_min..n_max tokens recur earlier (a match always has
+        a token after it)."""
+        return self._match(tokens, lengths) >= 0
+
+    def _match(self, toks, lens):
+        """[B] int32: the end of the chosen earlier occurrence of each row's last n tokens
+        in toks [B, S] (lens [B] tokens so far), -1 where none."""
         b, s = toks.shape
         p = jnp.arange(s)[None, :]  # candidate end of an earlier match
         match = jnp.ones((b, s), bool)
@@ -61,7 +79,4 @@ class NGram(Speculator):
             pick = jnp.argmax(score, axis=1).astype(jnp.int32)
             found = (jnp.max(score, axis=1) >= 0) & (i + 1 >= self.n_min)  # n = i + 1
             best = jnp.where(found, pick, best)  # longer n overrides shorter
-        idx = best[:, None] + 1 + jnp.arange(self.k)[None, :]  # [B, k]
-        drafts = jnp.take_along_axis(toks, jnp.clip(idx, 0, s - 1), axis=1)
-        valid = (best[:, None] >= 0) & (idx < lens[:, None])
-        return chain(drafts, valid=valid), state
+        return best
