@@ -18,7 +18,10 @@ PROMPTS = [[5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17, 33], [7, 8, 9, 7, 8, 9, 7, 8, 
 
 def test_each_pass_is_timed_against_plain_decoding(tiny_target):
     passes = loop_steps.pass_kwargs(NGram(k=3), Calibration(), 0.0, NEW)
-    assert list(passes) == ["plain", "adaptive", "full", "idle"]
+    assert list(passes) == ["plain", "adaptive", "no_peek", "full", "idle"]
+    assert passes["adaptive"]["speculator"].peeks and not passes["no_peek"]["speculator"].peeks
+    assert list(loop_steps.pass_kwargs(NGram(k=3, peek=False), Calibration(), 0.0,
+                                       NEW)) == ["plain", "adaptive", "full", "idle"]
     res = loop_steps.time_passes(tiny_target, PROMPTS, passes, temperature=0.0,
                                  new_tokens=NEW, rounds=1)
     assert res["plain"]["step_ratio"] == 1.0
@@ -27,8 +30,10 @@ def test_each_pass_is_timed_against_plain_decoding(tiny_target):
     assert res["full"]["steps"] <= res["plain"]["steps"]  # each step emits >= 1 token
     assert all(r["step_ratio"] > 0 and r["decode_s"] > 0 for r in res.values())
     table = loop_steps.format_table(res).splitlines()
+    speedup = res["plain"]["decode_s"] / res["full"]["decode_s"]
+    assert f"| {speedup:.2f}× |" in table[5]  # the full pass's decode speedup
     assert [line.split(" | ")[0] for line in table[2:]] == ["| plain", "| adaptive",
-                                                             "| full", "| idle"]
+                                                             "| no_peek", "| full", "| idle"]
 
 
 def test_bad_arguments_name_the_value(tiny_target, tmp_path):

@@ -89,6 +89,23 @@ def heldout(workdir):
     return docs, specjax.load(workdir / "target" / "export").tokenizer
 
 
+def test_loop_steps_times_the_suites_prompts_of_a_category(workdir, heldout):
+    """`bench.loop_steps --category`: the suite's prompts of the category, calibrated on
+    others of it, the n-gram built as the suite builds it."""
+    from specjax.bench import loop_steps
+
+    flags = ("--short-tokens", "64", "--new", "4", "--k", "2")
+    target, spec, cal, cost, prompts, new = loop_steps._category_inputs(
+        workdir, "ngram", 0.0, "completion", 2, 1, flags)
+    docs, tok = heldout
+    want = suite.build_prompt_sets(["completion"], docs, tok, 2, {"completion": 64}, 0)
+    assert prompts == [p.ids for p in want["completion"]] and new == 4
+    assert (spec.k, spec.peeks, cost) == (2, True, 0.0)
+    assert cal.proposal is not None and len(cal.prior) == 2
+    with pytest.raises(SystemExit):  # the suite's own check of its flags
+        loop_steps._category_inputs(workdir, "ngram", 0.0, "nonsense", 2, 1, flags)
+
+
 def test_a_pretrained_targets_prompts_come_from_the_whole_corpus(workdir, tmp_path):
     """A quickstart run on a pretrained target (its target stage records the source)
     draws prompts from the whole corpus's held-out split, as its comparison does, not

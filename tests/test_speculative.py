@@ -4,7 +4,6 @@ from types import SimpleNamespace
 
 import jax
 import pytest
-from flax import struct
 
 import specjax
 from specjax import cpu_attention
@@ -27,15 +26,6 @@ def _speculators(tiny_target, tiny_draft):
         "draft": DraftModel.create(tiny_draft, k=3),
         "self": DraftModel.create(tiny_target, k=4),
     }
-
-
-@struct.dataclass
-class BlindNGram(NGram):
-    """An n-gram that cannot tell before drafting whether it finds a draft (as a
-    speculator with a model call behind its lookup): the rule then weighs how often it
-    finds one."""
-
-    peeks = False
 
 
 # "self" (the target as its own draft, every draft accepted) is also
@@ -1323,7 +1313,7 @@ def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
 
 def test_a_row_s_first_misses_do_not_outweigh_the_calibrated_proposal_rate():
     """A row whose speculator cannot tell before drafting whether it finds a draft
-    (`BlindNGram`) may find few until its output repeats itself: 20 asks without a
+    (`NGram(peek=False)`) may find few until its output repeats itself: 20 asks without a
     match leave a calibrated proposal rate of 0.3 at 4.8 / 36 (its 16 pseudo-asks), and
     the row keeps drafting (α 0.7-0.8 by depth, a verify of 1 + 0.5 log2 T steps); at 4
     pseudo-asks (1.2 / 24) it would stop. 200 misses stop it; a speculator that peeks
@@ -1334,7 +1324,7 @@ def test_a_row_s_first_misses_do_not_outweigh_the_calibrated_proposal_rate():
     from specjax.decoding.state import Counters
 
     assert PROPOSAL_PRIOR_TRIES == 16
-    spec = BlindNGram(k=4)
+    spec = NGram(k=4, peek=False)
     rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(slope=0.5).validated(),
                 jnp.asarray([0.7, 0.75, 0.8, 0.8], jnp.float32), proposal=jnp.float32(0.3))
     buckets = ((0, 0), (1, 1), (2, 2), (4, 4))
@@ -1372,7 +1362,7 @@ def test_a_rarely_finding_row_alone_weighs_its_empty_steps():
     np.testing.assert_allclose(mixed[1], sure, rtol=1e-6)
     np.testing.assert_allclose(mixed[:, 0], 1.0)  # k = 0: a plain step either way
 
-    spec = BlindNGram(k=4)
+    spec = NGram(k=4, peek=False)
     rule = Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(jump=0.1).validated(),
                 jnp.asarray([0.25, 1.0, 0.5, 1.0], jnp.float32),
                 overhead=jnp.float32(0.03), proposal=jnp.float32(0.03))
@@ -1405,7 +1395,7 @@ def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
                     jnp.asarray([0.25, 1.0, 0.5, 1.0], jnp.float32), overhead=jnp.float32(0.0),
                     proposal=jnp.float32(proposal), idle=jnp.float32(0.0))
 
-    spec = BlindNGram(k=4)
+    spec = NGram(k=4, peek=False)
     assert not may_draft(spec, rule(0.03, 0.08), 1, 64)
     assert may_draft(spec, rule(0.3, 0.08), 1, 64)
     assert may_draft(spec, rule(1.0, 0.08), 1, 64)
@@ -1429,20 +1419,23 @@ def test_ngram_has_draft_where_it_proposes_one():
         found = np.asarray(spec.has_draft(None, toks, lens))
         np.testing.assert_array_equal(found, np.asarray(tree.valid).any(axis=1))
         assert 0 < found.sum() < 64
+    assert NGram(k=4).peeks and not NGram(k=4, peek=False).peeks
 
 
 def test_a_peeking_row_drafts_only_where_its_lookup_finds_a_match(tiny_target, greedy_ref):
     """With a speculator that peeks, the loop runs plain steps until the lookup finds a
-    match: every step that asks for a draft has one (at full depth, without the rule,
-    some do not), and the tokens are plain decoding's."""
+    match: every step that asks for a draft has one (without peeking, some do not), and
+    the tokens are plain decoding's either way."""
     free = VerifyCost.from_table({1: 1.0, 10_000: 1.0})
-    kw = dict(max_new_tokens=16, ignore_eos=True, speculator=NGram(k=4))
-    ruled = specjax.generate(tiny_target, PROMPTS[:1], **kw, acceptance_prior=[0.9] * 4,
-                             cost_ratio=0.0, verify_cost=free)
-    assert ruled.tokens == greedy_ref[:1]
-    assert ruled.stats.asked == ruled.stats.proposed > 0
-    full = specjax.generate(tiny_target, PROMPTS[:1], **kw, adaptive=False).stats
-    assert full.asked > full.proposed
+    kw = dict(max_new_tokens=16, ignore_eos=True, acceptance_prior=[0.9] * 4,
+              cost_ratio=0.0, verify_cost=free)
+    peeking = specjax.generate(tiny_target, PROMPTS[:1], speculator=NGram(k=4), **kw)
+    assert peeking.tokens == greedy_ref[:1]
+    assert peeking.stats.asked == peeking.stats.proposed > 0
+    blind = specjax.generate(tiny_target, PROMPTS[:1], speculator=NGram(k=4, peek=False),
+                             **kw)
+    assert blind.tokens == greedy_ref[:1]
+    assert blind.stats.asked > blind.stats.proposed
 
 
 def test_generate_counts_asked_and_proposed_drafts(tiny_target):

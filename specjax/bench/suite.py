@@ -277,6 +277,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def category_lengths(args: argparse.Namespace) -> dict[str, int]:
+    """The prompt length (`build_prompts`' N) of every category from the suite's flags."""
+    return dict(completion=args.short_tokens, docstring=args.short_tokens,
+                repetitive=args.edit_tokens, long=args.long_tokens,
+                humaneval=getattr(args, "humaneval_tokens", 256))
+
+
 def build_prompt_sets(categories, docs, tokenizer, num: int, lengths: dict[str, int],
                       seed: int) -> dict[str, list[Prompt]]:
     """The prompts of every category, the same for every method."""
@@ -649,9 +656,7 @@ def suite(args, command: str, log=_log) -> dict:
     target = specjax.load(paths.target, dtype="float32")
     if target.tokenizer is None:
         raise FileNotFoundError(f"{paths.target}: no tokenizer.json")
-    lengths = dict(completion=args.short_tokens, docstring=args.short_tokens,
-                   repetitive=args.edit_tokens, long=args.long_tokens,
-                   humaneval=getattr(args, "humaneval_tokens", 256))
+    lengths = category_lengths(args)
     prompt_sets = build_prompt_sets(args.categories, docs, target.tokenizer, args.prompts,
                                     lengths, args.seed)
     need_draft = {"draft", "hf_assistant", "llamacpp_draft"} & set(args.methods)

@@ -31,7 +31,14 @@ class NGram(Speculator):
     k: int = struct.field(pytree_node=False, default=4)
     n_max: int = struct.field(pytree_node=False, default=3)
     n_min: int = 2  # a leaf: traced inside the loop
-    peeks = True  # a class attribute, not a field: `has_draft` is a prompt lookup
+    # whether the loop looks up a match before each step (`Speculator.peeks`); False
+    # asks for a draft wherever the rule drafts, as a speculator that cannot peek does
+    # (an ablation: `python -m specjax.bench.loop_steps` times both)
+    peek: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def peeks(self) -> bool:
+        return self.peek
 
     def __post_init__(self):
         if self.k < 1:
