@@ -185,6 +185,7 @@ class DecodeLoop:
         # cannot move. The speculator's state is then never read again: no commit, and no
         # draft call to empty a full queue.
         settled = idle & ~decision.probes_could_pay(~st.done)
+
         def drafts_now(s: LoopState):
             """[] bool: whether a row would draft at this step."""
             wants = (decision.limit > 0) | decision.probing(s)
