@@ -233,20 +233,40 @@ def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:
 
 
 def step_overhead(full: GenerationStats, full_decode_s: float, plain_step_s: float,
-                  steps: int | None = None) -> float:
+                  steps: int | None = None, drafting: int | None = None,
+                  empty: float = 0.0) -> float:
     """A speculative step's cost beyond what the rule models for it, in one-token target
     steps of the batch (>= 0): a full-depth pass's seconds per loop step over a plain
     step's, less its modelled draft calls (n·c) and verify forward (v, `VerifyCost`). It
     is the work the model has no term for: building and reranking the tree, the verifier
     (sampled at T > 0), the commit and the speculator's own state, in the compiled loop
-    itself. steps: the loop steps the pass ran (None: its target calls, one row)."""
+    itself. steps: the loop steps the pass ran (None: its target calls, one row).
+    drafting: the steps that drafted, to charge the excess to them, less `empty` for
+    each other step (what a step that drafts nothing costs beyond its model, e.g. the
+    `idle_overhead` of the same calls); None: spread over every loop step. Where a
+    speculator peeks, only its drafting steps run in the verify switch
+    (`Speculator.peeks`): spread over a pass whose lookup finds a match at 10 % of the
+    steps, the verifier's work would read a tenth of its cost."""
     calls = full.target_calls
     steps = calls if steps is None else steps
-    if calls == 0 or steps == 0 or plain_step_s <= 0:
+    if calls == 0 or steps == 0 or plain_step_s <= 0 or drafting == 0:
         return 0.0
     measured = full_decode_s / steps / plain_step_s
     modelled = full.verify_cost + full.cost_ratio * full.draft_calls / calls
-    return max(measured - modelled, 0.0)
+    excess = measured - modelled
+    if drafting is not None:
+        excess = (excess * steps - empty * (steps - drafting)) / drafting
+    return max(excess, 0.0)
+
+
+def drafting_steps(stats: GenerationStats, speculator, batch: int) -> int | None:
+    """The steps that drafted in a calibration pass at `batch` rows, for `step_overhead`,
+    where they alone carry the step's overhead: a speculator that peeks at batch 1 (its
+    other steps run as plain steps, priced apart); None elsewhere (at batch > 1 a row
+    asked to draft pays the batch's step whether or not it finds a draft)."""
+    if not (getattr(speculator, "peeks", False) and batch == 1):
+        return None
+    return int(stats.tried_hist[0]) if stats.tried_hist else 0
 
 
 def idle_kwargs(speculator, new_tokens: int, verify_cost: VerifyCost | None = None) -> dict:
@@ -424,13 +444,15 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
             if not stats["full", name]:
                 out[temp][name] = Calibration()
                 continue
-            over = {kind: paired_median(
-                        stats[kind, name], plain, lambda s, secs, steps, plain_step_s:
-                        step_overhead(s, secs, plain_step_s, steps))
-                    for kind in ("full", "shallow") if stats[kind, name]}
             idle = paired_median(stats["idle", name], plain,
                                  lambda s, secs, steps, plain_step_s: idle_overhead(
                                      secs, steps, plain_step_s))
+            # where only drafting steps carry it, the other steps' share is the idle one
+            over = {kind: paired_median(
+                        stats[kind, name], plain, lambda s, secs, steps, plain_step_s:
+                        step_overhead(s, secs, plain_step_s, steps,
+                                      drafting_steps(s, spec, batch), idle))
+                    for kind in ("full", "shallow") if stats[kind, name]}
             full = merge_stats(stats["full", name])
             out[temp][name] = Calibration(
                 full.acceptance_by_position,

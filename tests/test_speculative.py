@@ -1080,6 +1080,31 @@ def test_step_overhead_is_the_measured_step_less_the_modelled_one():
     assert step_overhead(full, 1.6, 0.1) == pytest.approx(0.2)
     assert step_overhead(full, 1.0, 0.1) == 0.0
     assert step_overhead(full, 1.6, 0.0) == 0.0
+    # charged to the 2 steps of the 10 that drafted: 2 steps' excess over 10, 1.0 each;
+    # less 0.05 for each of the 8 that did not: (2 - 0.4) / 2
+    assert step_overhead(full, 1.6, 0.1, drafting=2) == pytest.approx(1.0)
+    assert step_overhead(full, 1.6, 0.1, drafting=2, empty=0.05) == pytest.approx(0.8)
+    assert step_overhead(full, 1.6, 0.1, drafting=2, empty=0.5) == 0.0
+    assert step_overhead(full, 1.6, 0.1, drafting=0) == 0.0
+
+
+def test_a_peeking_speculator_s_overhead_is_its_drafting_steps():
+    """At batch 1 a speculator that peeks runs plain steps where it has no draft, so the
+    calibration charges a pass's excess to the steps that drafted (tried depth 1);
+    elsewhere, and for one that cannot peek, to every loop step."""
+    import numpy as np
+
+    from specjax.calibrate import drafting_steps
+    from specjax.stats import build_stats
+
+    ones = np.ones(1, np.int64)
+    full = build_stats(new_tokens=31 * ones, target_calls=10 * ones, draft_calls=0 * ones,
+                       drafted=12 * ones, accepted=6 * ones, hist=np.zeros((1, 5), np.int64),
+                       tried=np.asarray([[3, 2, 2, 1]]), cost_ratio=0.0, ttft_s=0.0,
+                       decode_s=1.6, compile_s=0.0, verify_cost=np.asarray([12.0]))
+    assert drafting_steps(full, NGram(k=4), 1) == 3
+    assert drafting_steps(full, NGram(k=4), 4) is None
+    assert drafting_steps(full, NGram(k=4, peek=False), 1) is None
 
 
 def _pass_kind(speculator, kw) -> str:
@@ -1112,7 +1137,7 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert warmup_calls([[[1], [2, 3]], [[4, 5], [6]]]) == [(0, [[1], [2, 3]]),
                                                              (1, [[4, 5], [6]])]
     ones, seen, ran = np.ones(1, np.int64), set(), []
-    spec = NGram(k=4)
+    spec = NGram(k=4, peek=False)  # its overhead over every step
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
         kind = _pass_kind(speculator, kw)
@@ -1163,7 +1188,7 @@ def test_calibration_prices_each_pass_against_its_own_calls_plain_pass(monkeypat
     from specjax.calibrate import calibrations
     from specjax.stats import build_stats
 
-    ones, spec = np.ones(1, np.int64), NGram(k=4)
+    ones, spec = np.ones(1, np.int64), NGram(k=4, peek=False)  # its overhead over every step
     load = {0: 1.0, 1: 1.5, 2: 2.0}  # seed -> the host's factor over the call
     slowed = {(0, "full"): 2.0, (2, "plain"): 3.0}  # (seed, pass) -> time factor
 
