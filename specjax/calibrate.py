@@ -264,7 +264,7 @@ def drafting_steps(stats: GenerationStats, speculator, batch: int) -> int | None
     where they alone carry the step's overhead: a speculator that peeks at batch 1 (its
     other steps run as plain steps, priced apart); None elsewhere (at batch > 1 a row
     asked to draft pays the batch's step whether or not it finds a draft)."""
-    if not (getattr(speculator, "peeks", False) and batch == 1):
+    if not (speculator.peeks and batch == 1):
         return None
     return int(stats.tried_hist[0]) if stats.tried_hist else 0
 

@@ -142,6 +142,7 @@ def _category_inputs(workdir: Path, method: str, temperature: float, category: s
     name = SPECULATOR_NAMES[method]
     args = suite.parse_args(["--workdir", str(workdir), "--categories", category,
                              "--methods", name, "--batches", "1", "--prompts", str(num),
+                             "--temperatures", str(temperature),
                              "--calibrate", str(calibrate), *suite_flags])
     paths = suite.Workdir.check(workdir, args.methods)
     docs, _ = paths.heldout_documents()
@@ -152,10 +153,9 @@ def _category_inputs(workdir: Path, method: str, temperature: float, category: s
                              draft_vocab=paths.draft_vocab)[name]
     lengths = suite.category_lengths(args)
     sets = suite.build_prompt_sets([category], docs, target.tokenizer, num, lengths, args.seed)
-    calib = suite.calibration_sets(sets, docs, target.tokenizer, calibrate, lengths, args.seed)
-    costs = measured_cost_ratios(target, {name: spec}, (temperature,))
-    cal = suite.calibrate(target, {name: spec}, calib, temperatures=(temperature,),
-                          new=args.new, seed=args.seed, cost_ratios={1: costs})
+    costs = measured_cost_ratios(target, {name: spec}, args.temperatures)
+    cal = suite._calibrated_priors(args, target, {name: spec}, sets, docs, lengths,
+                                   {1: costs}, log=lambda _: None)
     return (target, spec, cal[category, temperature, 1, name],
             cost_ratio_of(costs, temperature, name), [p.ids for p in sets[category]],
             args.new)

@@ -140,11 +140,11 @@ def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, PRIOR_TR
     return jnp.stack(out, axis=1) if out else jnp.asarray(at_least, jnp.float32)
 
 
-# Pseudo-asks the proposal rate is shrunk with. A prompt-lookup speculator finds more
-# matches as a generation goes on and its output repeats itself, so a row's first asks
-# read it low; at 4 pseudo-asks a few early misses kept the n-gram at k = 0, where the
-# rate is not re-measured, for the rest of the row (docs/benchmarks.md, "n-gram: the
-# shortest match").
+# Pseudo-asks the proposal rate is shrunk with, for a speculator that cannot peek
+# (`Speculator.peeks`). A lookup finds more matches as a generation goes on and its
+# output repeats itself, so a row's first asks read it low; at 4 pseudo-asks a few early
+# misses kept such a row at k = 0, where the rate is not re-measured, for the rest of
+# the row (docs/benchmarks.md, "n-gram: the shortest match").
 PROPOSAL_PRIOR_TRIES = 16.0
 
 
