@@ -1427,6 +1427,40 @@ def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
     assert may_draft(NGram(k=4), rule(0.03, 0.08), 1, 64)
 
 
+def test_a_peeking_row_pays_the_loop_s_upkeep_at_its_steps_without_a_match():
+    """`peeking_gain`: where its lookup matches at every step and the loop costs nothing
+    idle, the gain is the drafting step's over the margin; at a 14 % match rate, with
+    the loop 5 % dearer than plain decoding at the other steps, drafts that gain 30 %
+    on their own steps lose over the call, and the call runs plain decoding's programs
+    (`may_draft`); at a 50 % match rate, or with no upkeep, they still pay."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.decoding.policy import Rule, leviathan_gain, may_draft, peeking_gain
+
+    a = jnp.full((1, 4), 0.3, jnp.float32)
+    v, calls, over = jnp.asarray([1.0] + [1.1] * 4), jnp.arange(5), jnp.zeros(5)
+    sure = leviathan_gain(a, 0.0, 4, v, calls, overhead=over)[0]
+    always = peeking_gain(a, 0.0, 4, v, calls, jnp.ones(1), over, 0.0, margin=0.05)[0]
+    np.testing.assert_allclose(always[1:], sure[1:] / 1.05, rtol=1e-6)
+    assert float(always[0]) == 1.0
+    rare = peeking_gain(a, 0.0, 4, v, calls, jnp.asarray([0.14]), over, 0.05, margin=0.05)[0]
+    e4 = 1 + 0.3 + 0.3 ** 2 + 0.3 ** 3 + 0.3 ** 4
+    np.testing.assert_allclose(rare[4], (0.14 * e4 + 0.86) / (0.14 * 1.1 * 1.05 + 0.86 * 1.05),
+                               rtol=1e-6)
+    assert float(sure[4]) > 1.29 and float(jnp.max(rare[1:])) < 1.0
+
+    def rule(match, idle):
+        return Rule(jnp.float32(0.0), jnp.bool_(True), VerifyCost(jump=0.1).validated(),
+                    jnp.full((4,), 0.3, jnp.float32), overhead=jnp.float32(0.0),
+                    proposal=jnp.float32(match), idle=jnp.float32(idle))
+
+    assert not may_draft(NGram(k=4), rule(0.14, 0.05), 1, 64)
+    assert may_draft(NGram(k=4), rule(0.14, 0.0), 1, 64)
+    assert may_draft(NGram(k=4), rule(0.5, 0.05), 1, 64)
+    assert may_draft(NGram(k=4), rule(float("nan"), 0.05), 1, 64)  # uncalibrated: 1
+
+
 def test_ngram_has_draft_where_it_proposes_one():
     """`has_draft` (the loop's peek) agrees with `propose` on random rows, short and
     long, repetitive and not."""

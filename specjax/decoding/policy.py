@@ -198,6 +198,28 @@ def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
     return e / (n * cost_ratio + step)  # cost_ratio may be traced
 
 
+def peeking_gain(alpha, cost_ratio: float, k_max: int, verify_cost, draft_calls, match,
+                 overhead, idle, margin=0.0):
+    """[B, k_max+1] tokens per unit of cost over all of a row's steps, k = 0..k_max, for a
+    speculator that peeks (`Speculator.peeks`) at a row deciding alone: at the share
+    match [B] of its steps the lookup finds a draft and the row drafts k (E_k tokens for
+    n_k c + v_k + o_k, that cost raised by the factor 1 + margin); the others are the
+    speculative loop's plain steps, one token for 1 + idle ([] `Rule.idle`). k = 0:
+    plain decoding's programs, 1. The margin guards the drafting steps' estimates only;
+    the idle cost is paid at every step without a draft: a lookup that matches at 14 %
+    of steps, in a loop 3 % dearer than plain decoding, must gain 0.18 tokens per
+    drafting step beyond the margin (0.86 x 0.03 / 0.14) before drafting pays."""
+    a = jnp.asarray(alpha, jnp.float32)
+    ks = jnp.arange(k_max + 1, dtype=jnp.float32)
+    e = expected_tokens(a[:, :k_max])  # [B, K+1]
+    drafting = (jnp.asarray(draft_calls, jnp.float32) * cost_ratio
+                + jnp.asarray(verify_cost, jnp.float32) + jnp.asarray(overhead, jnp.float32))
+    drafting = drafting * jnp.where(ks > 0, 1.0 + margin, 1.0)
+    m = jnp.clip(jnp.asarray(match, jnp.float32), 0.0, 1.0)[:, None]
+    gain = (m * e + 1.0 - m) / (m * drafting + (1.0 - m) * (1.0 + idle))
+    return jnp.where(ks > 0, gain, 1.0)
+
+
 def leviathan_optimal_k(alpha, cost_ratio: float, k_max: int, verify_cost=None,
                         draft_calls=None, margin=0.0, proposal=None, overhead=None,
                         empty=None):
@@ -502,6 +524,20 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
         mix, mix_hopeful = jnp.where(shared, 1.0, p), jnp.where(shared, 1.0, p_hopeful)
     own, hopeful_k = best(alpha, mix), best(hopeful, mix_hopeful)
     g = gains(hopeful, mix_hopeful)
+    if spec.peeks:
+        # A row deciding alone drafts at the steps its lookup finds a match; its other
+        # steps are the loop's plain steps, dearer by `Rule.idle` than plain decoding's
+        # programs, which it would run at k = 0 (`peeking_gain`). The share of steps
+        # with a match is the calibrated prior: a peeking row asks only where it has one,
+        # so its own counters cannot measure it.
+        match = jnp.broadcast_to(proposal_rate(0.0, 0.0, rule.proposal), p.shape)
+        alone = lambda a, margin: peeking_gain(a, rule.cost_ratio, spec.shape.max_depth,
+                                               verify, calls, match, step_over, rule.idle,
+                                               margin)
+        argmax = lambda gain: jnp.argmax(gain, axis=-1).astype(jnp.int32)
+        own = jnp.where(shared, own, argmax(alone(alpha, rule.margin)))
+        hopeful_k = jnp.where(shared, hopeful_k, argmax(alone(hopeful, rule.margin)))
+        g = jnp.where(shared, g, alone(hopeful, 0.0))
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     # A probe is accepted only where the speculator proposes, and one that gets no draft
