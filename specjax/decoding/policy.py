@@ -208,15 +208,15 @@ def peeking_gain(alpha, cost_ratio: float, k_max: int, verify_cost, draft_calls,
     plain decoding's programs, 1. The margin guards the drafting steps' estimates only;
     the idle cost is paid at every step without a draft: a lookup that matches at 14 %
     of steps, in a loop 3 % dearer than plain decoding, must gain 0.18 tokens per
-    drafting step beyond the margin (0.86 x 0.03 / 0.14) before drafting pays."""
-    a = jnp.asarray(alpha, jnp.float32)
+    drafting step beyond the margin (0.86 x 0.03 / 0.14) before drafting pays.
+    `leviathan_gain`'s mix with the whole drafting step (its draft calls included, paid
+    only where there is a draft) as the step that proposes and a loop plain step as the
+    one that does not."""
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)
-    e = expected_tokens(a[:, :k_max])  # [B, K+1]
     drafting = (jnp.asarray(draft_calls, jnp.float32) * cost_ratio
                 + jnp.asarray(verify_cost, jnp.float32) + jnp.asarray(overhead, jnp.float32))
     drafting = drafting * jnp.where(ks > 0, 1.0 + margin, 1.0)
-    m = jnp.clip(jnp.asarray(match, jnp.float32), 0.0, 1.0)[:, None]
-    gain = (m * e + 1.0 - m) / (m * drafting + (1.0 - m) * (1.0 + idle))
+    gain = leviathan_gain(alpha, 0.0, k_max, drafting, proposal=match, empty=1.0 + idle)
     return jnp.where(ks > 0, gain, 1.0)
 
 
