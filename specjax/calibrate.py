@@ -354,8 +354,8 @@ def filled_batches(prompts, batch: int) -> list[list]:
 # Timed calls per pass at the least: each pass is priced at the median of its calls
 # against their own plain passes (`paired_median`), and a median of three leaves one
 # slowed pass out, where one call alone on a shared host can read a loop's upkeep as 0
-# in one run and a third of a step in the next (docs/benchmarks.md, "Repetitive edits
-# at batches 1 and 4").
+# in one run and a third of a step in the next (docs/benchmarks.md, "Earlier runs, in
+# short").
 MIN_TIMED_CALLS = 3
 
 
