@@ -201,17 +201,11 @@ def leviathan_gain(alpha, cost_ratio: float, k_max: int, verify_cost=None,
 def peeking_gain(alpha, cost_ratio: float, k_max: int, verify_cost, draft_calls, match,
                  overhead, idle, margin=0.0):
     """[B, k_max+1] tokens per unit of cost over all of a row's steps, k = 0..k_max, for a
-    speculator that peeks (`Speculator.peeks`) at a row deciding alone: at the share
-    match [B] of its steps the lookup finds a draft and the row drafts k (E_k tokens for
-    n_k c + v_k + o_k, that cost raised by the factor 1 + margin); the others are the
-    speculative loop's plain steps, one token for 1 + idle ([] `Rule.idle`). k = 0:
-    plain decoding's programs, 1. The margin guards the drafting steps' estimates only;
-    the idle cost is paid at every step without a draft: a lookup that matches at 14 %
-    of steps, in a loop 3 % dearer than plain decoding, must gain 0.18 tokens per
-    drafting step beyond the margin (0.86 x 0.03 / 0.14) before drafting pays.
-    `leviathan_gain`'s mix with the whole drafting step (its draft calls included, paid
-    only where there is a draft) as the step that proposes and a loop plain step as the
-    one that does not."""
+    speculator that peeks (`Speculator.peeks`) at a row deciding alone: `leviathan_gain`'s
+    mix of the drafting step (n_k c + v_k + o_k, raised by 1 + margin: the margin guards
+    the drafting estimates only) at the share match [B] of steps where the lookup finds
+    a draft, and the loop's plain step (1 + idle, [] `Rule.idle`) at the others; k = 0
+    is plain decoding's programs, 1 (docs/speculators.md, the adaptive rule)."""
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)
     drafting = (jnp.asarray(draft_calls, jnp.float32) * cost_ratio
                 + jnp.asarray(verify_cost, jnp.float32) + jnp.asarray(overhead, jnp.float32))
