@@ -73,8 +73,9 @@ def context_size(prompts: Sequence[Sequence[int]], new: int, k: int = 0) -> int:
     return -(-need // 256) * 256
 
 
-def _llama(path: str | Path, *, n_ctx: int, threads: int, n_batch: int, seed: int,
-           draft_model=None):
+def open_llama(path: str | Path, *, n_ctx: int, threads: int, n_batch: int, seed: int,
+               draft_model=None):
+    """A `llama_cpp.Llama` on the GGUF file at `path` (a clear error when it is missing)."""
     llama_cpp = require_llama_cpp()
     path = Path(path)
     if not path.is_file():
@@ -97,7 +98,7 @@ def greedy_llama_draft(path: str | Path, *, k: int, n_ctx: int, threads: int = 2
 
     class GreedyLlamaDraft(LlamaDraftModel):
         def __init__(self):
-            self.llm = _llama(path, n_ctx=n_ctx, threads=threads, n_batch=n_batch, seed=0)
+            self.llm = open_llama(path, n_ctx=n_ctx, threads=threads, n_batch=n_batch, seed=0)
             self.llm._sampler = self.llm._init_sampler(temp=0.0)  # argmax, reused
             self.k = k
 
@@ -156,7 +157,7 @@ class Runner:
                                          threads=self.threads, n_batch=self.n_batch)
         else:
             drafter = None
-        self.llm = _llama(self.path, n_ctx=self.n_ctx, threads=self.threads,
+        self.llm = open_llama(self.path, n_ctx=self.n_ctx, threads=self.threads,
                           n_batch=self.n_batch, seed=self.seed, draft_model=drafter)
         self._evals = 0
         self.calls = 0  # target forward calls of the last `llamacpp_pass`
@@ -231,7 +232,7 @@ def decode_step_ms(path: str | Path, prompts: list[list[int]], *, new: int,
     median over prompts of milliseconds per greedy step (one forward and the argmax), and
     the tokens. What `specjax.bench.profile` sets beside specjax's step."""
     llama_cpp = require_llama_cpp()
-    llm = _llama(path, n_ctx=context_size(prompts, new), threads=threads, n_batch=512, seed=0)
+    llm = open_llama(path, n_ctx=context_size(prompts, new), threads=threads, n_batch=512, seed=0)
     v = llm.n_vocab()
 
     def greedy() -> int:  # the last token's logits, which eval leaves in the context

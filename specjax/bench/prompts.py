@@ -29,6 +29,7 @@ import gzip
 import importlib.util
 import io
 import json
+import sysconfig
 import tokenize
 from pathlib import Path
 from typing import Sequence
@@ -222,6 +223,19 @@ def build_prompts(category: str, docs: Sequence[str], tokenizer, num: int, max_t
                          "change the length")
     pick = sorted(rng.choice(len(fits), size=num, replace=False).tolist())
     return [Prompt(category, ids[fits[i]], texts[fits[i]], origins[fits[i]]) for i in pick]
+
+
+def source_ids(tokenizer, vocab: int, n: int) -> list[int]:
+    """[n] token ids: the start of the standard library's `argparse.py` (real code, the
+    same on every machine with this Python), or, for a model without a tokenizer, ids
+    from a seeded generator (the benchmarks of one call's time on a prompt)."""
+    if tokenizer is None:
+        return [int(x) for x in np.random.default_rng(0).integers(1, vocab, n)]
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
+    ids = tokenizer.encode(source).ids
+    if len(ids) < n:
+        raise ValueError(f"argparse.py holds {len(ids)} tokens; {n} asked for")
+    return list(ids[:n])
 
 
 def _long_prompts(docs, tokenizer, num, length, rng) -> list[Prompt]:
