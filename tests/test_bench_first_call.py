@@ -32,6 +32,7 @@ def test_three_caches_in_their_own_processes(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())
     assert [r["cache"] for r in rows] == list(first_call.CACHES)
     assert all(r["same_tokens"] and r["first_s"] >= r["compile_s"] > 0 for r in rows)
+    assert all(r["first_s"] >= r["kernels_s"] + r["layout_s"] for r in rows)
     assert all(r["import_s"] > 0.1 for r in rows)  # jax and specjax imported in the child
     (empty, after_empty), (filled, after_filled), (off, _) = seen
     assert empty == filled != "off" and off == "off"

@@ -13,11 +13,11 @@ empty cache directory.
       [--layouts auto] [--prompt-tokens 128] [--new 64] [--processes 2] [--json FILE]
 
 Per speculator, layout and cache: seconds to import specjax, to load the target, the
-first call's wall time and its `stats.compile_s` (what `generate` spends getting its
-programs: tracing, the kernels' races, compiling or reading the cache), and the median
-of three later calls. The prompt is the first `--prompt-tokens` tokens of the standard
-library's `argparse.py` (`bench.prompts.source_ids`); every process's greedy tokens must
-be the same.
+first call's wait and its parts (the CPU kernels' builds, the decode layout with its
+weight shapes' races, and `stats.compile_s`: tracing and compiling `generate`'s
+programs or reading them from the cache), and the median of three later calls. The
+prompt is the first `--prompt-tokens` tokens of the standard library's `argparse.py`
+(`bench.prompts.source_ids`); every process's greedy tokens must be the same.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def child(args, t0: float) -> dict:
     """One process's measurement, `t0` its clock before specjax was imported (the caller
     runs it in a fresh interpreter)."""
     import specjax
-    from specjax import compile_cache
+    from specjax import compile_cache, cpu_attention, rows_matmul
     from specjax.bench.prompts import source_ids
     from specjax.speculators import NGram
 
@@ -56,6 +56,14 @@ def child(args, t0: float) -> dict:
     compile_cache.enable(args.cache)
     model = specjax.load(args.target, dtype="float32")
     loaded = time.perf_counter()
+    # what the first call does before it compiles, timed apart in the order it runs
+    # them: the CPU kernels built (or found in the cache), then the decode layout,
+    # whose weight shapes race the kernels (or read the cached verdicts); `generate`
+    # reuses both
+    rows_matmul.available(), rows_matmul.available_t(), cpu_attention.available()
+    built = time.perf_counter()
+    model.decode_params(args.layout)
+    laid_out = time.perf_counter()
     ids = source_ids(model.tokenizer, model.config.vocab_size, args.prompt_tokens)
     spec = NGram(k=4) if args.speculator == "ngram" else None
 
@@ -65,10 +73,12 @@ def child(args, t0: float) -> dict:
                                speculator=spec, layer_layout=args.layout)
         return out, time.perf_counter() - t
 
-    first, first_s = call()
+    first, call_s = call()
     later = [call()[1] for _ in range(3)]
-    return dict(import_s=imported - t0, load_s=loaded - imported, first_s=first_s,
-                compile_s=first.stats.compile_s, later_s=statistics.median(later),
+    return dict(import_s=imported - t0, load_s=loaded - imported,
+                kernels_s=built - loaded, layout_s=laid_out - built,
+                first_s=laid_out - loaded + call_s, compile_s=first.stats.compile_s,
+                later_s=statistics.median(later),
                 tokens=[list(map(int, t)) for t in first.tokens])
 
 
@@ -103,7 +113,8 @@ def measure(args) -> list[dict]:
     for (s, lay, cache), got in runs.items():
         same = all(r["tokens"] == reference for r in got)  # greedy: lossless everywhere
         row = dict(speculator=s, layout=lay, cache=cache, processes=len(got), same_tokens=same)
-        for key in ("import_s", "load_s", "first_s", "compile_s", "later_s"):
+        for key in ("import_s", "load_s", "first_s", "kernels_s", "layout_s", "compile_s",
+                    "later_s"):
             row[key] = statistics.median(r[key] for r in got)
         rows.append(row)
     return rows
@@ -111,12 +122,14 @@ def measure(args) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| speculator | layout | compilation cache | import s | load s | first call s "
-             "| of which compile_s | later call s | same tokens |",
-             "|---|---|---|---:|---:|---:|---:|---:|:---:|"]
+             "| of which: kernel builds s | layout and races s | compile_s | later call s "
+             "| same tokens |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in rows:
         lines.append(f"| {r['speculator']} | {r['layout']} | {r['cache']} | {r['import_s']:.1f} "
-                     f"| {r['load_s']:.1f} | {r['first_s']:.1f} | {r['compile_s']:.1f} "
-                     f"| {r['later_s']:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
+                     f"| {r['load_s']:.1f} | {r['first_s']:.1f} | {r['kernels_s']:.1f} "
+                     f"| {r['layout_s']:.1f} | {r['compile_s']:.1f} | {r['later_s']:.2f} "
+                     f"| {'yes' if r['same_tokens'] else 'NO'} |")
     return "\n".join(lines)
 
 
