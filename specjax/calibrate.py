@@ -300,9 +300,13 @@ def depth_overheads(shallow: float, full: float, max_depth: int) -> list[float]:
     """The step's overhead at each draft depth 1..max_depth, linear between what a
     depth-1 pass (`shallow`) and a full-depth pass (`full`) measured: a deeper tree
     takes more draft calls' bookkeeping, top-k and reranking, which the verify table and
-    c do not price. One depth: the full-depth pass's figure."""
-    return [shallow + (full - shallow) * (k - 1) / max(max_depth - 1, 1)
-            for k in range(1, max_depth + 1)]
+    c do not price. One depth: the full-depth pass's figure. A convex combination, so
+    that each figure lies between the two exactly (`shallow + (full - shallow) * t` came
+    out at -4e-19 for a full-depth 0, which `generate` rejects as a negative overhead)."""
+    if max_depth == 1:
+        return [full]
+    weights = [(k - 1) / (max_depth - 1) for k in range(1, max_depth + 1)]
+    return [shallow * (1 - t) + full * t for t in weights]
 
 
 def idle_overhead(idle_decode_s: float, idle_steps: int, plain_step_s: float) -> float:
