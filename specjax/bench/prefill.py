@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     if max(args.tokens) + 1 > limit:
         raise SystemExit(f"--tokens: {max(args.tokens)} tokens and one new one exceed the "
                          f"model's {limit} positions")
+    prompts = {n: source_ids(model.tokenizer, model.config.vocab_size, n)
+               for n in args.tokens}
     llm = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.llamacpp is not None:
@@ -114,12 +116,11 @@ def main(argv=None) -> int:
 
             gguf = (specjax.save_gguf(model, Path(tmp) / "target-f32.gguf")
                     if args.llamacpp == "write" else Path(args.llamacpp))
-            llm = lc.open_llama(gguf, n_ctx=lc.context_size([[0] * max(args.tokens)], 0),
-                            threads=args.threads, n_batch=512, seed=0)
+            llm = lc.open_llama(gguf, n_ctx=lc.context_size(list(prompts.values()), new=1),
+                                threads=args.threads, n_batch=512, seed=0)
         rows = []
         try:
-            for n in args.tokens:
-                ids = source_ids(model.tokenizer, model.config.vocab_size, n)
+            for n, ids in prompts.items():
                 passes = {"specjax": specjax_ttft(model, ids)}
                 if llm is not None:
                     passes["llamacpp"] = llamacpp_eval(llm, ids)
