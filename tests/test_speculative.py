@@ -1409,7 +1409,10 @@ def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
     (1 + branch plain steps), and a probe is accepted only where the speculator
     proposes: with the loop's upkeep calibrated at 0, a speculator that cannot peek and
     finds a draft at 3 % of steps runs plain decoding's programs, where one that always
-    finds drafts (or finds them at 30 %) may draft, as does one that peeks."""
+    finds drafts (or finds them at 30 %) may draft. One that peeks skips the switch
+    where it has no draft, so it would draft; yet over the call its drafts at 3 % of
+    steps gain under the 5 % margin (`Decision.call_pays`), so it runs plain decoding's
+    programs too, unless the margin is 0."""
     import jax.numpy as jnp
 
     from specjax.decoding.policy import Rule, may_draft
@@ -1424,7 +1427,8 @@ def test_a_rarely_finding_row_pays_the_switch_for_its_empty_steps():
     assert not may_draft(spec, rule(0.03, 0.08), 1, 64)
     assert may_draft(spec, rule(0.3, 0.08), 1, 64)
     assert may_draft(spec, rule(1.0, 0.08), 1, 64)
-    assert may_draft(NGram(k=4), rule(0.03, 0.08), 1, 64)
+    assert not may_draft(NGram(k=4), rule(0.03, 0.08), 1, 64)
+    assert may_draft(NGram(k=4), rule(0.03, 0.08).replace(margin=jnp.float32(0.0)), 1, 64)
 
 
 def test_a_peeking_row_pays_the_loop_s_upkeep_at_its_steps_without_a_match():
@@ -1432,7 +1436,10 @@ def test_a_peeking_row_pays_the_loop_s_upkeep_at_its_steps_without_a_match():
     idle, the gain is the drafting step's over the margin; at a 14 % match rate, with
     the loop 5 % dearer than plain decoding at the other steps, drafts that gain 30 %
     on their own steps lose over the call, and the call runs plain decoding's programs
-    (`may_draft`); at a 50 % match rate, or with no upkeep, they still pay."""
+    (`may_draft`); at a 50 % match rate they still pay. With no upkeep the call gains
+    4 % at a 14 % match rate, inside the 5 % margin, so it runs plain decoding's
+    programs too, though every drafting step would gain (no margin: it drafts); at
+    30 % it gains 9 % and drafts."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -1456,7 +1463,11 @@ def test_a_peeking_row_pays_the_loop_s_upkeep_at_its_steps_without_a_match():
                     proposal=jnp.float32(match), idle=jnp.float32(idle))
 
     assert not may_draft(NGram(k=4), rule(0.14, 0.05), 1, 64)
-    assert may_draft(NGram(k=4), rule(0.14, 0.0), 1, 64)
+    whole = peeking_gain(a, 0.0, 4, v, calls, jnp.asarray([0.14]), over, 0.0)[0]
+    assert 1.0 < float(jnp.max(whole)) < 1.05
+    assert not may_draft(NGram(k=4), rule(0.14, 0.0), 1, 64)
+    assert may_draft(NGram(k=4), rule(0.14, 0.0).replace(margin=jnp.float32(0.0)), 1, 64)
+    assert may_draft(NGram(k=4), rule(0.3, 0.0), 1, 64)
     assert may_draft(NGram(k=4), rule(0.5, 0.05), 1, 64)
     assert may_draft(NGram(k=4), rule(float("nan"), 0.05), 1, 64)  # uncalibrated: 1
 

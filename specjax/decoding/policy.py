@@ -346,6 +346,12 @@ class Decision:
     # (`slowest_row_acceptance`), which the batch decisions read
     alpha_low: jax.Array
     hopeful_low: jax.Array
+    # [B] bool: whether the row's own k beats plain decoding's programs by the factor
+    # 1 + margin over all of its steps, the loop's upkeep where it drafts nothing
+    # included: what choosing the speculative loop for a call needs (`may_draft`). Only a
+    # speculator that peeks mixes in such steps (`peeking_gain`); elsewhere own > 0
+    # already says so
+    call_pays: jax.Array
     cost: jax.Array  # [NB] each verify bucket's cost as the rule prices it
     spent: jax.Array  # [NB+1] each bucket's cost at the batch, then no forward's
     call_cost: jax.Array  # [Dm+1] c · the draft calls that drafting k positions takes
@@ -448,7 +454,12 @@ def may_draft(spec: Speculator, rule: Rule, batch: int, context: int = 0) -> boo
     tokens at first (`attended`) that starts from the rule's prior could ever draft.
     False when, with no tries yet, every row is at k = 0 and no probe could pay: α moves
     only on drafting steps, so the speculator would never run, and the call is plain
-    decoding (no speculator prefill, no speculative machinery)."""
+    decoding (no speculator prefill, no speculative machinery). Also False where the
+    rows would draft but expect to gain less than the margin over the whole call
+    (`Decision.call_pays`), probes or not (such a row would draft from its first step,
+    not probe): a lookup that matches at one step in ten, each match gaining 30 %, gains
+    2-3 % over the call, inside the error of its estimates and of the speculative
+    loop's measured upkeep (docs/speculators.md, the adaptive rule)."""
     return bool(_may_draft(spec, rule, verify_buckets(spec.shape.depth_widths), batch,
                            jnp.float32(context)))
 
@@ -458,7 +469,8 @@ def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int, context) -> ja
     ones = jnp.ones((batch,), jnp.int32)  # every row alike: the batch rule is the row's
     d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
                     ones > 0, ones, jnp.int32(1), context)
-    return ~rule.adaptive | jnp.any(d.limit > 0) | d.probes_could_pay(ones > 0)
+    drafts = d.limit > 0  # rows that draft from the first step: they do not probe
+    return ~rule.adaptive | jnp.any(drafts & d.call_pays) | d.probes_could_pay(~drafts)
 
 
 def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, active,
@@ -532,6 +544,11 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
         own = jnp.where(shared, own, argmax(alone(alpha, rule.margin)))
         hopeful_k = jnp.where(shared, hopeful_k, argmax(alone(hopeful, rule.margin)))
         g = jnp.where(shared, g, alone(hopeful, 0.0))
+        # the margin on the call's gain, not on its drafting steps' alone
+        whole = jnp.take_along_axis(alone(alpha, 0.0), own[:, None], axis=1)[:, 0]
+        call_pays = shared | (whole >= 1.0 + rule.margin)
+    else:
+        call_pays = jnp.ones_like(own, bool)
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     # A probe is accepted only where the speculator proposes, and one that gets no draft
@@ -548,6 +565,6 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     limit = jnp.where(pays | rule.per_row, own, 0)
     return Decision(rule=rule, alpha=alpha, limit=limit, own=own, worth=worth,
                     hopeful=hopeful, hopeful_k=hopeful_k, alpha_low=alpha_low,
-                    hopeful_low=hopeful_low, cost=cost, spent=spent,
+                    hopeful_low=hopeful_low, call_pays=call_pays, cost=cost, spent=spent,
                     call_cost=call_cost, max_new=jnp.asarray(max_new, jnp.int32),
                     depths=depths)
