@@ -15,3 +15,29 @@ def at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, name
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+
+
+# what a conversion's values are called in `comma_list`'s error
+_KINDS = {int: "integers", float: "numbers"}
+
+
+def comma_list(ap: argparse.ArgumentParser, flag: str, text: str, convert=str, *,
+               choices=None, minimum=None) -> list:
+    """A comma-separated flag's values, in order, each converted by `convert`;
+    `ap.error` (exit 2) naming the flag and its value where none is given, one does not
+    convert, is not among `choices` or is below `minimum`."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        ap.error(f"{flag}={text!r}: give at least one value")
+    try:
+        values = [convert(p) for p in parts]
+    except ValueError:
+        ap.error(f"{flag}={text!r} must be comma-separated {_KINDS.get(convert, 'values')}")
+    if choices is not None:
+        bad = [v for v in values if v not in choices]
+        if bad:
+            ap.error(f"{flag}={text!r}: unknown {bad}; choose from "
+                     f"{','.join(map(str, choices))}")
+    if minimum is not None and min(values) < minimum:
+        ap.error(f"{flag}={text!r}: every value must be >= {minimum}")
+    return values

@@ -2,7 +2,8 @@
 caching and registering them.
 
 A kernel's source is built on first use with the system C++ compiler (`$CXX`, else
-`c++`; `-O3 -march=native`, jaxlib's FFI headers), a few seconds, into jax's persistent
+`c++`; `-O3 -march=native`, jaxlib's FFI headers), a few seconds, every other kernel's
+beside it (one compiler process per core: `build_with_the_others`), into jax's persistent
 compilation cache directory when that is on (`specjax.compile_cache`), else into a
 temporary directory for this process; the library's name keys on the source, the
 headers beside it (`csrc/*.h`), compiler, jaxlib and CPU. Where it cannot be built, or
@@ -13,6 +14,7 @@ Users: `specjax.rows_matmul`, `specjax.cpu_attention`.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import hashlib
 import importlib.metadata
@@ -92,6 +94,31 @@ def build(source: Path, compiler: str, directory: Path | None = None) -> Path:
     return lib
 
 
+# every kernel made in this process, and the builds started for them and not yet
+# collected ({(source, compiler): future}): `build_with_the_others`. One thread per
+# core: a build is one compiler process on one core.
+KERNELS: list[FfiKernel] = []
+_builds: dict[tuple[Path, str], concurrent.futures.Future] = {}
+_builds_lock = threading.Lock()
+_builders = concurrent.futures.ThreadPoolExecutor(max(os.cpu_count() or 1, 1),
+                                                  thread_name_prefix="specjax-kernel-build")
+
+
+def build_with_the_others(kernel: FfiKernel, compiler: str) -> Path:
+    """`build(kernel.source, compiler)`, started together with the builds of every other
+    kernel that is on and not yet tried: the compiler runs on one core per source and a
+    first decode call needs all of them (its matmuls and its attention), so it waits
+    for the slowest builds rather than for their sum. Each other build's result waits
+    for that kernel's first `available()`."""
+    with _builds_lock:
+        others = [k for k in KERNELS if k is not kernel and k.is_on() and "ok" not in k._state]
+        for k in [kernel, *others]:
+            if (k.source, compiler) not in _builds:
+                _builds[k.source, compiler] = _builders.submit(build, k.source, compiler)
+        mine = _builds.pop((kernel.source, compiler))
+    return mine.result()
+
+
 class FfiKernel:
     """One kernel: `target` is both its FFI handler's symbol in `source` and the name
     XLA:CPU knows it by; `env` set to `off` (or 0, false, none) turns it off."""
@@ -102,11 +129,17 @@ class FfiKernel:
         self._lock = threading.Lock()
         # "ok": bool once tried; "lib": the library (kept referenced); "path": its file
         self._state: dict = {}
+        KERNELS.append(self)
+
+    def is_on(self) -> bool:
+        """False where its environment switch turns it off."""
+        return os.environ.get(self.env, "").strip().lower() not in OFF
 
     def available(self) -> bool:
-        """Whether the kernel is registered with XLA:CPU (built and loaded on first call);
+        """Whether the kernel is registered with XLA:CPU (built and loaded on first call,
+        the other kernels' builds started beside its own: `build_with_the_others`);
         False with a warning, once, where it cannot be, and quietly when turned off."""
-        if os.environ.get(self.env, "").strip().lower() in OFF:
+        if not self.is_on():
             return False
         with self._lock:
             if "ok" not in self._state:
@@ -116,7 +149,7 @@ class FfiKernel:
                     if compiler is None:
                         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'}"
                                            " not on PATH; set CXX)")
-                    path = build(self.source, compiler)
+                    path = build_with_the_others(self, compiler)
                     lib = ctypes.cdll.LoadLibrary(str(path))
                     jax.ffi.register_ffi_target(
                         self.target, jax.ffi.pycapsule(getattr(lib, self.target)),

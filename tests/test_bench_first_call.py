@@ -53,8 +53,9 @@ def _tree(cache: str):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculators", "eagle"], "--speculators='eagle': choose from none, ngram"),
-    (["--layouts", "flat"], "--layouts='flat': choose from"),
+    (["--speculators", "eagle"],
+     "--speculators='eagle': unknown ['eagle']; choose from none,ngram"),
+    (["--layouts", "flat"], "--layouts='flat': unknown ['flat']; choose from"),
     (["--processes", "0"], "--processes=0 must be >= 1"),
 ])
 def test_bad_flags_name_themselves(argv, message, capsys):

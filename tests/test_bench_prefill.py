@@ -52,7 +52,7 @@ def test_beside_llama_cpp(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tokens", "0"], "lengths must be >= 1"),
+    (["--tokens", "0"], "--tokens='0': every value must be >= 1"),
     (["--tokens", "a,b"], "comma-separated integers"),
     (["--repeats", "0"], "--repeats=0 must be >= 1"),
 ])

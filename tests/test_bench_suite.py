@@ -738,7 +738,7 @@ def test_draft_vocab_bench_sweeps_the_trimmed_sizes(workdir, capsys):
     assert all(0.0 <= float(r[4]) <= 1.0 for r in rows[2:])
     for bad, message in ((["--sizes", "all,x"], "'x' is neither 'all' nor an integer"),
                          (["--sizes", "999"], "exceed the vocabulary"),
-                         (["--categories", "poems"], "poems unknown")):
+                         (["--categories", "poems"], "--categories='poems': unknown ['poems']")):
         with pytest.raises(SystemExit) as e:
             draft_vocab.main(argv + bad)
         assert e.value.code == 2 and message in capsys.readouterr().err

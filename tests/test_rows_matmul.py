@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -533,3 +534,33 @@ def test_a_float32_model_is_served_by_the_kernel_that_won(monkeypatch):
         monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape, k=k: k)
         assert rows_matmul.serving(config) == want
         assert rows_matmul.serving(config.replace(dtype="bfloat16")) is None
+
+
+def test_a_kernel_s_first_build_starts_the_other_kernels_builds_beside_it(monkeypatch,
+                                                                          tmp_path):
+    """`build_with_the_others`: the first kernel asked for starts every other kernel's
+    build that is on and not yet tried, and they run at once (each fake build returns
+    only once two run together); a kernel turned off is not built, and another
+    kernel's first call collects the build already started for it."""
+    import threading
+
+    monkeypatch.setattr(cpu_kernels, "KERNELS", [])
+    monkeypatch.setattr(cpu_kernels, "_builds", {})
+    together = threading.Barrier(min(2, os.cpu_count() or 1), timeout=60)
+    built = []
+
+    def fake_build(source, compiler, directory=None):
+        built.append(source.name)
+        together.wait()  # raises BrokenBarrierError if the builds ran one by one
+        return tmp_path / f"{source.stem}.so"
+
+    monkeypatch.setattr(cpu_kernels, "build", fake_build)
+    kernels = [cpu_kernels.FfiKernel(f"k{i}", tmp_path / f"k{i}.cc", f"SPECJAX_TEST_K{i}",
+                                     "a test kernel", "XLA") for i in range(3)]
+    monkeypatch.setenv("SPECJAX_TEST_K2", "off")
+    kernels[0]._state["ok"] = False  # tried, as `available` marks it before building
+    assert cpu_kernels.build_with_the_others(kernels[0], "c++") == tmp_path / "k0.so"
+    assert sorted(built) == ["k0.cc", "k1.cc"]
+    kernels[1]._state["ok"] = False
+    assert cpu_kernels.build_with_the_others(kernels[1], "c++") == tmp_path / "k1.so"
+    assert sorted(built) == ["k0.cc", "k1.cc"] and not cpu_kernels._builds

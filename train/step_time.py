@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.cli_args import ALL, at_least_one
+from specjax.cli_args import ALL, at_least_one, comma_list
 
 
 def programs(target, layers: tuple[int, ...], vocabs: dict, batch: int, seq_len: int,
@@ -102,10 +102,7 @@ def main(argv=None) -> None:
     ap.add_argument("--files", type=int, default=24, help="stdlib files counted for the ids")
     args = ap.parse_args(argv)
     at_least_one(ap, args, ("kept", "batch", "seq_len", "repeats", "files"))
-    try:
-        layers = tuple(int(x) for x in args.layers.split(","))
-    except ValueError:
-        ap.error(f"--layers={args.layers!r} must be comma-separated integers")
+    layers = tuple(comma_list(ap, "--layers", args.layers, int))
 
     import specjax
     from specjax.checkpoint.packaged import smollm2

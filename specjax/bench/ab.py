@@ -245,10 +245,9 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{side}-env", action="append", default=[], metavar="NAME=VALUE",
                         help=f"an environment variable for the {side} side's rounds")
     args = ap.parse_args(argv)
-    workloads = [w for w in args.workloads.split(",") if w]
-    bad = sorted(set(workloads) - set(WORKLOADS))
-    if bad or not workloads:
-        ap.error(f"--workloads {args.workloads!r}: choose from {','.join(WORKLOADS)}")
+    from specjax.cli_args import comma_list  # here: the workloads import specjax themselves
+
+    workloads = comma_list(ap, "--workloads", args.workloads, choices=WORKLOADS)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds} must be >= 1")
     before, after = _checkout(args.before, "--before"), _checkout(args.after, "--after")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.cli_args import at_least_one
+from specjax.cli_args import at_least_one, comma_list
 
 BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=8,
                     num_heads=8, num_kv_heads=4, max_position_embeddings=2048,
@@ -199,10 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="docs/benchmarks.md",
                         help="markdown file to write the table into ('' = don't write)")
     args = parser.parse_args(argv)
-    try:
-        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    except ValueError:
-        parser.error(f"--batch-sizes={args.batch_sizes!r} must be comma-separated integers")
+    batch_sizes = comma_list(parser, "--batch-sizes", args.batch_sizes, int, minimum=1)
     at_least_one(parser, args, ("new_tokens", "prompt_len", "repeats"))
     result = run(args.new_tokens, batch_sizes, args.prompt_len, args.repeats)
     command = " ".join(["python -m specjax.bench.decode", *(argv if argv is not None

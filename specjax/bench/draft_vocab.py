@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.cli_args import ALL, at_least_one
+from specjax.cli_args import ALL, at_least_one, comma_list
 
 
 def sizes_arg(text: str, ap) -> tuple:
@@ -108,10 +108,7 @@ def main(argv=None) -> int:
     from specjax.bench.prompts import ALL_CATEGORIES
     from specjax.bench.suite import Workdir
 
-    cats = args.categories.split(",")
-    bad = [c for c in cats if c not in ALL_CATEGORIES]
-    if bad:
-        ap.error(f"--categories: {', '.join(bad)} unknown; choose from {ALL_CATEGORIES}")
+    cats = comma_list(ap, "--categories", args.categories, choices=ALL_CATEGORIES)
     try:
         paths = Workdir.check(args.workdir, ["draft"])
     except FileNotFoundError as e:

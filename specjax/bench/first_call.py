@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specjax.cli_args import at_least_one
+from specjax.cli_args import at_least_one, comma_list
 
 CACHES = ("empty", "filled", "off")
 SPECULATORS = ("none", "ngram")
@@ -133,14 +133,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _choices(text: str, allowed: tuple, flag: str) -> list[str]:
-    got = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in got if x not in allowed]
-    if bad or not got:
-        raise SystemExit(f"{flag}={text!r}: choose from {', '.join(allowed)}")
-    return got
-
-
 def _parse(argv) -> argparse.Namespace:
     from specjax.model import LAYER_LAYOUTS
 
@@ -159,8 +151,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--cache", default="off", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     at_least_one(ap, args, ("prompt_tokens", "new", "processes"))
-    args.speculators = _choices(args.speculators, SPECULATORS, "--speculators")
-    args.layouts = _choices(args.layouts, LAYER_LAYOUTS, "--layouts")
+    args.speculators = comma_list(ap, "--speculators", args.speculators, choices=SPECULATORS)
+    args.layouts = comma_list(ap, "--layouts", args.layouts, choices=LAYER_LAYOUTS)
     return args
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 from specjax.bench.decode import BENCH_CONFIG, _machine, _prompts, _versions
+from specjax.cli_args import comma_list
 
 DTYPES = ("float32", "bfloat16", "int8")
 
@@ -88,10 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        parser.error(f"--contexts={args.contexts!r} must be comma-separated integers")
+    contexts = comma_list(parser, "--contexts", args.contexts, int, minimum=1)
     if min(args.batch, args.new_tokens, args.repeats) < 1:
         parser.error(f"--batch={args.batch}, --new-tokens={args.new_tokens} and "
                      f"--repeats={args.repeats} must be >= 1")

