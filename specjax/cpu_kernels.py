@@ -111,7 +111,7 @@ def build_with_the_others(kernel: FfiKernel, compiler: str) -> Path:
     for the slowest builds rather than for their sum. Each other build's result waits
     for that kernel's first `available()`."""
     with _builds_lock:
-        others = [k for k in KERNELS if k is not kernel and k.is_on() and "ok" not in k._state]
+        others = [k for k in KERNELS if k is not kernel and k.is_on() and not k.tried()]
         for k in [kernel, *others]:
             if (k.source, compiler) not in _builds:
                 _builds[k.source, compiler] = _builders.submit(build, k.source, compiler)
@@ -134,6 +134,10 @@ class FfiKernel:
     def is_on(self) -> bool:
         """False where its environment switch turns it off."""
         return os.environ.get(self.env, "").strip().lower() not in OFF
+
+    def tried(self) -> bool:
+        """Whether its first `available()` has begun (its build started or done)."""
+        return "ok" in self._state
 
     def available(self) -> bool:
         """Whether the kernel is registered with XLA:CPU (built and loaded on first call,

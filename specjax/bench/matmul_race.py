@@ -24,7 +24,7 @@ import sys
 import jax.numpy as jnp
 
 from specjax import rows_matmul
-from specjax.bench.suite import ints
+from specjax.cli_args import comma_list
 
 FORM_ROWS = (2, 3, 4, 5, 8)  # --kernel-forms' default row counts
 
@@ -104,8 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-forms", action="store_true",
                     help="time the kernel's register blocks against its sweep at 2-8 rows")
     args = ap.parse_args(argv)
-    rows = ints(args.rows or ",".join(map(str, FORM_ROWS if args.kernel_forms
-                                           else rows_matmul.RACE_ROWS)), "--rows", ap)
+    default = FORM_ROWS if args.kernel_forms else rows_matmul.RACE_ROWS
+    rows = tuple(comma_list(ap, "--rows", args.rows or ",".join(map(str, default)), int,
+                            minimum=1))
     if args.kernel_forms and not all(2 <= r <= rows_matmul.FEW_ROWS for r in rows):
         ap.error(f"--rows={args.rows} with --kernel-forms: the forms differ at 2-"
                  f"{rows_matmul.FEW_ROWS} rows only")

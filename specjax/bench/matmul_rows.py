@@ -35,9 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import rows_matmul
-from specjax.bench.suite import ints
 from specjax.calibrate import NO_YNN
-from specjax.cli_args import at_least_one
+from specjax.cli_args import at_least_one, comma_list
 from specjax.model import fuse_qkv
 from specjax.models.transformer import FUSED_QKV
 from specjax.timing import interleaved_medians
@@ -171,7 +170,7 @@ def main(argv=None) -> int:
                     help="the rows kernel form runs the kernel up to this many rows "
                          f"(default: its MAX_ROWS, {rows_matmul.MAX_ROWS})")
     args = ap.parse_args(argv)
-    rows = ints(args.rows, "--rows", ap)
+    rows = tuple(comma_list(ap, "--rows", args.rows, int, minimum=1))
     at_least_one(ap, args, ("hidden", "intermediate", "layers", "repeats", "kv_width",
                             "kernel_max_rows"))
     forms = ATTENTION_FORMS if args.attention else FORMS

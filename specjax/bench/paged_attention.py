@@ -24,8 +24,7 @@ import numpy as np
 
 from specjax import cpu_attention
 from specjax.attention import reference_attention_with_new, reference_paged_attention
-from specjax.bench.suite import ints
-from specjax.cli_args import at_least_one
+from specjax.cli_args import at_least_one, comma_list
 from specjax.timing import interleaved_medians
 from specjax.xla_options import compile_decode
 
@@ -121,8 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20, help="interleaved timed rounds")
     args = ap.parse_args(argv)
-    queries = ints(args.queries, "--queries", ap)
-    contexts = ints(args.contexts, "--contexts", ap)
+    queries = tuple(comma_list(ap, "--queries", args.queries, int, minimum=1))
+    contexts = tuple(comma_list(ap, "--contexts", args.contexts, int, minimum=1))
     at_least_one(ap, args, ("layers", "kv_heads", "group", "head_dim", "repeats"))
     if args.head_dim % cpu_attention.HEAD_MULTIPLE:
         ap.error(f"--head-dim={args.head_dim} must be a multiple of "

@@ -136,11 +136,6 @@ class Workdir:
         return list(load_corpus(config).eval), repr(config)
 
 
-def ints(text: str, flag: str, ap) -> tuple[int, ...]:
-    """A comma-separated flag of integers >= 1, or `ap.error` naming it."""
-    return tuple(comma_list(ap, flag, text, int, minimum=1))
-
-
 def _parser() -> argparse.ArgumentParser:
     """The suite's command line: every flag with its default and help, checked afterwards by
     `parse_args`."""
@@ -225,14 +220,14 @@ def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
 def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """Parses the comma-separated batches and temperatures and refuses sizes, counts, the KV
     cache dtype or a prompt count the run cannot use."""
-    args.batches = tuple(sorted(set(ints(args.batches, "--batches", ap))))
+    args.batches = tuple(sorted(set(comma_list(ap, "--batches", args.batches, int, minimum=1))))
     args.temperatures = tuple(dict.fromkeys(comma_list(ap, "--temperatures",
                                                        args.temperatures, float, minimum=0)))
     for name in ("new", "repeats", "k", "short_tokens", "edit_tokens", "long_tokens",
                  "humaneval_tokens", "llamacpp_threads"):
         if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
-    tree = ints(args.eagle_tree, "--eagle-tree", ap)
+    tree = tuple(comma_list(ap, "--eagle-tree", args.eagle_tree, int, minimum=1))
     if len(tree) != 3:
         ap.error(f"--eagle-tree={args.eagle_tree!r} must be TOP_K,DEPTH,NODES")
     try:

@@ -70,7 +70,7 @@ def cells(chains, batches, vocab: int) -> dict:
 
 
 def ints(text: str) -> list[int]:
-    # not specjax.bench.suite.ints: this file must run against older checkouts, so it
+    # not specjax.cli_args.comma_list: this file must run against older checkouts, so it
     # imports nothing beyond tree, sampling and verify
     try:
         return [int(x) for x in text.split(",")]

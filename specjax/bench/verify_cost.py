@@ -35,8 +35,8 @@ import datetime
 import sys
 from pathlib import Path
 
-from specjax.bench.suite import ints
 from specjax.calibrate import LINEAR_FROM, measure_verify_cost
+from specjax.cli_args import comma_list
 
 START, END = "<!-- bench:verify_cost:start -->", "<!-- bench:verify_cost:end -->"
 
@@ -148,9 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/benchmarks.md",
                     help="markdown file to write the tables into ('' = don't write)")
     args = ap.parse_args(argv)
-    tokens = sorted(set(ints(args.tokens, "--tokens", ap)))
-    batches = list(ints(args.batches, "--batches", ap))
-    repeats = list(ints(args.repeats, "--repeats", ap))
+    tokens = sorted(set(comma_list(ap, "--tokens", args.tokens, int, minimum=1)))
+    batches = comma_list(ap, "--batches", args.batches, int, minimum=1)
+    repeats = comma_list(ap, "--repeats", args.repeats, int, minimum=1)
     if len(repeats) == 1:
         repeats *= len(batches)
     if tokens[0] != 1:
