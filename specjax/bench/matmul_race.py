@@ -104,9 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-forms", action="store_true",
                     help="time the kernel's register blocks against its sweep at 2-8 rows")
     args = ap.parse_args(argv)
-    default = FORM_ROWS if args.kernel_forms else rows_matmul.RACE_ROWS
-    rows = tuple(comma_list(ap, "--rows", args.rows or ",".join(map(str, default)), int,
-                            minimum=1))
+    rows = (tuple(comma_list(ap, "--rows", args.rows, int, minimum=1)) if args.rows
+            else tuple(FORM_ROWS if args.kernel_forms else rows_matmul.RACE_ROWS))
     if args.kernel_forms and not all(2 <= r <= rows_matmul.FEW_ROWS for r in rows):
         ap.error(f"--rows={args.rows} with --kernel-forms: the forms differ at 2-"
                  f"{rows_matmul.FEW_ROWS} rows only")
