@@ -496,6 +496,41 @@ def test_a_run_in_parts_merges_into_one_section(finished, tmp_path, capsys):
     assert "settings.new = 8" in capsys.readouterr().err
 
 
+def test_a_part_run_again_supersedes_the_earlier_cells(finished, tmp_path, capsys):
+    """suite_merge --supersede: a later part's (category, temperature, batch) group
+    replaces the earlier part's rows there, whole, and the section names it beside the
+    earlier command; without the flag the same parts are refused, and a part a later
+    one replaces entirely is refused by name."""
+    from specjax.bench import suite_merge
+
+    _, _, result = finished
+    again = (P.CATEGORIES[0], 0.0, 1)
+    rerun = dict(result, rows=[dict(r, tokens_per_s=r["tokens_per_s"] * 2)
+                               for r in result["rows"] if suite_merge.group(r) == again],
+                 command="the re-run's command")
+    paths = [tmp_path / "all.json", tmp_path / "rerun.json"]
+    paths[0].write_text(json.dumps(result))
+    paths[1].write_text(json.dumps(rerun))
+    md = tmp_path / "benchmarks.md"
+    argv = [str(p) for p in paths] + ["--out", str(md), "--figures", "",
+                                      "--json", str(tmp_path / "merged.json")]
+    assert suite_merge.main(argv + ["--supersede"]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    speed = {(*suite_merge.group(r), r["method"]): r["tokens_per_s"] for r in merged["rows"]}
+    assert len(speed) == len(merged["rows"]) == len(result["rows"])
+    for r in result["rows"]:
+        twice = 2 if suite_merge.group(r) == again else 1
+        assert speed[(*suite_merge.group(r), r["method"])] == r["tokens_per_s"] * twice
+    section = md.read_text()
+    assert f"(re-run by a later part: {again[0]}, T = 0, batch 1)" in section
+    assert "`the re-run's command`" in section
+    capsys.readouterr()
+    assert suite_merge.main(argv) == 2
+    assert "both time" in capsys.readouterr().err
+    assert suite_merge.main([str(paths[1]), str(paths[0]), "--supersede", "--out", ""]) == 2
+    assert f"{paths[1]}: later parts time every group it times" in capsys.readouterr().err
+
+
 def one_method_run(workdir, json_path, method: str, *flags: str, temperature: str = "0"):
     """The suite on completion prompts for `method` (and autoregressive) at one
     temperature with extra `flags`, no docs written; its JSON results."""

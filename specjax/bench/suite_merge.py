@@ -1,6 +1,6 @@
 """One benchmark-suite section from a suite run taken in parts.
 
-  python -m specjax.bench.suite_merge PART.json [PART.json ...]
+  python -m specjax.bench.suite_merge PART.json [PART.json ...] [--supersede]
       [--out docs/benchmarks.md] [--figures docs/figures] [--json FILE]
 
 The whole grid (five categories, three batch sizes, two temperatures, every method and
@@ -9,6 +9,12 @@ peer, several rounds) takes hours on a 2-core CPU. Run it as `specjax bench suit
 workdir and settings; this writes the docs section, figures and JSON that one run
 would have written. Parts that disagree on a setting, or time the same cell twice,
 are refused by name.
+
+With `--supersede`, a part re-run later replaces what the earlier parts timed: each
+group of cells (category, temperature, batch) a later part times drops the earlier
+parts' rows in that group, so that a method's speedup and its peers' ratios come from
+the rounds its reference ran in. The section names, beside each part's command, the
+groups a later part took over; a part left with no cell is refused by name.
 """
 
 from __future__ import annotations
@@ -32,9 +38,34 @@ def _union(values) -> list:
     return list(dict.fromkeys(v for vs in values for v in vs))
 
 
-def merge_results(parts: list[dict], names: list[str] | None = None) -> dict:
+def group(row: dict) -> tuple:
+    """(category, temperature, batch): the cells one part's rounds time together, each
+    method measured against the same autoregressive reference."""
+    return row["category"], row["temperature"], row["batch"]
+
+
+def superseded(parts: list[dict], names: list[str]) -> list[dict]:
+    """`parts` with each one's rows (and calibration priors) in groups a later part also
+    times left out, and the groups it lost in its `superseded` list; a part left with no
+    row is refused by name."""
+    out = []
+    for i, (name, part) in enumerate(zip(names, parts)):
+        later = {group(r) for p in parts[i + 1:] for r in p["rows"]}
+        rows = [r for r in part["rows"] if group(r) not in later]
+        if not rows:
+            raise ValueError(f"{name}: later parts time every group it times; leave it out")
+        lost = sorted({group(r) for r in part["rows"]} & later)
+        out.append(dict(part, rows=rows, superseded=[list(g) for g in lost],
+                        priors=[x for x in part.get("priors", []) if group(x) not in later]))
+    return out
+
+
+def merge_results(parts: list[dict], names: list[str] | None = None, *,
+                  supersede: bool = False) -> dict:
     """The results dict of one suite run from the dicts of its parts (`suite.suite`'s,
-    as `--json` writes them); names: the parts' file names, for errors."""
+    as `--json` writes them); names: the parts' file names, for errors. supersede: a
+    later part's groups replace the earlier parts' (`superseded`) instead of being
+    refused as cells timed twice."""
     if not parts:
         raise ValueError("no parts to merge")
     names = names or [f"part {i}" for i in range(len(parts))]
@@ -44,6 +75,8 @@ def merge_results(parts: list[dict], names: list[str] | None = None) -> dict:
             if part["settings"].get(key) != first.get(key):
                 raise ValueError(f"{name}: settings.{key} = {part['settings'].get(key)!r}, "
                                  f"but {names[0]} has {first.get(key)!r}")
+    if supersede:
+        parts = superseded(parts, names)
     seen = {}
     for name, part in zip(names, parts):
         for r in part["rows"]:
@@ -64,7 +97,8 @@ def merge_results(parts: list[dict], names: list[str] | None = None) -> dict:
                 note="; ".join(dict.fromkeys(notes)),
                 prompts=[x for p in parts for x in p["prompts"]],
                 priors=[x for p in parts for x in p.get("priors", [])],
-                parts=[dict(date=p["date"], command=p["command"]) for p in parts],
+                parts=[dict(date=p["date"], command=p["command"],
+                            superseded=p.get("superseded", [])) for p in parts],
                 rows=suite_report.peer_ratios(rows))
 
 
@@ -78,10 +112,13 @@ def main(argv=None) -> int:
                     help="markdown file to write the section into ('' = don't write)")
     ap.add_argument("--figures", default="docs/figures", help="plots directory ('' = none)")
     ap.add_argument("--json", default="", help="also write the merged results here")
+    ap.add_argument("--supersede", action="store_true",
+                    help="a later part's (category, temperature, batch) groups replace the "
+                         "earlier parts' rows there, instead of an error")
     args = ap.parse_args(argv)
     try:
         parts = [json.loads(Path(p).read_text()) for p in args.parts]
-        result = merge_results(parts, args.parts)
+        result = merge_results(parts, args.parts, supersede=args.supersede)
     except (OSError, ValueError, KeyError) as e:
         print(f"specjax bench suite_merge: error: {e!r}", file=sys.stderr)
         return 2

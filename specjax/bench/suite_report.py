@@ -89,8 +89,13 @@ def _command_lines(result: dict, command: str) -> list[str]:
     if not parts:
         return [f"- command: `{command}`"]
     taken = f"{len(parts)} parts" if len(parts) > 1 else "one part"
+
+    def lost(p: dict) -> str:
+        groups = "; ".join(f"{c}, T = {t:g}, batch {b}" for c, t, b in p.get("superseded", []))
+        return f" (re-run by a later part: {groups})" if groups else ""
+
     return ([f"- commands: one run in {taken}, merged by `{command}`:"]
-            + [f"  - {p['date']}: `{p['command']}`" for p in parts])
+            + [f"  - {p['date']}: `{p['command']}`{lost(p)}" for p in parts])
 
 
 def _markdown_header(result: dict, command: str) -> list[str]:
