@@ -80,7 +80,7 @@ def merge_results(parts: list[dict], names: list[str] | None = None, *,
     seen = {}
     for name, part in zip(names, parts):
         for r in part["rows"]:
-            cell = (r["category"], r["temperature"], r["batch"], r["method"])
+            cell = (*group(r), r["method"])
             if cell in seen:
                 raise ValueError(f"{name} and {seen[cell]} both time {cell} (category, "
                                  "temperature, batch, method)")
