@@ -32,6 +32,18 @@ def test_a_row_per_length(tiny_gguf, tmp_path, capsys):
     assert "| 40 |" in capsys.readouterr().out
 
 
+def test_a_batch_beside_the_ngram_prefill(tiny_gguf, tmp_path, capsys):
+    """--batch and --ngram: the rows say their batch and carry the speculative call's
+    prefill time beside plain decoding's."""
+    out = tmp_path / "rows.json"
+    assert prefill.main(["--target", str(tiny_gguf), "--tokens", "24", "--repeats", "1",
+                         "--batch", "3", "--ngram", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["batch"] == 3 and row["specjax_ms"] > 0 and row["ngram_ms"] > 0
+    text = capsys.readouterr().out
+    assert "specjax n-gram ms" in text and "specjax at batch 3" in text
+
+
 def test_prompts_are_the_lengths_asked_for():
     ids = source_ids(None, 64, 30)
     assert len(ids) == 30 and ids == source_ids(None, 64, 30) and max(ids) < 64
@@ -55,6 +67,7 @@ def test_beside_llama_cpp(tmp_path):
     (["--tokens", "0"], "--tokens='0': every value must be >= 1"),
     (["--tokens", "a,b"], "comma-separated integers"),
     (["--repeats", "0"], "--repeats=0 must be >= 1"),
+    (["--batch", "0"], "--batch=0 must be >= 1"),
 ])
 def test_bad_flags_name_themselves(argv, message, capsys):
     with pytest.raises(SystemExit):
