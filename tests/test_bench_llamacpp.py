@@ -144,6 +144,12 @@ def test_llama_cpp_greedy_tokens_are_specjaxs(tmp_path):
         runner.close()
     step_ms, step_tokens = lc.decode_step_ms(path, prompts, new=16, threads=1)
     assert step_tokens == ours and step_ms > 0
+    # sampled, the step runs the suite's plain decoding: its tokens, seed for seed
+    sampled = lc.llamacpp_pass(lc.Runner(path, n_ctx=n_ctx, threads=1), prompts, new=16,
+                               temperature=1.0, seed=3)[0]
+    step_ms, step_tokens = lc.decode_step_ms(path, prompts, new=16, threads=1,
+                                             temperature=1.0, seed=3)
+    assert step_tokens == sampled and step_tokens != ours and step_ms > 0
     # the target as its own draft: every drafted token is kept, 5 tokens per target call
     # after the prefill's one (τ = 16 / 4)
     stats = lc.bench(lc.Runner(path, "draft", k=4, draft=path, n_ctx=n_ctx, threads=1),

@@ -161,6 +161,7 @@ class Runner:
                           n_batch=self.n_batch, seed=self.seed, draft_model=drafter)
         self._evals = 0
         self.calls = 0  # target forward calls of the last `llamacpp_pass`
+        self.first_token_s = 0.0  # the last `generate` call's seconds to its first token
         inner = self.llm.eval
 
         def counted(tokens):  # target forward calls, for τ
@@ -185,6 +186,8 @@ class Runner:
                                        min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
                                        reset=True):
             out.append(int(token))
+            if len(out) == 1:
+                self.first_token_s = time.perf_counter() - t0
             if len(out) == new:
                 break
         return out, time.perf_counter() - t0, self._evals
@@ -227,32 +230,23 @@ def bench(runner: Runner, prompts: list[list[int]], *, new: int, temperature: fl
 
 
 def decode_step_ms(path: str | Path, prompts: list[list[int]], *, new: int,
-                   threads: int = 2) -> tuple[float, list[list[int]]]:
-    """llama.cpp's one-token decode step alone: after each prompt is evaluated, the
-    median over prompts of milliseconds per greedy step (one forward and the argmax), and
-    the tokens. What `specjax.bench.profile` sets beside specjax's step."""
-    llama_cpp = require_llama_cpp()
-    llm = open_llama(path, n_ctx=context_size(prompts, new), threads=threads, n_batch=512, seed=0)
-    v = llm.n_vocab()
-
-    def greedy() -> int:  # the last token's logits, which eval leaves in the context
-        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx),
-                                                   shape=(v,))))
-
+                   threads: int = 2, temperature: float = 0.0,
+                   seed: int = 0) -> tuple[float, list[list[int]]]:
+    """llama.cpp's one-token decode step as the suite's plain decoding runs it (one forward
+    and llama-cpp-python's sampler chain at `temperature`, greedy at 0): the median over
+    prompts of milliseconds per token after the first, and the tokens. What
+    `specjax.bench.profile` sets beside specjax's step."""
+    if new < 2:
+        raise ValueError(f"new={new} must be >= 2: the step is timed after the first token")
+    runner = Runner(path, "plain", n_ctx=context_size(prompts, new), threads=threads)
     per, tokens = [], []
     try:
-        for p in prompts:
-            llm.reset()
-            llm.eval(list(p))
-            out = [greedy()]
-            start = time.perf_counter()
-            for _ in range(new - 1):
-                llm.eval(out[-1:])
-                out.append(greedy())
-            per.append((time.perf_counter() - start) / (new - 1) * 1e3)
+        for i, p in enumerate(prompts):
+            out, wall, _ = runner.generate(p, new, temperature=temperature, seed=seed + i)
+            per.append((wall - runner.first_token_s) / (new - 1) * 1e3)
             tokens.append(out)
     finally:
-        llm.close()
+        runner.close()
     return statistics.median(per), tokens
 
 

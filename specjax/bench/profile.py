@@ -7,7 +7,7 @@ projections, the attention over the KV cache, the MLP, the LM head, norms and th
 (sampling, stopping, loop bookkeeping). Weights are read once per step, so the matmul
 rows also show the bandwidth they reach.
 
-  python -m specjax.bench.profile [--target CKPT] [--batch 1] [--new 64]
+  python -m specjax.bench.profile [--target CKPT] [--batch 1] [--new 64] [--temperature 0]
       [--speculator ngram|draft|eagle] [--workdir RUN] [--llamacpp GGUF]
 
 Plain decoding by default; `--speculator` profiles that method's loop at full depth (the
@@ -16,7 +16,7 @@ drafting one level a step. A speculative step's
 phases (the adaptive rule, the draft calls and tree, the verification, the commit) are
 parts of their own: the decode loop runs each in a `jax.named_scope`.
 `--llamacpp` times llama.cpp's decode step beside specjax's, untraced, one row at a time
-on 4 HumanEval prompts.
+on 4 HumanEval prompts. `--temperature` samples (both sides): what sampling adds to a step.
 It compiles afresh (no persistent cache: a cache hit would skip XLA's dump).
 """
 
@@ -183,7 +183,8 @@ def weight_bytes(config, itemsize: int = 4) -> dict[str, int]:
 
 
 def profile(model, prompts: list[list[int]], new_tokens: int, dump_dir: str,
-            trace_dir: str, speculator=None, shallow: bool = False) -> dict:
+            trace_dir: str, speculator=None, shallow: bool = False,
+            temperature: float = 0.0) -> dict:
     """Runs `generate` once to compile (XLA dumps the loop's HLO to dump_dir), once under
     jax.profiler, and returns `breakdown` of the traced loop. `speculator` drafts at full
     depth every step, or with `shallow` one level, as calibration's depth-1 pass runs it
@@ -193,7 +194,7 @@ def profile(model, prompts: list[list[int]], new_tokens: int, dump_dir: str,
     import specjax
     from specjax.calibrate import shallow_kwargs
 
-    kw = dict(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    kw = dict(max_new_tokens=new_tokens, temperature=temperature, seed=0, ignore_eos=True)
     if speculator is not None:
         kw.update(shallow_kwargs(speculator, new_tokens, None) if shallow
                   else dict(speculator=speculator, adaptive=False))
@@ -212,15 +213,17 @@ def profile(model, prompts: list[list[int]], new_tokens: int, dump_dir: str,
     return breakdown(events, ops)
 
 
-def step_ms(model, prompts: list[list[int]], new_tokens: int) -> float:
-    """specjax's untraced decode step: the median over prompts (one row each) of a greedy
-    `generate` call's time after its first token, per further token."""
+def step_ms(model, prompts: list[list[int]], new_tokens: int,
+            temperature: float = 0.0) -> float:
+    """specjax's untraced decode step: the median over prompts (one row each, prompt i
+    sampled with seed i) of a `generate` call's time after its first token, per further
+    token."""
     import specjax
 
     per = []
-    for p in prompts:
-        s = specjax.generate(model, [p], max_new_tokens=new_tokens, temperature=0.0,
-                             ignore_eos=True).stats
+    for i, p in enumerate(prompts):
+        s = specjax.generate(model, [p], max_new_tokens=new_tokens, temperature=temperature,
+                             seed=i, ignore_eos=True).stats
         per.append((s.wall_s - s.ttft_s) / (new_tokens - 1) * 1e3)
     return statistics.median(per)
 
@@ -250,6 +253,8 @@ def main(argv=None) -> int:
                     help="checkpoint (anything specjax.load reads; default: packaged SmolLM2)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new", type=int, default=64, help="new tokens per row")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (0: greedy)")
     ap.add_argument("--prompt-tokens", type=int, default=256,
                     help="HumanEval prompts of at most this many tokens")
     ap.add_argument("--speculator", choices=("none", "ngram", "draft", "eagle"),
@@ -271,10 +276,10 @@ def main(argv=None) -> int:
                     "time goes to)")
     args = ap.parse_args(argv)
     if (args.batch < 1 or args.new < 2 or args.prompt_tokens < 8 or args.repeats < 1
-            or args.top < 0):
+            or args.top < 0 or not args.temperature >= 0):
         ap.error(f"--batch={args.batch} and --repeats={args.repeats} must be >= 1, "
-                 f"--new={args.new} >= 2, --prompt-tokens={args.prompt_tokens} >= 8 and "
-                 f"--top={args.top} >= 0")
+                 f"--new={args.new} >= 2, --prompt-tokens={args.prompt_tokens} >= 8, "
+                 f"--top={args.top} and --temperature={args.temperature} >= 0")
     if args.llamacpp and args.batch != 1:
         ap.error(f"--llamacpp times one sequence: it needs --batch 1 (got {args.batch})")
     if args.shallow and args.speculator == "none":
@@ -313,7 +318,8 @@ def main(argv=None) -> int:
         spec = build_speculators(model, draft=draft, eagle=eagle,
                                  draft_vocab=paths.get("draft_vocab"))[args.speculator]
     result = profile(model, prompts[:args.batch], args.new, dump_dir,
-                     tempfile.mkdtemp(prefix="specjax_trace_"), spec, args.shallow)
+                     tempfile.mkdtemp(prefix="specjax_trace_"), spec, args.shallow,
+                     args.temperature)
     print(markdown(result, model.config, args.batch))
     if args.top:
         print("\n" + markdown_kinds(result, args.top))
@@ -322,10 +328,12 @@ def main(argv=None) -> int:
 
         ours, theirs = [], []
         for _ in range(args.repeats):  # interleaved: this machine's speed drifts
-            ours.append(step_ms(model, prompts, args.new))
-            theirs.append(llamacpp.decode_step_ms(args.llamacpp, prompts, new=args.new)[0])
+            ours.append(step_ms(model, prompts, args.new, args.temperature))
+            theirs.append(llamacpp.decode_step_ms(args.llamacpp, prompts, new=args.new,
+                                                  temperature=args.temperature)[0])
         ours, theirs = statistics.median(ours), statistics.median(theirs)
-        print(f"\nuntraced decode step, median of {args.repeats} interleaved rounds: specjax "
+        print(f"\nuntraced decode step at T = {args.temperature:g}, median of {args.repeats} "
+              "interleaved rounds: specjax "
               f"{ours:.2f} ms, llama.cpp {theirs:.2f} ms; specjax at {theirs / ours:.2f}x "
               "llama.cpp's speed")
     return 0

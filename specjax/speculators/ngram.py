@@ -6,7 +6,7 @@ occurrences, the most recent one with a whole k-token continuation; failing that
 one with the longest (the earliest). The most recent occurrence alone is often just
 behind the end (a repeated token, a line being repeated), with one or two tokens after
 it, so it drafted too little to beat prompt lookup; this choice drafts far deeper
-(docs/benchmarks.md, History).
+(docs/benchmarks.md, "Design ablations").
 The lookup costs next to nothing, so the n-gram peeks (`has_draft`): the loop runs plain
 steps until a row has a match, and the adaptive rule prices only the steps that have one.
 Repetitive input (code edits, quoting the prompt) gives long accepted runs. A match of
