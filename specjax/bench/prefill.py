@@ -106,6 +106,7 @@ def _parse(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     import specjax
     from specjax.bench.prompts import source_ids
+    from specjax.speculators.ngram import NGram
 
     args = _parse(argv)
     if args.target is None:
@@ -132,8 +133,6 @@ def main(argv=None) -> int:
             for n, ids in prompts.items():
                 passes = {"specjax": specjax_ttft(model, ids, args.batch)}
                 if args.ngram:
-                    from specjax.speculators.ngram import NGram
-
                     passes["ngram"] = specjax_ttft(model, ids, args.batch, NGram(k=4))
                 if llm is not None:
                     passes["llamacpp"] = llamacpp_eval(llm, ids)
