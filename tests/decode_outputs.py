@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
-import specjax
+# as tests/conftest.py sets it: the few-row kernel wherever it applies, no timed race, so
+# the default verify-cost table (and the rule's decisions) are the tests' own
+os.environ.setdefault("SPECJAX_CPU_MATMUL", "on")
+
+import specjax  # noqa: E402
 from specjax.config import tiny_llama
 from specjax.decoding.cost import VERIFY_COST
 from specjax.speculators import DraftModel, Eagle, Medusa, NGram

@@ -1,4 +1,4 @@
-"""specjax.bench.branching: the four control-flow variants compute the same decode and
+"""specjax.bench.branching: the five control-flow variants compute the same decode and
 the script reports each against the bare step."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_variants_decode_the_same_tokens():
     args = (cache, jnp.full((1, 1), 7, jnp.int32), jnp.full((1, 1), 5, jnp.int32))
     variants = branching.programs(config, params, steps=6, with_cache=True)
     out = {name: jax.jit(fn)(*args) for name, fn in variants.items()}
-    assert set(out) == {"bare", "cond", "cond, KV outside", "while"}
+    assert set(out) == {"bare", "cond", "KV outside", "cond, KV outside", "while"}
     tok, want = out["bare"]
     assert int(want.lengths[0]) == 11 and float(jnp.abs(want.k_pages).max()) > 0
     for name, (t, got) in out.items():  # the same token and the same 6 steps of K/V
@@ -34,8 +34,10 @@ def test_variants_decode_the_same_tokens():
 
 
 def test_measure_and_cli(capsys):
-    res = branching.measure(steps=2, context=4, repeats=1, config=tiny_llama(vocab_size=64))
+    model = specjax.init_model(tiny_llama(vocab_size=64), seed=0)
+    res = branching.measure(steps=2, context=4, repeats=1, model=model)
     assert res["bare"]["ratio"] == 1.0 and all(r["ms"] > 0 for r in res.values())
+    assert set(res) == {"bare", "cond", "KV outside", "cond, KV outside", "while"}
     with pytest.raises(SystemExit):
         branching.main(["--steps", "0"])
     assert "--steps=0 must be >= 1" in capsys.readouterr().err

@@ -8,10 +8,10 @@ import pytest
 
 from specjax.bench import decode
 
-RESULT = {"params": 31_990_272, "threads": 2, "rows": [
+RESULT = {"params": 134_515_008, "threads": 2, "model": "SmolLM2-135M-Instruct", "rows": [
     dict(batch=1, specjax_ms=10.0, scan_ms=15.0, hf_ms=40.0, hf1_ms=20.0, speedup=2.0,
          ttft_ms=50.0, tpot_ms=9.0, same=True)]}
-ARGS = argparse.Namespace(new_tokens=64, prompt_len=32, repeats=3)
+ARGS = argparse.Namespace(new_tokens=64, prompt_len=128, repeats=3)
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -24,7 +24,9 @@ def test_write_section_replaces_only_its_own_section(tmp_path):
     assert text.count(decode.START) == 1 and text.count(decode.END) == 1
     assert "keep me" in text and "| 1 | 5.00 | 15.00 | 40.00 | 20.00 | 4.00x |" in text
     for needle in ("- date: ", "- machine: ", "- versions: jax ", "torch ", "transformers ",
-                   "- command: `python -m specjax.bench.decode`", "31,990,272 params"):
+                   "- command: `python -m specjax.bench.decode`",
+                   "- model: SmolLM2-135M-Instruct, 134,515,008 params",
+                   "held-out standard-library code, 128 tokens a row"):
         assert needle in text
 
 
@@ -42,6 +44,17 @@ def test_bench_config_is_the_documented_llama():
     assert (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads,
             config.num_kv_heads, config.intermediate_size) == (8192, 512, 8, 8, 4, 1408)
     assert config.param_count() == 31_990_272
+
+
+def test_run_on_a_tiny_model_matches_transformers(capsys):
+    import specjax
+    from specjax.config import tiny_llama
+
+    model = specjax.init_model(tiny_llama(vocab_size=64), seed=0)
+    result = decode.run(model, new_tokens=3, batch_sizes=[2], prompt_len=8, repeats=1)
+    row, = result["rows"]
+    assert row["batch"] == 2 and row["same"] and row["specjax_ms"] > 0 and row["hf1_ms"] > 0
+    assert result["params"] == model.num_params()
 
 
 @pytest.mark.slow

@@ -4,19 +4,23 @@ The speculative loop picks its verify width per step, so its target forward sits
 a branch (`lax.switch`), while a plain decode loop runs the forward at the loop's top
 level. A loop step that drafts nothing then costs more than a plain step even though it
 does the same arithmetic. This script isolates the control flow: the same greedy
-one-token step (`specjax.step` on the ~25M benchmark Llama in its decode layout, compiled as
-`generate` compiles) run `--steps` times in a `lax.fori_loop`, as
+one-token step (`specjax.step` on `--target`, by default the packaged SmolLM2-135M-Instruct
+in float32, in its decode layout, compiled as `generate` compiles) run `--steps` times in a
+`lax.fori_loop`, as
 
 * `bare`: the step at the loop's top level (what plain decoding does);
 * `cond`: the step inside `lax.cond` (both branches the step; the predicate is a traced
   value, so XLA keeps the conditional);
-* `cond, KV outside`: the forward inside `lax.cond` without writing the cache (the
-  deferred write the speculative loop uses), keys/values written after it;
+* `KV outside`: the forward without writing the cache, keys/values written after it
+  (the deferred write the speculative loop uses), at the loop's top level;
+* `cond, KV outside`: the same inside `lax.cond`, as the verify switch runs it; its
+  ratio to `KV outside` is what the switch adds (`VerifyCost.branch`);
 * `while`: the step inside a nested `lax.while_loop` of one trip.
 
 Timed interleaved, median of `--repeats`; ratios to `bare` in the same run.
 
-  python -m specjax.bench.branching [--steps 128] [--context 128] [--repeats 15]
+  python -m specjax.bench.branching [--target CKPT] [--steps 128] [--context 128]
+      [--repeats 15]
 """
 
 from __future__ import annotations
@@ -50,10 +54,14 @@ def programs(config, params, steps: int, with_cache: bool = False):
     def in_cond(carry):
         return jax.lax.cond(carry[2][0, 0] >= 0, bare, bare, carry)
 
-    def kv_outside(carry):
+    def kv_outside(carry, branch=True):
         cache, tok, pos = carry
-        nxt, (k, v) = jax.lax.cond(pos[0, 0] >= 0, lambda: forward(cache, tok, pos, False),
-                                   lambda: forward(cache, tok, pos, False))
+        if branch:
+            nxt, (k, v) = jax.lax.cond(pos[0, 0] >= 0,
+                                       lambda: forward(cache, tok, pos, False),
+                                       lambda: forward(cache, tok, pos, False))
+        else:
+            nxt, (k, v) = forward(cache, tok, pos, False)
         ones = jnp.ones_like(cache.lengths)
         cache = write_slots(cache, k, v, cache.lengths, ones)
         return cache.replace(lengths=cache.lengths + 1), nxt, pos + 1
@@ -69,20 +77,17 @@ def programs(config, params, steps: int, with_cache: bool = False):
             return (tok, cache) if with_cache else tok
         return run
 
-    return {"bare": loop(bare), "cond": loop(in_cond), "cond, KV outside": loop(kv_outside),
-            "while": loop(in_while)}
+    return {"bare": loop(bare), "cond": loop(in_cond),
+            "KV outside": loop(lambda c: kv_outside(c, branch=False)),
+            "cond, KV outside": loop(kv_outside), "while": loop(in_while)}
 
 
-def measure(steps: int, context: int, repeats: int, config=None) -> dict:
-    """Median seconds per step of each variant, and its ratio to `bare`."""
-    import specjax
-    from specjax.bench.decode import BENCH_CONFIG
+def measure(steps: int, context: int, repeats: int, model) -> dict:
+    """Median seconds per step of each variant on `model`, and its ratio to `bare`."""
     from specjax.cache import PagedKVCache
-    from specjax.config import ModelConfig
     from specjax.xla_options import compile_decode
 
-    config = config or ModelConfig(**BENCH_CONFIG)
-    model = specjax.init_model(config, seed=0)
+    config = model.config
     params = model.decode_params()  # the layout `generate` decodes with
     page = 16
     pages = -(-(context + steps + 1) // page)
@@ -106,18 +111,31 @@ def measure(steps: int, context: int, repeats: int, config=None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench.branching", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="anything specjax.load reads (default: "
+                    "the packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
     a = ap.parse_args(argv)
     at_least_one(ap, a, ("steps", "context", "repeats"))
-    res = measure(a.steps, a.context, a.repeats)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.steps} steps from a "
+    from specjax.bench.target import load_target
+
+    model = load_target(a.target)
+    if a.context + a.steps + 1 > model.config.max_position_embeddings:
+        ap.error(f"--context={a.context} + --steps={a.steps} exceed the model's "
+                 f"{model.config.max_position_embeddings} positions")
+    res = measure(a.steps, a.context, a.repeats, model)
+    print(f"{a.target or 'the packaged SmolLM2-135M-Instruct'}, float32; "
+          f"jax {jax.__version__}, backend {jax.default_backend()}, {a.steps} steps from a "
           f"{a.context}-token context, median of {a.repeats} interleaved rounds")
     print("| variant | ms per step | vs bare |\n|---|---:|---:|")
     for name, r in res.items():
         print(f"| {name} | {r['ms']:.2f} | {r['ratio']:.2f}x |")
+    switch = res["cond, KV outside"]["ms"] / res["KV outside"]["ms"] - 1
+    print(f"\nthe verify switch adds {switch:+.3f} of a step (cond, KV outside / KV outside "
+          "- 1: VerifyCost.branch)")
     return 0
 
 

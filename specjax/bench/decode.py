@@ -1,17 +1,18 @@
 """Greedy decode speed: specjax `generate` vs transformers `generate`, same weights, same run.
 
-A ~25M-param random Llama (vocab 8192, hidden 512, 8 layers, 8 heads / 4 KV heads,
-mlp 1408) is built with specjax, exported with `specjax.save_hf` and loaded into
-transformers' `LlamaForCausalLM` (float32, PyTorch). Both generate exactly N new tokens
-greedily from the same fixed prompts (specjax: `ignore_eos=True`; transformers:
-`min_new_tokens = max_new_tokens = N`), each after a warm-up call (specjax compiles
-there). ms/token = wall time of one `generate` call / N, prefill included for both;
-the median of `--repeats` interleaved rounds. transformers runs twice, with torch's default thread
-count and with one thread (on a shared, oversubscribed CPU its spinning OpenMP threads
-can be several times slower), and the ratio is taken against the faster of the two.
-The table goes into docs/benchmarks.md between markers.
+The model is `--target` (default: the packaged SmolLM2-135M-Instruct) in float32, exported
+with `specjax.save_hf` and loaded into transformers' `LlamaForCausalLM` (PyTorch). Both
+generate exactly N new tokens greedily from the same prompts, windows of held-out
+standard-library code of `--prompt-len` tokens (specjax: `ignore_eos=True`; transformers:
+`min_new_tokens = max_new_tokens = N`), each after a warm-up call (specjax compiles there).
+ms/token = wall time of one `generate` call / N, prefill included for both; the median of
+`--repeats` interleaved rounds. transformers runs twice, with torch's default thread count
+and with one thread (on a shared, oversubscribed CPU its spinning OpenMP threads can be
+several times slower), and the ratio is taken against the faster of the two. The table
+goes into docs/benchmarks.md between markers.
 
-  python -m specjax.bench.decode [--new-tokens 64] [--batch-sizes 1,8] [--prompt-len 32]
+  python -m specjax.bench.decode [--target CKPT] [--new-tokens 64] [--batch-sizes 1,8]
+      [--prompt-len 128]
   specjax bench decode [same flags]
 """
 
@@ -23,11 +24,8 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 from specjax.cli_args import at_least_one, comma_list
 
@@ -35,11 +33,6 @@ BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, nu
                     num_heads=8, num_kv_heads=4, max_position_embeddings=2048,
                     rms_norm_eps=1e-5)
 START, END = "<!-- bench:decode:start -->", "<!-- bench:decode:end -->"
-
-
-def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(1234)  # fixed prompts, the same for both libraries
-    return [[int(x) for x in rng.integers(1, vocab, length)] for _ in range(batch)]
 
 
 def _timed_rounds(ours, theirs, default_threads: int, repeats: int) -> tuple:
@@ -86,24 +79,21 @@ def _batch_row(b: int, times: dict, ttft: list, tpot: list, same: bool, new_toke
     return row
 
 
-def run(new_tokens: int, batch_sizes: list[int], prompt_len: int, repeats: int) -> dict:
+def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
+        repeats: int) -> dict:
     import torch
-    import transformers
 
     import specjax
-    from specjax.config import ModelConfig
+    from specjax.bench.prompts import heldout_windows
+    from specjax.bench.speculative import load_hf
 
-    config = ModelConfig(**BENCH_CONFIG)
-    model = specjax.init_model(config, seed=0)
     n_params = model.num_params()
-    print(f"model: random Llama, {n_params:,} params ({config.param_count():,} by arithmetic)")
-    with tempfile.TemporaryDirectory() as tmp:
-        specjax.save_hf(model, tmp)
-        hf = transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    print(f"model: {n_params:,} params")
+    hf = load_hf(model)
     default_threads = torch.get_num_threads()
     rows = []
     for b in batch_sizes:
-        prompts = _prompts(b, prompt_len, config.vocab_size)
+        prompts = heldout_windows(model.tokenizer, model.config.vocab_size, b, prompt_len)
         ids = torch.tensor(prompts)
 
         def ours(layout="auto"):
@@ -152,10 +142,11 @@ def markdown(result: dict, args, command: str) -> str:
         f"- machine: {_machine()}",
         f"- versions: {_versions()}",
         f"- command: `{command}`",
-        f"- model: random Llama, {result['params']:,} params (vocab 8192, hidden 512, 8 layers, "
-        f"8 heads / 4 KV heads, mlp 1408), float32; the same weights in both (`save_hf`)",
-        f"- {args.prompt_len}-token prompts, {args.new_tokens} new tokens per row, greedy; "
-        f"median of {args.repeats} interleaved rounds after a warm-up",
+        f"- model: {result['model']}, {result['params']:,} params, float32; the same "
+        "weights in both (`save_hf`)",
+        f"- prompts: held-out standard-library code, {args.prompt_len} tokens a row; "
+        f"{args.new_tokens} new tokens per row, greedy; median of {args.repeats} interleaved "
+        "rounds after a warm-up",
         "- ms/token = wall time of one `generate` call / new tokens per row (prefill included)",
         "- specjax decodes with `layer_layout='auto'` (on CPU the layers scanned with each "
         "layer's weights read in place by its kernels); the scan column is the same run with "
@@ -192,16 +183,22 @@ def write_section(path: Path, section: str, start: str = START, end: str = END) 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="specjax bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="anything specjax.load reads "
+                        "(default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/benchmarks.md",
                         help="markdown file to write the table into ('' = don't write)")
     args = parser.parse_args(argv)
     batch_sizes = comma_list(parser, "--batch-sizes", args.batch_sizes, int, minimum=1)
     at_least_one(parser, args, ("new_tokens", "prompt_len", "repeats"))
-    result = run(args.new_tokens, batch_sizes, args.prompt_len, args.repeats)
+    from specjax.bench.target import load_target
+
+    model = load_target(args.target)
+    result = run(model, args.new_tokens, batch_sizes, args.prompt_len, args.repeats)
+    result["model"] = args.target or "SmolLM2-135M-Instruct (the packaged GGUF)"
     command = " ".join(["python -m specjax.bench.decode", *(argv if argv is not None
                                                               else sys.argv[1:])])
     if args.out:

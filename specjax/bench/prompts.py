@@ -238,6 +238,19 @@ def source_ids(tokenizer, vocab: int, n: int) -> list[int]:
     return list(ids[:n])
 
 
+def heldout_windows(tokenizer, vocab: int, num: int, length: int, seed: int = 0
+                    ) -> list[list[int]]:
+    """`num` prompts of `length` ids: windows of the standard library's held-out split (the
+    `long` category's prompts), or, for a model without a tokenizer, seeded random ids."""
+    if tokenizer is None:
+        rng = np.random.default_rng(seed)
+        return [[int(x) for x in rng.integers(1, vocab, length)] for _ in range(num)]
+    from specjax.corpus import CorpusConfig, load_corpus
+
+    docs = list(load_corpus(CorpusConfig()).eval)
+    return [p.ids for p in build_prompts("long", docs, tokenizer, num, length, seed)]
+
+
 def _long_prompts(docs, tokenizer, num, length, rng) -> list[Prompt]:
     """`num` of the non-overlapping `length`-token windows of the held-out documents
     (each document tiled from a seeded offset)."""
