@@ -242,6 +242,7 @@ def finished(workdir, tmp_path_factory):
 def test_suite_compares_every_method_on_every_category(finished):
     code, out, result = finished
     assert code == 0 and "partial" not in result  # the finished run replaced the parts
+    assert "kernel (VERIFY_COST['cpu" in result["matmul"]  # SPECJAX_CPU_MATMUL=on (conftest)
     rows = result["rows"]
     cells = {(r["category"], r["temperature"], r["method"]) for r in rows}
     methods = suite.SPECJAX_METHODS + suite.HF_METHODS

@@ -106,13 +106,11 @@ def _parse(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     import specjax
     from specjax.bench.prompts import source_ids
+    from specjax.bench.target import load_target
     from specjax.speculators.ngram import NGram
 
     args = _parse(argv)
-    if args.target is None:
-        from specjax.checkpoint.packaged import smollm2
-        args.target = str(smollm2())
-    model = specjax.load(args.target, dtype="float32")
+    model = load_target(args.target)
     limit = model.config.max_position_embeddings
     if max(args.tokens) + 1 > limit:
         raise SystemExit(f"--tokens: {max(args.tokens)} tokens and one new one exceed the "
