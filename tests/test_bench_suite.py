@@ -778,3 +778,19 @@ def test_draft_vocab_bench_sweeps_the_trimmed_sizes(workdir, capsys):
         with pytest.raises(SystemExit) as e:
             draft_vocab.main(argv + bad)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_module_entry_turns_the_compilation_cache_on(tmp_path):
+    """`python -m specjax.bench.suite` (the docs' commands) keeps the persistent cache, as
+    the CLI does, even when it stops on a bad --workdir."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    env = dict(os.environ, SPECJAX_COMPILATION_CACHE=str(cache))
+    out = subprocess.run([sys.executable, "-m", "specjax.bench.suite", "--workdir",
+                          str(tmp_path / "missing")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "missing" in out.stderr
+    assert cache.is_dir()
