@@ -41,3 +41,6 @@ def test_measure_and_cli(capsys):
     with pytest.raises(SystemExit):
         branching.main(["--steps", "0"])
     assert "--steps=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # past the packaged SmolLM2's 8,192 positions
+        branching.main(["--context", "9000"])
+    assert "--context=9000 + --steps=128 exceed the model's 8192" in capsys.readouterr().err

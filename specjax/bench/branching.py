@@ -2,8 +2,8 @@
 
 The speculative loop picks its verify width per step, so its target forward sits inside
 a branch (`lax.switch`), while a plain decode loop runs the forward at the loop's top
-level. A loop step that drafts nothing then costs more than a plain step even though it
-does the same arithmetic. This script isolates the control flow: the same greedy
+level. Whether a forward costs more inside the branch than outside it, for the control
+flow alone, is what this script measures: the same greedy
 one-token step (`specjax.step` on `--target`, by default the packaged SmolLM2-135M-Instruct
 in float32, in its decode layout, compiled as `generate` compiles) run `--steps` times in a
 `lax.fori_loop`, as
