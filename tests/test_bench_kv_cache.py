@@ -52,3 +52,17 @@ def test_bad_arguments_exit_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit) as err:
         kv_cache.main(argv)
     assert err.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_heldout_windows_of_the_real_tokenizer_are_held_out_code():
+    """With a tokenizer, the windows are `length` ids of the standard library's held-out
+    split (the `long` prompts), distinct, the same for the same seed."""
+    from specjax.bench.prompts import _heldout_docs, heldout_windows
+    from specjax.bench.target import load_target
+
+    tok = load_target().tokenizer
+    ids = heldout_windows(tok, 0, 3, 64, seed=0)
+    assert len(ids) == 3 and all(len(r) == 64 for r in ids) and len({tuple(r) for r in ids}) == 3
+    assert heldout_windows(tok, 0, 3, 64, seed=0) == ids
+    docs = _heldout_docs()
+    assert all(any(tok.decode(r[1:-1]) in d for d in docs) for r in ids)

@@ -29,6 +29,9 @@ from pathlib import Path
 
 from specjax.cli_args import at_least_one, comma_list
 
+# The ~25M random Llama the benchmarks ran on before a real checkpoint: kept here, where
+# `bench.ab`'s toy workload imports it on both checkouts it compares, and for `verify_cost
+# --target bench`
 BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=8,
                     num_heads=8, num_kv_heads=4, max_position_embeddings=2048,
                     rms_norm_eps=1e-5)

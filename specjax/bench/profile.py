@@ -304,10 +304,9 @@ def main(argv=None) -> int:
     from specjax.bench.prompts import build_prompts
 
     jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
-    from specjax.checkpoint import packaged
+    from specjax.bench.target import load_target
 
-    source = args.target or paths.get("target") or packaged.smollm2()
-    model = specjax.load(str(source), dtype="float32")
+    model = load_target(args.target or paths.get("target"))
     prompts = [p.ids for p in build_prompts("humaneval", [], model.tokenizer,
                                             max(args.batch, 4), args.prompt_tokens, 0)]
     spec = None

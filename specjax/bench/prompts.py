@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import gzip
 import importlib.util
 import io
@@ -245,10 +246,17 @@ def heldout_windows(tokenizer, vocab: int, num: int, length: int, seed: int = 0
     if tokenizer is None:
         rng = np.random.default_rng(seed)
         return [[int(x) for x in rng.integers(1, vocab, length)] for _ in range(num)]
+    return [p.ids for p in build_prompts("long", _heldout_docs(), tokenizer, num, length,
+                                         seed)]
+
+
+@functools.cache
+def _heldout_docs() -> tuple[str, ...]:
+    """The standard library's held-out documents, loaded once per process (a benchmark
+    asks for windows at each of its lengths)."""
     from specjax.corpus import CorpusConfig, load_corpus
 
-    docs = list(load_corpus(CorpusConfig()).eval)
-    return [p.ids for p in build_prompts("long", docs, tokenizer, num, length, seed)]
+    return tuple(load_corpus(CorpusConfig()).eval)
 
 
 def _long_prompts(docs, tokenizer, num, length, rng) -> list[Prompt]:
