@@ -794,3 +794,25 @@ def test_module_entry_turns_the_compilation_cache_on(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 2 and "missing" in out.stderr
     assert cache.is_dir()
+
+
+def test_superseded_takes_each_group_from_the_last_part_that_times_it():
+    """suite_merge.superseded over three parts: the first loses one group to the second
+    and another to the third, the second loses one of its two to the third; the parts
+    stay in their order and each names exactly the groups it lost."""
+    from specjax.bench import suite_merge
+
+    def part(tag, *groups):
+        rows = [dict(category=c, temperature=t, batch=b, method="ngram", tag=tag)
+                for c, t, b in groups]
+        return dict(rows=rows, priors=[dict(r) for r in rows])
+
+    a, b, c, d = ("he", 0.0, 1), ("he", 1.0, 1), ("long", 0.0, 1), ("long", 1.0, 1)
+    parts = [part("first", a, b, c), part("second", b, d), part("third", b, c)]
+    out = suite_merge.superseded(parts, ["first", "second", "third"])
+    assert [[suite_merge.group(r) for r in p["rows"]] for p in out] == [[a], [d], [b, c]]
+    assert [p["superseded"] for p in out] == [[list(b), list(c)], [list(b)], []]
+    assert [r["tag"] for r in out[2]["rows"]] == ["third", "third"]
+    assert [suite_merge.group(x) for x in out[0]["priors"]] == [a]
+    with pytest.raises(ValueError, match="second: later parts time every group"):
+        suite_merge.superseded([part("second", b), parts[2]], ["second", "third"])

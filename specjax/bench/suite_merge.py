@@ -48,16 +48,16 @@ def superseded(parts: list[dict], names: list[str]) -> list[dict]:
     """`parts` with each one's rows (and calibration priors) in groups a later part also
     times left out, and the groups it lost in its `superseded` list; a part left with no
     row is refused by name."""
-    out = []
-    for i, (name, part) in enumerate(zip(names, parts)):
-        later = {group(r) for p in parts[i + 1:] for r in p["rows"]}
+    out, later = [], set()  # later: the groups of the parts after the one at hand
+    for name, part in reversed(list(zip(names, parts))):
         rows = [r for r in part["rows"] if group(r) not in later]
         if not rows:
             raise ValueError(f"{name}: later parts time every group it times; leave it out")
-        lost = sorted({group(r) for r in part["rows"]} & later)
-        out.append(dict(part, rows=rows, superseded=[list(g) for g in lost],
+        own = {group(r) for r in part["rows"]}
+        out.append(dict(part, rows=rows, superseded=[list(g) for g in sorted(own & later)],
                         priors=[x for x in part.get("priors", []) if group(x) not in later]))
-    return out
+        later |= own
+    return out[::-1]
 
 
 def merge_results(parts: list[dict], names: list[str] | None = None, *,
