@@ -1,6 +1,7 @@
 """Target-generated training text: the continuations are the target's own (greedy ones
-equal `generate`'s) from seeded windows of the training documents, a killed run resumes
-without repeating or losing a call, and the file reads back as a corpus."""
+equal `generate`'s) from seeded windows or function docstrings of the training
+documents, a killed run resumes without repeating or losing a call, and the file reads
+back as a corpus."""
 
 import dataclasses
 import json
@@ -10,7 +11,8 @@ import train_setup
 
 import specjax
 from specjax.corpus import CorpusConfig, encode_documents, load_corpus
-from specjax.train.regenerate import RegenerateConfig, prefixes, regenerate
+from specjax.pysource import docstring_text, functions
+from specjax.train.regenerate import RegenerateConfig, prefixes, regenerate, training_prompts
 
 CONFIG = RegenerateConfig(prompts=6, prompt_len=8, new_tokens=6, temperatures=(0.0, 1.0),
                           batch=2, seed=3)
@@ -62,6 +64,31 @@ def test_prefixes_are_seeded_windows_of_the_documents(corpus, target):
     assert prefixes(docs, 8, 20, 14, seed=0) == picked != prefixes(docs, 8, 20, 14, seed=1)
 
 
+def test_docstring_prompts_end_after_a_training_functions_docstring(target, corpus,
+                                                                   tmp_path):
+    tok = target.tokenizer
+    config = dataclasses.replace(CONFIG, prompt_style="docstring", prompt_len=96)
+    prompts = training_prompts(tok, corpus, config)
+    heads = {h for doc in corpus.train for h in _docstring_heads(doc)}
+    assert len(prompts) == config.prompts
+    for p in prompts:
+        assert config.prompt_len // 2 < len(p) <= config.prompt_len
+        assert tok.decode(p) in heads  # a def line and docstring, whole, of a training doc
+    assert training_prompts(tok, corpus, dataclasses.replace(config, seed=4)) != prompts
+    records = _records(regenerate(target, corpus, config, tmp_path / "doc.jsonl"))
+    greedy = specjax.generate(target, prompts[:2], max_new_tokens=config.new_tokens)
+    for prompt, new, record in zip(prompts, greedy.tokens, records):
+        assert record["text"] == tok.decode(prompt + new, skip_special_tokens=True)
+    # no prompt from a held-out document (unless a training one has the same function)
+    held_only = {h for doc in corpus.eval for h in _docstring_heads(doc)} - heads
+    assert held_only and not held_only & {tok.decode(p) for p in prompts}
+
+
+def _docstring_heads(source: str) -> list[str]:
+    """Each function's text from its `def` line to the end of its docstring."""
+    return [t for fn in functions(source) if (t := docstring_text(source, fn)) is not None]
+
+
 def test_a_killed_run_resumes_after_its_last_whole_call(target, corpus, tmp_path):
     path = tmp_path / "killed.jsonl"
     whole = regenerate(target, corpus, CONFIG, path).read_text()
@@ -82,8 +109,14 @@ def test_bad_settings_name_the_value(target, corpus, tmp_path):
         RegenerateConfig(prompts=0)
     with pytest.raises(ValueError, match="eval_fraction=1.0"):
         RegenerateConfig(eval_fraction=1.0)
+    with pytest.raises(ValueError, match="prompt_style='chat'"):
+        RegenerateConfig(prompt_style="chat")
     with pytest.raises(ValueError, match="temperatures"):
         RegenerateConfig(temperatures=(-1.0,))
+    with pytest.raises(ValueError, match="docstring prompts of 5..8 tokens"):
+        regenerate(target, corpus, RegenerateConfig(prompts=4, prompt_len=8,
+                                                    prompt_style="docstring"),
+                   tmp_path / "y.jsonl")
     with pytest.raises(ValueError, match="100000 asked"):
         regenerate(target, corpus, RegenerateConfig(prompts=100000, prompt_len=8),
                    tmp_path / "x.jsonl")

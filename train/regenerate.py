@@ -21,9 +21,12 @@ import numpy as np
 
 import specjax
 from specjax.corpus import Corpus, encode_documents
+from specjax.pysource import docstring_text, functions
 from specjax.train.features import params_digest
 
 log = logging.getLogger("specjax.train.regenerate")
+
+PROMPT_STYLES = ("windows", "docstring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +34,11 @@ class RegenerateConfig:
     """How many continuations, of what, and how they are sampled."""
 
     prompts: int = 256  # continuations generated
-    prompt_len: int = 64  # corpus tokens each continuation starts from
+    prompt_len: int = 64  # corpus tokens each continuation starts from (docstring: at most)
+    # "windows": random windows of the training documents; "docstring": the `def` line(s)
+    # and docstring of their functions, so the target writes bodies as HumanEval asks
+    # (prompt_len/2 < length <= prompt_len tokens)
+    prompt_style: str = "windows"
     new_tokens: int = 192  # tokens generated after each prompt (EOS ends one early)
     temperatures: tuple[float, ...] = (0.0, 1.0)  # cycled call by call
     batch: int = 16  # rows per `generate` call (one compiled program for all calls)
@@ -42,6 +49,9 @@ class RegenerateConfig:
         for name in ("prompts", "prompt_len", "new_tokens", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RegenerateConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"RegenerateConfig.prompt_style={self.prompt_style!r} must be one "
+                             f"of {PROMPT_STYLES}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"RegenerateConfig.eval_fraction={self.eval_fraction} must be "
                              "in (0, 1)")
@@ -65,6 +75,35 @@ def prefixes(docs: Sequence[np.ndarray], prompt_len: int, num: int, stride: int,
     pick = np.random.default_rng(seed).permutation(len(windows))[:num]
     return [docs[windows[i][0]][windows[i][1]:windows[i][1] + prompt_len].tolist()
             for i in sorted(pick)]
+
+
+def docstring_prompts(tokenizer, docs: Sequence[str], num: int, max_len: int,
+                      seed: int) -> list[list[int]]:
+    """`num` prompts drawn at random (seeded) from the documents' functions, each its
+    `def` line(s) and docstring in max_len/2 < length <= max_len tokens, in source order;
+    an error when fewer fit."""
+    texts = [t for doc in docs for fn in functions(doc)
+             if (t := docstring_text(doc, fn)) is not None]
+    ids = [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
+    fits = [x for x in ids if max_len // 2 < len(x) <= max_len]
+    if len(fits) < num:
+        raise ValueError(f"the training documents' functions give {len(fits)} docstring "
+                         f"prompts of {max_len // 2 + 1}..{max_len} tokens ({len(texts)} "
+                         f"with a docstring); {num} asked: use a larger corpus (e.g. "
+                         "CorpusConfig.max_files=None), a longer prompt_len or fewer prompts")
+    # the stream `specjax.bench.prompts` draws its docstring category from ([seed, 1])
+    pick = np.random.default_rng([seed, 1]).choice(len(fits), size=num, replace=False)
+    return [fits[i] for i in sorted(pick.tolist())]
+
+
+def training_prompts(tokenizer, corpus: Corpus, config: RegenerateConfig) -> list[list[int]]:
+    """`config.prompts` prompts (token ids) of `config.prompt_style` from `corpus`'s
+    training documents."""
+    if config.prompt_style == "docstring":
+        return docstring_prompts(tokenizer, corpus.train, config.prompts, config.prompt_len,
+                                 config.seed)
+    return prefixes(encode_documents(tokenizer, corpus.train), config.prompt_len,
+                    config.prompts, config.prompt_len + config.new_tokens, config.seed)
 
 
 def _settings_path(path: Path) -> Path:
@@ -97,8 +136,7 @@ def regenerate(target: specjax.Model, corpus: Corpus, config: RegenerateConfig,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
-    prompts = prefixes(encode_documents(tok, corpus.train), config.prompt_len,
-                       config.prompts, config.prompt_len + config.new_tokens, config.seed)
+    prompts = training_prompts(tok, corpus, config)
     settings = json.loads(json.dumps(dict(  # as the settings file reads back (lists)
         dataclasses.asdict(config), corpus=corpus.name, documents=len(corpus.train),
         params=params_digest(target.params))))

@@ -37,6 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.pysource import docstring_text, functions, source_lines, split_lines
+
 CATEGORIES = ("completion", "docstring", "repetitive", "long")
 # Categories that need an extra package and are run only when asked for.
 EXTRA_CATEGORIES = ("humaneval",)
@@ -53,28 +55,6 @@ class Prompt:
     ids: list[int]
     text: str
     origin: str  # where it comes from: held-out document index, function and line
-
-
-def functions(source: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
-    """Every function and method defined in `source` (nested ones too), in source
-    order; [] if it does not parse as Python."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    found = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return sorted(found, key=lambda n: n.lineno)
-
-
-def _split(source: str) -> list[str]:
-    """Lines as the parser and `tokenize` count them (str.splitlines would also split at
-    form feeds and other separators Python source may hold), newlines kept."""
-    return io.StringIO(source).readlines()
-
-
-def _lines(source: str, first: int, last: int) -> str:
-    """Lines first..last (1-based, inclusive) of `source`, each ending in a newline."""
-    return "".join(line.rstrip("\n") + "\n" for line in _split(source)[first - 1:last])
 
 
 def _body_start(fn) -> int:
@@ -98,15 +78,7 @@ def _cut(fn, rng: np.random.Generator, lo: float, hi: float) -> int | None:
 def completion_text(source: str, fn, rng: np.random.Generator) -> str | None:
     """The function from its `def` line to a line in the middle third of its body."""
     cut = _cut(fn, rng, 1 / 3, 2 / 3)
-    return None if cut is None else _lines(source, fn.lineno, cut)
-
-
-def docstring_text(source: str, fn) -> str | None:
-    """The `def` line(s) and docstring, ending right after the docstring; None if the
-    function has no docstring or nothing after it."""
-    if ast.get_docstring(fn, clean=False) is None or len(fn.body) < 2:
-        return None
-    return _lines(source, fn.lineno, fn.body[0].end_lineno)
+    return None if cut is None else source_lines(source, fn.lineno, cut)
 
 
 def local_names(fn) -> list[str]:
@@ -122,7 +94,7 @@ def local_names(fn) -> list[str]:
 def rename_identifiers(source: str, names: dict[str, str]) -> str:
     """`source` with every NAME token in `names` replaced (not attributes after a dot,
     not text in strings or comments). Layout is kept."""
-    lines = _split(source)
+    lines = split_lines(source)
     edits, prev = [], None
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.NAME and tok.string in names and not (
@@ -139,7 +111,7 @@ def rename_identifiers(source: str, names: dict[str, str]) -> str:
 def repetitive_text(source: str, fn, rng: np.random.Generator) -> str | None:
     """The function, a blank line, then its renamed copy up to a line in the first half
     of the copy's body; None if nothing can be renamed or the body is too short."""
-    block = _lines(source, fn.lineno, fn.end_lineno)
+    block = source_lines(source, fn.lineno, fn.end_lineno)
     try:
         taken = {t.string for t in tokenize.generate_tokens(io.StringIO(block).readline)
                  if t.type == tokenize.NAME}
@@ -159,7 +131,7 @@ def repetitive_text(source: str, fn, rng: np.random.Generator) -> str | None:
     cut = _cut(fn, rng, 1 / 4, 1 / 2)
     if cut is None or copy == block:
         return None
-    return block + "\n" + "".join(_split(copy)[:cut - fn.lineno + 1])
+    return block + "\n" + "".join(split_lines(copy)[:cut - fn.lineno + 1])
 
 
 def humaneval_problems() -> list[dict]:
@@ -218,8 +190,8 @@ def build_prompts(category: str, docs: Sequence[str], tokenizer, num: int, max_t
     if len(fits) < num:
         where = (f"HumanEval prompts have {lo + 1}..{hi} tokens ({len(texts)} problems)"
                  if category == "humaneval" else
-                 f"held-out functions give {category} prompts of {lo + 1}..{hi} tokens "
-                 f"({len(texts)} candidates in {len(docs)} held-out documents)")
+                 f"the documents' functions give {category} prompts of {lo + 1}..{hi} "
+                 f"tokens ({len(texts)} candidates in {len(docs)} documents)")
         raise ValueError(f"only {len(fits)} {where}; {num} needed: ask for fewer prompts or "
                          "change the length")
     pick = sorted(rng.choice(len(fits), size=num, replace=False).tolist())
