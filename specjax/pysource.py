@@ -37,3 +37,8 @@ def docstring_text(source: str, fn) -> str | None:
     if ast.get_docstring(fn, clean=False) is None or len(fn.body) < 2:
         return None
     return source_lines(source, fn.lineno, fn.body[0].end_lineno)
+
+
+def docstring_texts(source: str) -> list[str]:
+    """`docstring_text` of every function in `source` that has one, in source order."""
+    return [t for fn in functions(source) if (t := docstring_text(source, fn)) is not None]

@@ -11,7 +11,7 @@ import train_setup
 
 import specjax
 from specjax.corpus import CorpusConfig, encode_documents, load_corpus
-from specjax.pysource import docstring_text, functions
+from specjax.pysource import docstring_texts
 from specjax.train.regenerate import RegenerateConfig, prefixes, regenerate, training_prompts
 
 CONFIG = RegenerateConfig(prompts=6, prompt_len=8, new_tokens=6, temperatures=(0.0, 1.0),
@@ -69,7 +69,7 @@ def test_docstring_prompts_end_after_a_training_functions_docstring(target, corp
     tok = target.tokenizer
     config = dataclasses.replace(CONFIG, prompt_style="docstring", prompt_len=96)
     prompts = training_prompts(tok, corpus, config)
-    heads = {h for doc in corpus.train for h in _docstring_heads(doc)}
+    heads = {h for doc in corpus.train for h in docstring_texts(doc)}
     assert len(prompts) == config.prompts
     for p in prompts:
         assert config.prompt_len // 2 < len(p) <= config.prompt_len
@@ -80,13 +80,8 @@ def test_docstring_prompts_end_after_a_training_functions_docstring(target, corp
     for prompt, new, record in zip(prompts, greedy.tokens, records):
         assert record["text"] == tok.decode(prompt + new, skip_special_tokens=True)
     # no prompt from a held-out document (unless a training one has the same function)
-    held_only = {h for doc in corpus.eval for h in _docstring_heads(doc)} - heads
+    held_only = {h for doc in corpus.eval for h in docstring_texts(doc)} - heads
     assert held_only and not held_only & {tok.decode(p) for p in prompts}
-
-
-def _docstring_heads(source: str) -> list[str]:
-    """Each function's text from its `def` line to the end of its docstring."""
-    return [t for fn in functions(source) if (t := docstring_text(source, fn)) is not None]
 
 
 def test_a_killed_run_resumes_after_its_last_whole_call(target, corpus, tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 
 import specjax
 from specjax.corpus import Corpus, encode_documents
-from specjax.pysource import docstring_text, functions
+from specjax.pysource import docstring_texts
 from specjax.train.features import params_digest
 
 log = logging.getLogger("specjax.train.regenerate")
@@ -82,8 +82,7 @@ def docstring_prompts(tokenizer, docs: Sequence[str], num: int, max_len: int,
     """`num` prompts drawn at random (seeded) from the documents' functions, each its
     `def` line(s) and docstring in max_len/2 < length <= max_len tokens, in source order;
     an error when fewer fit."""
-    texts = [t for doc in docs for fn in functions(doc)
-             if (t := docstring_text(doc, fn)) is not None]
+    texts = [t for doc in docs for t in docstring_texts(doc)]
     ids = [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
     fits = [x for x in ids if max_len // 2 < len(x) <= max_len]
     if len(fits) < num:
