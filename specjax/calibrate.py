@@ -5,6 +5,8 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
   target step's, as `generate(cost_ratio=)` takes it.
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
+- `best_calibrated`: of several calibrated speculators (e.g. one head's tree shapes),
+  the one the adaptive rule expects to gain most (`calibrated_gain`).
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
   depth, its step's overhead per draft depth and what a step that drafts nothing costs
   in its loop, as `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take
@@ -222,6 +224,37 @@ class Calibration:
     def generate_kwargs(self) -> dict:
         return dict(acceptance_prior=self.prior, step_overhead=self.overhead,
                     proposal_prior=self.proposal, idle_overhead=self.idle)
+
+
+def calibrated_gain(target: Model, speculator, calibration: Calibration, *,
+                    cost_ratio: float | None = None, batch: int = 1, context: int = 0,
+                    verify_cost: VerifyCost | None = None) -> float:
+    """What the adaptive rule, started from `calibration` (and c = `cost_ratio`), expects
+    `speculator` to gain over plain decoding in a `batch`-row call reading `context`
+    cached tokens (`specjax.decoding.generate.expected_gain`; 1.0: it would not draft)."""
+    from specjax.decoding.generate import expected_gain
+
+    return expected_gain(target, speculator, batch=batch, context=context,
+                         cost_ratio=cost_ratio, verify_cost=verify_cost,
+                         **calibration.generate_kwargs())
+
+
+def best_calibrated(target: Model, candidates: dict, calibrations: dict, *,
+                    cost_ratios: dict | None = None, batch: int = 1, context: int = 0,
+                    verify_cost: VerifyCost | None = None) -> tuple[str, dict[str, float]]:
+    """(the name, {name: expected gain}) of the candidate speculator that the adaptive
+    rule, from each one's calibration on the same prompts, expects to gain most: e.g.
+    one head's tree shapes, where a wide tree's verify costs more than its deeper
+    acceptance returns on one machine and pays on another. Ties go to the first;
+    candidates without a calibration are left out. verify_cost: as `generate` takes it
+    (None: this backend's table)."""
+    gains = {name: calibrated_gain(target, spec, calibrations[name],
+                                   cost_ratio=(cost_ratios or {}).get(name), batch=batch,
+                                   context=context, verify_cost=verify_cost)
+             for name, spec in candidates.items() if calibrations.get(name) is not None}
+    if not gains:
+        raise ValueError(f"no calibration for any of {list(candidates)}")
+    return max(gains, key=lambda n: gains[n]), gains
 
 
 def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:

@@ -62,3 +62,26 @@ def test_bench_runs_end_to_end(capsys):
     assert decode.main(["--new-tokens", "2", "--batch-sizes", "1", "--repeats", "1",
                         "--out", ""]) == 0
     assert "same tokens: True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_transformers_peer_runs_the_targets_own_architecture(family):
+    """The peer the benchmarks time is transformers' class for the target's architecture with
+    the target's weights: a Qwen3 loaded as Llama would drop its q/k norms and differ."""
+    import numpy as np
+
+    import specjax
+    from specjax.bench.speculative import load_hf
+    from specjax.checkpoint.hf import hf_to_params
+    from specjax.config import ModelConfig
+    from tests.hf_models import PARITY_ATOL, VOCAB, hf_logits, max_diff, state_dict_np, tiny_hf
+
+    ref_model = tiny_hf(family, seed=3)
+    config = ModelConfig.from_hf_dict(ref_model.config.to_dict())
+    model = specjax.Model(config, hf_to_params(config, state_dict_np(ref_model)))
+    hf = load_hf(model)
+    assert type(hf).__name__ == type(ref_model).__name__
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 12))
+    assert max_diff(hf_logits(hf, tokens).logits, specjax.forward(model, tokens)) \
+        <= PARITY_ATOL["float32"]
+    assert hf.generation_config.eos_token_id is None

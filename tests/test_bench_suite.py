@@ -568,6 +568,20 @@ def test_eagle_tree_sets_the_dynamic_tree_the_suite_verifies(workdir, finished):
     assert all(r["identical"] for r in res["rows"])
 
 
+def test_several_eagle_trees_run_the_one_each_cell_prices_best(workdir, finished):
+    """--eagle-tree A/B with --calibrate: both shapes calibrated, each cell's choice and
+    every shape's expected gain recorded, the chosen tree in its rows, still lossless."""
+    _, out, _ = finished
+    res = one_method_run(workdir, out / "trees.json", "eagle", "--eagle-tree", "2,2,3/1,2,2",
+                         "--calibrate", "1")
+    assert res["settings"]["eagle_trees"] == [[2, 2, 3], [1, 2, 2]]
+    [record] = res["eagle_trees"]
+    assert set(record["gains"]) == {"2,2,3", "1,2,2"} and record["chosen"] in record["gains"]
+    assert {p["method"] for p in res["priors"]} == {"eagle", "eagle@1,2,2"}
+    [row] = [r for r in res["rows"] if r["method"] == "eagle"]
+    assert row["tree"] == record["chosen"] and row["identical"]
+
+
 def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
     """--kv-cache-dtype int8: specjax's target decodes over an int8 cache; the draft's
     greedy output equals the int8 target's own (the `identical` column), recorded."""
@@ -719,6 +733,9 @@ def test_timed_passes_leave_compilation_out():
     (["--verification", "typical"], "invalid choice: 'typical'"),
     (["--eagle-tree", "4,4"], "--eagle-tree='4,4' must be TOP_K,DEPTH,NODES"),
     (["--eagle-tree", "4,4,100"], "total_tokens <= top_k + (depth-1)*top_k**2 = 52"),
+    (["--eagle-tree", "4,4,16/1,4,4"], "choosing between trees needs --calibrate N"),
+    (["--eagle-tree", "1,4,4/1,4,4", "--calibrate", "2"], "names 1,4,4 twice"),
+    (["--eagle-tree", "4,4,16/1,4", "--calibrate", "2"], "must be TOP_K,DEPTH,NODES"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as err:
@@ -805,7 +822,8 @@ def test_superseded_takes_each_group_from_the_last_part_that_times_it():
     def part(tag, *groups):
         rows = [dict(category=c, temperature=t, batch=b, method="ngram", tag=tag)
                 for c, t, b in groups]
-        return dict(rows=rows, priors=[dict(r) for r in rows])
+        return dict(rows=rows, priors=[dict(r) for r in rows],
+                    eagle_trees=[dict(r, chosen="1,4,4") for r in rows])
 
     a, b, c, d = ("he", 0.0, 1), ("he", 1.0, 1), ("long", 0.0, 1), ("long", 1.0, 1)
     parts = [part("first", a, b, c), part("second", b, d), part("third", b, c)]
@@ -814,5 +832,61 @@ def test_superseded_takes_each_group_from_the_last_part_that_times_it():
     assert [p["superseded"] for p in out] == [[list(b), list(c)], [list(b)], []]
     assert [r["tag"] for r in out[2]["rows"]] == ["third", "third"]
     assert [suite_merge.group(x) for x in out[0]["priors"]] == [a]
+    assert [suite_merge.group(x) for x in out[1]["eagle_trees"]] == [d]
     with pytest.raises(ValueError, match="second: later parts time every group"):
         suite_merge.superseded([part("second", b), parts[2]], ["second", "third"])
+
+
+def test_each_cell_runs_the_tree_its_calibration_prices_best(monkeypatch):
+    """Several --eagle-tree shapes: per (category, temperature, batch), the shape whose
+    calibration the rule expects to gain most (`choose_trees`), run under the method's
+    own name with that shape's calibration and c, its tree in the row and the table."""
+    from specjax.bench import speculative
+    from specjax.calibrate import Calibration
+    from specjax.decoding.cost import VerifyCost
+
+    target = specjax.init_model(tiny_llama(VOCAB, num_layers=1), seed=0)
+    wide = Eagle.random(target, top_k=4, depth=3, total_tokens=12)
+    chain = Eagle.random(target, top_k=1, depth=3, total_tokens=3)
+    candidates = {"autoregressive": None, "eagle": wide, "eagle@1,3,3": chain}
+    # docstring: the wide tree accepts far more; completion: both alike, so the chain's
+    # cheaper verify wins
+    priors = {("docstring", 0.0, 1, "eagle"): Calibration(prior=[0.9, 0.9, 0.9]),
+              ("docstring", 0.0, 1, "eagle@1,3,3"): Calibration(prior=[0.3, 0.2, 0.1]),
+              ("completion", 0.0, 1, "eagle"): Calibration(prior=[0.5, 0.4, 0.3]),
+              ("completion", 0.0, 1, "eagle@1,3,3"): Calibration(prior=[0.5, 0.4, 0.3])}
+    costs = {1: {0.0: {"eagle": 0.05, "eagle@1,3,3": 0.04}}}
+    prompt = lambda c: P.Prompt(c, [1, 2, 3, 4], "x", "here")  # noqa: E731
+    sets = {"docstring": [prompt("docstring")], "completion": [prompt("completion")]}
+    monkeypatch.setattr("specjax.decoding.generate.default_verify_cost",
+                        lambda *a: VerifyCost(per_token=0.2))
+    choices, records = suite.choose_trees(target, "eagle", candidates, priors, costs, sets)
+    assert choices == {("docstring", 0.0, 1, "eagle"): "eagle",
+                       ("completion", 0.0, 1, "eagle"): "eagle@1,3,3"}
+    assert [r["chosen"] for r in records] == ["4,3,12", "1,3,3"]
+    assert set(records[1]["gains"]) == {"4,3,12", "1,3,3"}
+
+    seen = []
+
+    def fake_pass(target, spec, ids, *, batch, cost_ratio=None, calibration=None, **kw):
+        seen.append((spec, cost_ratio, calibration))
+        stats = SimpleNamespace(acceptance_rate=0.5, mean_accepted_length=1.5, mean_k=1.0,
+                                cost_ratio=0.1, expected_speedup=1.2, ttft_s=0.01,
+                                expected_speedup_free_verify=1.4, expected_speedup_iid=1.1,
+                                tpot_s=0.01, speculative_calls=1)
+        return [[7] * 4], stats, 0.1
+
+    monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
+    rows = suite.run(target, {"autoregressive": None, "eagle": wide}, sets, batches=(1,),
+                     temperatures=(0.0,), new=4, repeats=1, cost_ratios=costs,
+                     priors=priors, log=lambda _: None, alternatives={"eagle@1,3,3": chain},
+                     choices=choices)
+    ran = {(id(spec), c, id(cal)) for spec, c, cal in seen}
+    assert (id(wide), 0.05, id(priors["docstring", 0.0, 1, "eagle"])) in ran
+    assert (id(chain), 0.04, id(priors["completion", 0.0, 1, "eagle@1,3,3"])) in ran
+    assert (id(wide), 0.05, id(priors["completion", 0.0, 1, "eagle"])) not in ran
+    trees = {(r["category"], r["method"]): r.get("tree") for r in rows}
+    assert trees == {("docstring", "autoregressive"): None, ("docstring", "eagle"): "4,3,12",
+                     ("completion", "autoregressive"): None,
+                     ("completion", "eagle"): "1,3,3"}
+    assert "| eagle (tree 1,3,3) |" in suite_report.table(rows)

@@ -1703,3 +1703,61 @@ def test_programs_past_the_memory_map_budget_are_dropped_with_jaxs_caches(tiny_t
     monkeypatch.setattr(PROGRAMS, "budget", programs.memory_maps() + 10**6)
     assert specjax.generate(tiny_target, PROMPTS, **kw).tokens == want  # prefill again
     assert len(clears) == 2 and len(PROGRAMS.items()) == 2
+
+
+def test_expected_gain_is_the_rules_price_at_its_prior(tiny_target, tiny_draft):
+    """`expected_gain`: tokens per unit of cost at the depth the rule picks from its
+    prior, over plain decoding's. With free draft calls and verifies a chain of 3 at
+    α 0.8 expects 1 + 0.8 + 0.64 + 0.512 tokens a step; an overhead of half a step
+    divides that by 1.5; a prior that cannot pay gains nothing (1.0)."""
+    from specjax.decoding.generate import expected_gain
+
+    chain = DraftModel.create(tiny_draft, k=3)
+    kw = dict(cost_ratio=0.0, verify_cost=VerifyCost())
+    assert expected_gain(tiny_target, chain, acceptance_prior=[0.8] * 3, **kw) == \
+        pytest.approx(2.952, rel=1e-5)
+    assert expected_gain(tiny_target, chain, acceptance_prior=[0.8] * 3, step_overhead=0.5,
+                         **kw) == pytest.approx(2.952 / 1.5, rel=1e-5)
+    assert expected_gain(tiny_target, chain, acceptance_prior=[0.0] * 3, **kw) == 1.0
+    # a draft call at 0.3 of a step: 3 calls for 2.952 tokens still beat 1 for 1.8 or 2
+    # for 2.44; at 0.7 one call pays best (1.8 / 1.7), at 0.9 none
+    at = lambda c: expected_gain(tiny_target, chain, acceptance_prior=[0.8] * 3,  # noqa: E731
+                                 cost_ratio=c, verify_cost=VerifyCost())
+    assert at(0.3) == pytest.approx(2.952 / 1.9, rel=1e-5)
+    assert at(0.7) == pytest.approx(1.8 / 1.7, rel=1e-5)
+    assert at(0.9) == 1.0
+    with pytest.raises(ValueError, match="batch=0"):
+        expected_gain(tiny_target, chain, batch=0)
+    with pytest.raises(ValueError, match="speculator=None"):
+        expected_gain(tiny_target, None)
+
+
+def test_best_calibrated_picks_the_tree_that_pays_on_this_verify_cost(tiny_target):
+    """Of one head's tree shapes, each with its calibration, the one the rule expects to
+    gain most: a wide tree that accepts more wins where a verify is nearly free, the
+    chain where each verified token costs (as on a CPU); ties go to the first."""
+    from specjax.calibrate import Calibration, best_calibrated
+    from specjax.speculators import Eagle
+
+    shapes = {"wide": Eagle.random(tiny_target, top_k=4, depth=3, total_tokens=12),
+              "chain": Eagle.random(tiny_target, top_k=1, depth=3, total_tokens=3)}
+    cal = {"wide": Calibration(prior=[0.7, 0.6, 0.5]),
+           "chain": Calibration(prior=[0.5, 0.4, 0.3])}
+    costs = {"wide": 0.05, "chain": 0.05}
+    cheap, steep = VerifyCost(), VerifyCost(per_token=0.3)
+
+    def pick(verify_cost):
+        return best_calibrated(tiny_target, shapes, cal, cost_ratios=costs,
+                               verify_cost=verify_cost)
+
+    best, gains = pick(cheap)
+    assert best == "wide" and gains["wide"] > gains["chain"] > 1.0
+    best, gains = pick(steep)
+    assert best == "chain" and gains["chain"] > gains["wide"]
+    same = {"a": shapes["chain"], "b": shapes["chain"]}
+    both = {"a": cal["chain"], "b": cal["chain"]}
+    assert best_calibrated(tiny_target, same, both, cost_ratios=None)[0] == "a"
+    # a shape without a calibration is left out; none at all is an error
+    assert best_calibrated(tiny_target, shapes, {"chain": cal["chain"]})[0] == "chain"
+    with pytest.raises(ValueError, match="no calibration"):
+        best_calibrated(tiny_target, shapes, {})

@@ -10,6 +10,7 @@ import pytest
 import train_setup
 
 import specjax
+from specjax.bench.prompts import build_prompts
 from specjax.corpus import CorpusConfig, encode_documents, load_corpus
 from specjax.pysource import docstring_texts
 from specjax.train.regenerate import RegenerateConfig, prefixes, regenerate, training_prompts
@@ -82,6 +83,11 @@ def test_docstring_prompts_end_after_a_training_functions_docstring(target, corp
     # no prompt from a held-out document (unless a training one has the same function)
     held_only = {h for doc in corpus.eval for h in docstring_texts(doc)} - heads
     assert held_only and not held_only & {tok.decode(p) for p in prompts}
+    # the draw is the suite's docstring category's, on the training documents: the
+    # recorded recipe's prompts stay what they were if the suite's categories change
+    suite = build_prompts("docstring", corpus.train, tok, config.prompts, config.prompt_len,
+                          config.seed)
+    assert [q.ids for q in suite] == prompts
 
 
 def test_a_killed_run_resumes_after_its_last_whole_call(target, corpus, tmp_path):

@@ -90,7 +90,8 @@ def docstring_prompts(tokenizer, docs: Sequence[str], num: int, max_len: int,
                          f"prompts of {max_len // 2 + 1}..{max_len} tokens ({len(texts)} "
                          f"with a docstring); {num} asked: use a larger corpus (e.g. "
                          "CorpusConfig.max_files=None), a longer prompt_len or fewer prompts")
-    # the stream `specjax.bench.prompts` draws its docstring category from ([seed, 1])
+    # the stream `specjax.bench.prompts` draws its docstring category from ([seed, 1]);
+    # test_train_regenerate checks that the two draws agree
     pick = np.random.default_rng([seed, 1]).choice(len(fits), size=num, replace=False)
     return [fits[i] for i in sorted(pick.tolist())]
 

@@ -1,7 +1,7 @@
 """Greedy decode speed: specjax `generate` vs transformers `generate`, same weights, same run.
 
 The model is `--target` (default: the packaged SmolLM2-135M-Instruct) in float32, exported
-with `specjax.save_hf` and loaded into transformers' `LlamaForCausalLM` (PyTorch). Both
+with `specjax.save_hf` and loaded into transformers' class for its architecture (PyTorch). Both
 generate exactly N new tokens greedily from the same prompts, windows of held-out
 standard-library code of `--prompt-len` tokens (specjax: `ignore_eos=True`; transformers:
 `min_new_tokens = max_new_tokens = N`), each after a warm-up call (specjax compiles there).

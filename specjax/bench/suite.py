@@ -156,8 +156,10 @@ def _parser() -> argparse.ArgumentParser:
                          f"with eagle3/ and no medusa/); also {','.join(LLAMACPP_METHODS)}")
     ap.add_argument("--k", type=int, default=4, help="draft length of n-gram, draft and "
                     "transformers' prompt lookup")
-    ap.add_argument("--eagle-tree", default="4,4,16", metavar="TOP_K,DEPTH,NODES",
-                    help="EAGLE's dynamic tree: branching, depth and nodes verified")
+    ap.add_argument("--eagle-tree", default="4,4,16", metavar="TOP_K,DEPTH,NODES[/...]",
+                    help="EAGLE's dynamic tree: branching, depth and nodes verified; "
+                    "several shapes separated by '/' (with --calibrate): each cell runs "
+                    "the one its calibration expects to gain most")
     ap.add_argument("--short-tokens", type=int, default=128,
                     help="completion and docstring prompts: (N/2, N] tokens")
     ap.add_argument("--edit-tokens", type=int, default=256,
@@ -227,16 +229,25 @@ def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
                  "humaneval_tokens", "llamacpp_threads"):
         if getattr(args, name) < 1 or (name.endswith("tokens") and getattr(args, name) < 2):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
-    tree = tuple(comma_list(ap, "--eagle-tree", args.eagle_tree, int, minimum=1))
-    if len(tree) != 3:
-        ap.error(f"--eagle-tree={args.eagle_tree!r} must be TOP_K,DEPTH,NODES")
-    try:
-        check_tree(None, *tree)
-    except ValueError as e:
-        ap.error(f"--eagle-tree={args.eagle_tree!r}: {e}")
-    args.eagle_tree = tree
+    shapes = []
+    for part in args.eagle_tree.split("/"):
+        tree = tuple(comma_list(ap, "--eagle-tree", part, int, minimum=1))
+        if len(tree) != 3:
+            ap.error(f"--eagle-tree={args.eagle_tree!r} must be TOP_K,DEPTH,NODES, or "
+                     "several separated by '/'")
+        try:
+            check_tree(None, *tree)
+        except ValueError as e:
+            ap.error(f"--eagle-tree={args.eagle_tree!r}: {part}: {e}")
+        if tree in shapes:
+            ap.error(f"--eagle-tree={args.eagle_tree!r} names {part} twice")
+        shapes.append(tree)
     if args.calibrate < 0:
         ap.error(f"--calibrate={args.calibrate} must be >= 0")
+    if len(shapes) > 1 and not args.calibrate:
+        ap.error(f"--eagle-tree={args.eagle_tree!r}: choosing between trees needs "
+                 "--calibrate N (the choice is the calibration's)")
+    args.eagle_tree, args.eagle_trees = shapes[0], tuple(shapes)
     try:
         kv_quant.check_kv_cache_dtype(args.kv_cache_dtype)
     except ValueError as e:
@@ -432,7 +443,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
         temperatures, new: int, repeats: int, seed: int = 0, adaptive: bool = True, hf=None,
         hf_methods=None, cost_ratios: dict | None = None, priors: dict | None = None,
         kv_cache_dtype=None, llamacpp: dict | None = None, verification: str | None = None,
-        log=print, on_part=None) -> list[dict]:
+        log=print, on_part=None, alternatives: dict | None = None,
+        choices: dict | None = None) -> list[dict]:
     """Every (category, temperature, batch, method): one warm-up (compiles) per method,
     then `repeats` interleaved timed rounds over all the category's prompts.
 
@@ -449,7 +461,10 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     llamacpp: {name: `llamacpp.Runner`}, prompt by prompt like transformers, at batch 1
     in the same rounds (`llamacpp_q4_1` runs other weights: its tokens are not
     compared). on_part: called with the rows so far (peer ratios included) after each
-    (category, temperature), so that a run that dies later keeps what it measured."""
+    (category, temperature), so that a run that dies later keeps what it measured.
+    alternatives: {name: speculator} other shapes of a method, calibrated and priced
+    under their own names; choices: {(category, temperature, batch, method): name} the
+    one a cell runs as `method` (`choose_trees`), its shape in the row's `tree`."""
     from specjax.calibrate import cost_ratio_of
 
     rows = []
@@ -463,14 +478,22 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             peers = _peers(hf, hf_methods, llamacpp, ids, run_kw)
             peer_results = {}  # name -> its timed rounds' results
             for b in batches:
+                pick = {name: (choices or {}).get((category, temp, b, name), name)
+                        for name in speculators}
+                cell = {name: (alternatives or {}).get(pick[name], spec)
+                        for name, spec in speculators.items()}
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
-                                                           name),
-                                  calibration=(priors or {}).get((category, temp, b, name)))
+                                                           pick[name]),
+                                  calibration=(priors or {}).get((category, temp, b,
+                                                                  pick[name])))
                        for name in speculators}
                 # the peers run at batch 1, in the same rounds as specjax's batch 1
-                got, timed = _specjax_rows(target, speculators, ids, category, temp, b,
+                got, timed = _specjax_rows(target, cell, ids, category, temp, b,
                                            spec_kw, per, new, repeats, reference, log,
                                            peers=peers if b == 1 else None)
+                for row in got:
+                    if (category, temp, b, row["method"]) in (choices or {}):
+                        row["tree"] = tree_label(cell[row["method"]])
                 rows += got
                 peer_results.update(timed)
             if peers and 1 not in batches:  # no batch 1 to time them beside
@@ -501,6 +524,38 @@ def _finish(row: dict, tokens, reference: Reference | None, log, walls: list[flo
         f"{fmt(row.get('analytical'), '.2f')}×)  "
         f"identical {fmt(row['identical'])}")
     return row
+
+
+def tree_label(eagle) -> str:
+    """An EAGLE speculator's tree as --eagle-tree names it: "top_k,depth,nodes"."""
+    return f"{eagle.top_k},{eagle.shape.max_depth},{eagle.total_tokens}"
+
+
+def choose_trees(target, method: str, candidates: dict, priors: dict, costs: dict,
+                 prompt_sets: dict[str, list[Prompt]]) -> tuple[dict, list[dict]]:
+    """Per (category, temperature, batch) calibrated, the shape of `method` (named
+    `method`, and `method@top_k,depth,nodes` for the others) whose calibration the
+    adaptive rule expects to gain most (`specjax.calibrate.best_calibrated`), priced at
+    the category's median prompt length: ({(category, temperature, batch, method):
+    name}, one record per cell of every shape's expected gain and the one chosen)."""
+    from specjax.calibrate import best_calibrated, cost_ratio_of
+
+    shapes = {n: spec for n, spec in candidates.items()
+              if n == method or n.startswith(method + "@")}
+    choices, records = {}, []
+    for category, temp, b, name in priors:
+        if name != method:
+            continue
+        context = int(statistics.median(len(p.ids) for p in prompt_sets[category]))
+        best, gains = best_calibrated(
+            target, shapes, {n: priors.get((category, temp, b, n)) for n in shapes},
+            cost_ratios={n: cost_ratio_of(costs.get(b), temp, n) for n in shapes},
+            batch=b, context=context)
+        choices[category, temp, b, method] = best
+        records.append(dict(category=category, temperature=temp, batch=b, method=method,
+                            chosen=tree_label(shapes[best]),
+                            gains={tree_label(shapes[n]): g for n, g in gains.items()}))
+    return choices, records
 
 
 def _models(target, draft, speculators) -> str:
@@ -615,14 +670,17 @@ def decode_matmul(target) -> str:
 
 
 def _results(args, command: str, corpus, docs, prompt_sets, target, draft, speculators,
-             threads, llama_info: dict, priors: dict, rows: list[dict]) -> dict:
+             threads, llama_info: dict, priors: dict, rows: list[dict],
+             trees: list[dict] | None = None) -> dict:
     """The results dict `suite` returns (and `--json` writes): settings, models, prompts,
-    priors and rows."""
+    priors, the trees chosen (`choose_trees`, with several --eagle-tree shapes) and
+    rows."""
     lens = {c: [len(p.ids) for p in ps] for c, ps in prompt_sets.items()}
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
                                               "methods", "k", "eagle_tree", "seed", "adaptive",
                                               "calibrate", "kv_cache_dtype", "verification")}
+    settings["eagle_trees"] = list(getattr(args, "eagle_trees", (args.eagle_tree,)))
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
         note=args.note,
@@ -638,7 +696,7 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
                      acceptance_by_position=cal.prior, proposal_rate=cal.proposal,
                      step_overhead=cal.overhead, idle_overhead=cal.idle)
                 for (c, t, b, m), cal in priors.items()],
-        rows=rows)
+        eagle_trees=trees or [], rows=rows)
 
 
 def suite(args, command: str, log=_log) -> dict:
@@ -646,6 +704,7 @@ def suite(args, command: str, log=_log) -> dict:
     import specjax
     from specjax.bench.speculative import build_speculators
     from specjax.calibrate import measured_cost_ratios
+    from specjax.speculators import head_speculator
 
     w = Path(args.workdir)
     if getattr(args, "default_methods", False) and (w / "eagle3").is_dir() and not (
@@ -668,24 +727,33 @@ def suite(args, command: str, log=_log) -> dict:
         eagle=paths.eagle if "eagle" in args.methods else None,
         eagle_tree=args.eagle_tree).items()
         if m in args.methods}
+    alternatives = {}
+    if "eagle" in speculators and len(args.eagle_trees) > 1:
+        alternatives = {f"eagle@{','.join(map(str, shape))}": head_speculator(
+            paths.eagle, target, shape) for shape in args.eagle_trees[1:]}
+    candidates = {**speculators, **alternatives}
     log(f"target's decode matmuls: {decode_matmul(target)}")
     hf, hf_methods, threads = _hf_setup(args, target, draft)
     llama, llama_info = {}, {}
     if set(LLAMACPP_METHODS) & set(args.methods):
         llama, llama_info = llamacpp_runners(args, paths, target, draft, prompt_sets)
     # c at every batch the run times (and calibrates at)
-    costs = {b: measured_cost_ratios(target, speculators, args.temperatures, batch=b)
+    costs = {b: measured_cost_ratios(target, candidates, args.temperatures, batch=b)
              for b in args.batches}
-    priors = {}
+    priors, choices, tree_gains = {}, {}, []
     if args.calibrate:
-        priors = _calibrated_priors(args, target, speculators, prompt_sets, docs, lengths,
+        priors = _calibrated_priors(args, target, candidates, prompt_sets, docs, lengths,
                                     costs, log)
+    if alternatives:
+        choices, tree_gains = choose_trees(target, "eagle", candidates, priors, costs,
+                                           prompt_sets)
+        log(f"EAGLE trees: {tree_gains}")
     def checkpoint(rows: list[dict]) -> None:
         """The rows so far to --json, marked partial: an hours-long run that dies (out
         of memory, a peer library's crash) keeps the parts it finished."""
         if args.json:
             partial = _results(args, command, corpus, docs, prompt_sets, target, draft,
-                               speculators, threads, llama_info, priors, rows)
+                               speculators, threads, llama_info, priors, rows, tree_gains)
             Path(args.json).write_text(json.dumps(dict(partial, partial=True), indent=2))
             log(f"wrote {args.json} ({len(rows)} rows so far)")
 
@@ -693,11 +761,12 @@ def suite(args, command: str, log=_log) -> dict:
                temperatures=args.temperatures, new=args.new, repeats=args.repeats,
                seed=args.seed, adaptive=args.adaptive, hf=hf, hf_methods=hf_methods,
                cost_ratios=costs, priors=priors, kv_cache_dtype=args.kv_cache_dtype,
-               llamacpp=llama, verification=args.verification, log=log, on_part=checkpoint)
+               llamacpp=llama, verification=args.verification, log=log, on_part=checkpoint,
+               alternatives=alternatives, choices=choices)
     for runner in llama.values():
         runner.close()
     return _results(args, command, corpus, docs, prompt_sets, target, draft, speculators,
-                    threads, llama_info, priors, rows)
+                    threads, llama_info, priors, rows, tree_gains)
 
 
 def main(argv=None) -> int:

@@ -45,9 +45,9 @@ def group(row: dict) -> tuple:
 
 
 def superseded(parts: list[dict], names: list[str]) -> list[dict]:
-    """`parts` with each one's rows (and calibration priors) in groups a later part also
-    times left out, and the groups it lost in its `superseded` list; a part left with no
-    row is refused by name."""
+    """`parts` with each one's rows (and calibration priors and tree choices) in groups a
+    later part also times left out, and the groups it lost in its `superseded` list; a
+    part left with no row is refused by name."""
     out, later = [], set()  # later: the groups of the parts after the one at hand
     for name, part in reversed(list(zip(names, parts))):
         rows = [r for r in part["rows"] if group(r) not in later]
@@ -55,7 +55,9 @@ def superseded(parts: list[dict], names: list[str]) -> list[dict]:
             raise ValueError(f"{name}: later parts time every group it times; leave it out")
         own = {group(r) for r in part["rows"]}
         out.append(dict(part, rows=rows, superseded=[list(g) for g in sorted(own & later)],
-                        priors=[x for x in part.get("priors", []) if group(x) not in later]))
+                        priors=[x for x in part.get("priors", []) if group(x) not in later],
+                        eagle_trees=[x for x in part.get("eagle_trees", [])
+                                     if group(x) not in later]))
         later |= own
     return out[::-1]
 
@@ -97,6 +99,7 @@ def merge_results(parts: list[dict], names: list[str] | None = None, *,
                 note="; ".join(dict.fromkeys(notes)),
                 prompts=[x for p in parts for x in p["prompts"]],
                 priors=[x for p in parts for x in p.get("priors", [])],
+                eagle_trees=[x for p in parts for x in p.get("eagle_trees", [])],
                 parts=[dict(date=p["date"], command=p["command"],
                             superseded=p.get("superseded", [])) for p in parts],
                 rows=suite_report.peer_ratios(rows))

@@ -52,7 +52,7 @@ def table(rows: list[dict]) -> str:
              "|:---:|"]
     for r in rows:
         lines.append(
-            f"| {r['temperature']:g} | {r['batch']} | {r['method']} | {_loop(r)} | "
+            f"| {r['temperature']:g} | {r['batch']} | {_method(r)} | {_loop(r)} | "
             f"{fmt(r.get('alpha'), '.3f')} | {fmt(r.get('tau'), '.2f')} | "
             f"{fmt(r.get('k'), '.2f')} | {r['tokens_per_s']:.1f} | "
             f"{fmt(r['speedup'], '.2f')}× | {fmt(r.get('decode_speedup'), '.2f')}× | "
@@ -61,6 +61,11 @@ def table(rows: list[dict]) -> str:
             f"{fmt(r.get('cost_ratio'), '.3f')} | {fmt(r.get('vs_transformers'), '.2f')}× | "
             f"{fmt(r.get('vs_llamacpp'), '.2f')}× | {fmt(r['identical'])} |")
     return "\n".join(lines).replace("–×", "–")
+
+
+def _method(row: dict) -> str:
+    """The method column: the method, and the tree its cell chose (`suite.choose_trees`)."""
+    return f"{row['method']} (tree {row['tree']})" if row.get("tree") else row["method"]
 
 
 def _loop(row: dict) -> str:
@@ -156,7 +161,7 @@ def _markdown_method_notes(s: dict) -> list[str]:
         f"({default_verify_cost().describe()} on this backend); i.i.d. α = "
         "`expected_speedup_iid` (the paper's closed form with one α); free verify = "
         "`expected_speedup_free_verify` (v = 1)",
-        "- `hf_*`: transformers on the same weights (`specjax.save_hf` → `LlamaForCausalLM`, "
+        "- `hf_*`: transformers on the same weights (`specjax.save_hf` → `AutoModelForCausalLM`, "
         "float32), prompt by prompt — assisted generation is batch 1 only — so shown at "
         "batch 1 and compared with specjax autoregressive at batch 1; `hf_assistant` uses "
         "the draft with transformers' default assistant settings, `hf_prompt_lookup` "

@@ -74,7 +74,7 @@ from specjax.cache import PagePool
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.loop import DecodeLoop
-from specjax.decoding.policy import PROBE_GAP, Rule, attended_tokens, may_draft
+from specjax.decoding.policy import PROBE_GAP, Rule, attended_tokens, may_draft, prior_gain
 from specjax.decoding.programs import LayoutCache, ProgramCache
 from specjax.decoding.state import Params, Prompt
 from specjax.model import Model, validate_tokens
@@ -163,6 +163,31 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
 
 
 # ---------------------------------------------------------------------------- stages
+def expected_gain(model: Model, speculator: Speculator, *, batch: int = 1,
+                  context: int = 0, cost_ratio: float | None = None,
+                  verify_cost: VerifyCost | None = None,
+                  step_overhead: float | Sequence[float] | None = None,
+                  idle_overhead: float | None = None,
+                  acceptance_prior: Sequence[float | None] | None = None,
+                  proposal_prior: float | None = None) -> float:
+    """What `generate`'s adaptive rule, given these arguments (as `generate` takes them),
+    expects drafting with `speculator` to gain over plain decoding before a call's first
+    step: expected tokens per unit of cost at the depth it would pick for a row of a
+    `batch`-row call reading `context` cached tokens, over plain decoding's (1.0 where
+    it would not draft; `policy.prior_gain`)."""
+    if not isinstance(speculator, Speculator):
+        raise ValueError(f"speculator={speculator!r} is not a specjax Speculator")
+    if not (isinstance(batch, numbers.Integral) and batch >= 1):
+        raise ValueError(f"batch={batch!r} must be an int >= 1")
+    speculator.check_target(model.config)
+    if verify_cost is None:
+        verify_cost = default_verify_cost(model.config)
+    rule = _rule(_cost_ratio(cost_ratio, speculator, model.config), True, verify_cost,
+                 acceptance_prior, speculator, False, None, step_overhead, proposal_prior,
+                 idle_overhead)
+    return prior_gain(speculator, rule, batch, context)
+
+
 def _check_inputs(model: Model, prompts, max_new_tokens, temperature, top_k, top_p,
                   kv_cache_dtype, page_size, prefill_chunk):
     """(prompts as token-id lists, the KV cache dtype), every argument checked."""

@@ -356,6 +356,9 @@ class Decision:
     spent: jax.Array  # [NB+1] each bucket's cost at the batch, then no forward's
     call_cost: jax.Array  # [Dm+1] c · the draft calls that drafting k positions takes
     max_new: jax.Array  # [] the call's budget of new tokens per row
+    # [B] expected tokens per unit of cost at the row's own k over plain decoding's, at
+    # its α: 1 at k = 0 (`prior_gain`)
+    gain: jax.Array
     depths: tuple[int, ...] = struct.field(pytree_node=False, default=())  # per bucket
 
     def remaining(self, st: LoopState):
@@ -473,6 +476,25 @@ def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int, context) -> ja
     return ~rule.adaptive | jnp.any(drafts & d.call_pays) | d.probes_could_pay(~drafts)
 
 
+def prior_gain(spec: Speculator, rule: Rule, batch: int = 1, context: int = 0) -> float:
+    """What the rule expects drafting to gain over plain decoding's programs before a
+    call's first step, from its prior alone: expected tokens per unit of cost at the k
+    it would pick for a row of a `batch`-row call reading `context` cached tokens, over
+    plain decoding's (1.0 where it keeps k = 0). Comparing it across a speculator's
+    shapes calibrated on the same prompts picks the shape that pays most
+    (`specjax.calibrate.best_shape`)."""
+    return float(_prior_gain(spec, rule, verify_buckets(spec.shape.depth_widths), batch,
+                             jnp.float32(context)))
+
+
+@functools.partial(jax.jit, static_argnames=("buckets", "batch"))
+def _prior_gain(spec: Speculator, rule: Rule, buckets, batch: int, context) -> jax.Array:
+    ones = jnp.ones((batch,), jnp.int32)
+    d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
+                    ones > 0, ones, jnp.int32(1), context)
+    return jnp.where(d.limit[0] > 0, d.gain[0], 1.0)
+
+
 def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, active,
                 remaining, max_new, context=None) -> Decision:
     """Per row, the k that maximises expected tokens per unit of cost (c paid per draft
@@ -547,8 +569,10 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
         # the margin on the call's gain, not on its drafting steps' alone
         whole = jnp.take_along_axis(alone(alpha, 0.0), own[:, None], axis=1)[:, 0]
         call_pays = shared | (whole >= 1.0 + rule.margin)
+        own_gain = jnp.where(shared, _gain_at(gains(alpha, mix), own), whole)
     else:
         call_pays = jnp.ones_like(own, bool)
+        own_gain = _gain_at(gains(alpha, mix), own)
     hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     # A probe is accepted only where the speculator proposes, and one that gets no draft
@@ -567,4 +591,9 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
                     hopeful=hopeful, hopeful_k=hopeful_k, alpha_low=alpha_low,
                     hopeful_low=hopeful_low, call_pays=call_pays, cost=cost, spent=spent,
                     call_cost=call_cost, max_new=jnp.asarray(max_new, jnp.int32),
-                    depths=depths)
+                    gain=own_gain, depths=depths)
+
+
+def _gain_at(gain, k):
+    """[B] gain [B, K+1] at each row's k over its k = 0."""
+    return jnp.take_along_axis(gain, k[:, None], axis=1)[:, 0] / gain[:, 0]
