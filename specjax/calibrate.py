@@ -6,7 +6,7 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
 - `best_calibrated`: of several calibrated speculators (e.g. one head's tree shapes),
-  the one the adaptive rule expects to gain most (`calibrated_gain`).
+  the one the adaptive rule expects to gain most (`calibrated_gain`; `choose_tree`).
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
   depth, its step's overhead per draft depth and what a step that drafts nothing costs
   in its loop, as `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take
@@ -255,6 +255,22 @@ def best_calibrated(target: Model, candidates: dict, calibrations: dict, *,
     if not gains:
         raise ValueError(f"no calibration for any of {list(candidates)}")
     return max(gains, key=lambda n: gains[n]), gains
+
+
+def choose_tree(target: Model, method: str, candidates: dict, calibrations: dict,
+                cost_ratios: dict, *, batch: int = 1, context: int = 0) -> tuple[str, dict]:
+    """Of `method`'s EAGLE tree shapes among `candidates` (`method` itself and
+    `method@top_k,depth,nodes`), with their calibrations and c by name, the one the
+    rule prices best (`best_calibrated`): (its name, a record of the chosen tree and
+    every shape's expected gain, by "top_k,depth,nodes")."""
+    from specjax.speculators.eagle import tree_label
+
+    shapes = {n: spec for n, spec in candidates.items()
+              if n == method or n.startswith(method + "@")}
+    best, gains = best_calibrated(target, shapes, calibrations, cost_ratios=cost_ratios,
+                                  batch=batch, context=context)
+    return best, dict(method=method, chosen=tree_label(shapes[best]),
+                      gains={tree_label(shapes[n]): g for n, g in gains.items()})
 
 
 def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:

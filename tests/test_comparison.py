@@ -146,3 +146,18 @@ def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
     assert by["autoregressive"]["speedup"] == 1.0
     assert by["ngram"]["speedup"] == np.median([1.2, 6.0, 1.3, 1.1])  # 1.25
     assert by["ngram"]["tokens_per_s"] == 12.0
+
+
+def test_choosing_trees_without_calibration_is_refused(tmp_path):
+    """Other tree shapes are chosen between by their calibration: without one (or with
+    the adaptive rule off) the comparison says so before it runs anything."""
+    from specjax.corpus import CorpusConfig
+    from specjax.train.comparison import evaluate
+
+    kw = dict(num_prompts=2, prompt_len=8, new_tokens=4, k=2, sweep_k=(), temperatures=(0.0,),
+              seed=0, alternatives={"eagle@1,4,4": None})
+    with pytest.raises(ValueError, match=r"needs calibrate > 0 and adaptive \(calibrate=0"):
+        evaluate(tmp_path, None, None, {}, {}, CorpusConfig(), adaptive=True, **kw)
+    with pytest.raises(ValueError, match="adaptive=False"):
+        evaluate(tmp_path, None, None, {}, {}, CorpusConfig(), calibrate=2, **kw)
+    assert not list(tmp_path.iterdir())

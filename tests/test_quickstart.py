@@ -167,12 +167,21 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
 
 def test_real_target_quickstart_heads_on_regenerated_text(finished, tmp_path):
     """With `regenerate` the head trains on the target's own continuations: rows no
-    draft reads, so the head stage dumps its own features and nothing is shared."""
+    draft reads, so the head stage dumps its own features and nothing is shared. With
+    `eagle_trees` the comparison calibrates a chain beside the head's own tree and runs
+    the one its calibration prices best."""
     workdir, _ = finished
     res = run_config(QUICKSTART, _tiny_real(workdir / "target" / "export") + REGENERATE + [
         "quickstart.quickstart.draft_layers = ()", "quickstart.quickstart.temperatures = (0.0,)",
-        "quickstart.quickstart.repeats = 1", "quickstart.quickstart.calibrate = 0"],
+        "quickstart.quickstart.repeats = 1", "quickstart.quickstart.calibrate = 1",
+        "quickstart.quickstart.eagle_trees = ((1, 4, 4),)"],
         workdir=tmp_path)
+    assert res["settings"]["trees"] == ["eagle3@1,4,4"]
+    assert set(res["priors"][0.0]) == {"ngram", "eagle3", "eagle3@1,4,4"}
+    [record] = res["trees"]
+    assert set(record["gains"]) == {"4,4,16", "1,4,4"} and record["chosen"] in record["gains"]
+    [eagle] = [r for r in res["rows"] if r["method"] == "eagle3"]
+    assert eagle["tree"] == record["chosen"] and res["greedy_identical"] is True
     assert {r["method"] for r in res["rows"]} == {"autoregressive", "ngram", "eagle3"}
     regenerated = tmp_path / "regenerated" / "regenerated.jsonl"
     assert len(regenerated.read_text().splitlines()) == 8

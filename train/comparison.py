@@ -15,8 +15,9 @@ import jax
 import numpy as np
 
 import specjax
-from specjax.calibrate import calibrations, cost_ratio_of, measured_cost_ratios
+from specjax.calibrate import calibrations, choose_tree, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus
+from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side
 from specjax.train.speculation import speculative_run
@@ -44,7 +45,8 @@ def versions() -> dict[str, str]:
 def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: int,
             temperatures=(0.0, 1.0), seed: int = 0, cost_ratios: dict | None = None,
             batch: int | None = None, adaptive: bool = False, repeats: int = 1,
-            priors: dict | None = None) -> list:
+            priors: dict | None = None, alternatives: dict | None = None,
+            choices: dict | None = None) -> list:
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
 
     After one warm-up call per method (compilation, `warmup_prompts`), `repeats` rounds
@@ -62,25 +64,32 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     estimate. priors: {temperature: {method: `Calibration`}} for the adaptive rule's start
     (`specjax.calibrate.calibrations`). batch: rows per generate call
     (None: all prompts at once). adaptive: the draft-length rule on (what `generate` does
-    by default), else full depth every step."""
+    by default), else full depth every step. alternatives: {name: speculator} other tree
+    shapes of a method, priced and calibrated under their own names; choices:
+    {(temperature, method): name} the one a temperature runs as `method` (`choose_trees`),
+    its tree in the row's `tree`."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     rows = []
     warm = warmup_prompts(prompts, batch)
     for temp in temperatures:
+        pick = {name: (choices or {}).get((temp, name), name) for name in speculators}
+        cell = {name: (alternatives or {}).get(pick[name], spec)
+                for name, spec in speculators.items()}
+
         def run(name, spec, prompts=prompts):
             return speculative_run(target, spec, prompts, new_tokens=new_tokens,
                                    temperature=temp, seed=seed, batch=batch,
                                    adaptive=adaptive, cost_ratio=cost_ratio_of(
-                                       cost_ratios, temp, name),
-                                   calibration=(priors or {}).get(temp, {}).get(name))
+                                       cost_ratios, temp, pick[name]),
+                                   calibration=(priors or {}).get(temp, {}).get(pick[name]))
 
         names = list(speculators)
         base = names[0]
-        warmed = {name: run(name, spec, warm) for name, spec in speculators.items()}  # compiles
-        plain = untimed_methods(speculators, {n: (r["speculative_calls"], r["calls"])
-                                              for n, (_, r) in warmed.items()})
-        results = side_by_side({name: (lambda n=name: run(n, speculators[n]))
+        warmed = {name: run(name, spec, warm) for name, spec in cell.items()}  # compiles
+        plain = untimed_methods(cell, {n: (r["speculative_calls"], r["calls"])
+                                       for n, (_, r) in warmed.items()})
+        results = side_by_side({name: (lambda n=name: run(n, cell[n]))
                                 for name in names if name not in plain}, repeats)
         speeds = {name: [r["tokens_per_s"] for _, r in rounds]
                   for name, rounds in results.items()}  # per timed round
@@ -96,8 +105,27 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                              timed=name not in plain,
                              tokens_per_s=float(np.median(same)),
                              speedup=paired_speedup(same, speeds[base]),
-                             identical_to_plain=tokens == baseline))
+                             identical_to_plain=tokens == baseline,
+                             **({"tree": tree_label(cell[name])}
+                                if (temp, name) in (choices or {}) else {})))
     return rows
+
+
+def choose_trees(target: specjax.Model, candidates: dict, priors: dict, *,
+                 cost_ratios: dict | None, batch: int, context: int) -> tuple[dict, list[dict]]:
+    """Per temperature calibrated, for each method with other tree shapes among
+    `candidates` (named `method@top_k,depth,nodes`), the shape the adaptive rule expects
+    to gain most from its calibration (`specjax.calibrate.choose_tree`):
+    ({(temperature, method): name}, a record per choice of every shape's gain)."""
+    choices, records = {}, []
+    for temp, per in priors.items():
+        for method in sorted({n.split("@")[0] for n in candidates if "@" in n}):
+            costs = {n: cost_ratio_of(cost_ratios, temp, n) for n in candidates}
+            best, record = choose_tree(target, method, candidates, per, costs, batch=batch,
+                                       context=context)
+            choices[temp, method] = best
+            records.append(dict(record, temperature=temp))
+    return choices, records
 
 
 def warmup_prompts(prompts: list, batch: int | None) -> list:
@@ -114,7 +142,8 @@ def table(rows: list) -> str:
              "| greedy identical |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         same = str(r["identical_to_plain"]) if r["temperature"] == 0 else "–"
-        lines.append(f"| {r['method']} | {r['temperature']:g} | {r['alpha']:.3f} | "
+        method = f"{r['method']} (tree {r['tree']})" if r.get("tree") else r["method"]
+        lines.append(f"| {method} | {r['temperature']:g} | {r['alpha']:.3f} | "
                      f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
                      f"{r['analytical']:.2f}× | {same} |")
     plain = [f"{r['method']} at T = {r['temperature']:g}" for r in rows
@@ -214,19 +243,28 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
              settings: dict, prompt_corpus: CorpusConfig, *, num_prompts: int,
              prompt_len: int, new_tokens: int, k: int, sweep_k: tuple[int, ...],
              temperatures, seed: int, batch: int | None = None,
-             adaptive: bool = False, repeats: int = 1, calibrate: int = 0) -> dict:
+             adaptive: bool = False, repeats: int = 1, calibrate: int = 0,
+             alternatives: dict | None = None) -> dict:
     """Every method on prompts from `prompt_corpus`'s held-out split (greedy and
     sampled), the k sweep, the table, results.json / results.md / plots; a finished
     evaluation with the same settings is printed again, not recomputed. Raises if greedy
     outputs differ (lossy speculation). repeats: interleaved timed rounds (`compare`);
     calibrate: with `adaptive`, other held-out prompts whose full-depth acceptance and
-    step overhead start the rule (`specjax.calibrate.calibrations`; 0: the defaults)."""
+    step overhead start the rule (`specjax.calibrate.calibrations`; 0: the defaults).
+    alternatives: {`method@top_k,depth,nodes`: speculator} other tree shapes of an EAGLE
+    method, calibrated beside it; each temperature runs the shape its calibration prices
+    best (`choose_trees`; needs `calibrate` and `adaptive`)."""
+    if alternatives and not (calibrate and adaptive):
+        raise ValueError(f"choosing between trees ({sorted(alternatives)}) needs "
+                         f"calibrate > 0 and adaptive (calibrate={calibrate}, "
+                         f"adaptive={adaptive})")
     settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
                     k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
                     **({} if batch is None else {"batch": batch}),
                     **({"adaptive": True} if adaptive else {}),
                     **({"repeats": repeats} if repeats != 1 else {}),
                     **({"calibrate": calibrate} if calibrate and adaptive else {}),
+                    **({"trees": sorted(alternatives)} if alternatives else {}),
                     methods=list(specs), lookups=_lookup_settings(specs),
                     stages={p.name: json.loads((p / DONE).read_text())["settings"]
                             for p in workdir.iterdir() if (p / DONE).exists()})
@@ -240,15 +278,19 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     prompts = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                               num_prompts, prompt_len, seed)
 
-    costs = measured_cost_ratios(target, specs, temperatures, batch=batch or 1)
-    priors = None
+    candidates = {**specs, **(alternatives or {})}
+    costs = measured_cost_ratios(target, candidates, temperatures, batch=batch or 1)
+    priors, choices, trees = None, None, []
     if calibrate and adaptive:
-        priors = _calibrated_priors(target, specs, prompt_corpus, prompts, calibrate,
+        priors = _calibrated_priors(target, candidates, prompt_corpus, prompts, calibrate,
                                     num_prompts, prompt_len, new_tokens, temperatures, seed,
                                     costs, batch or len(prompts))
+    if alternatives:
+        choices, trees = choose_trees(target, candidates, priors, cost_ratios=costs,
+                                      batch=batch or len(prompts), context=prompt_len)
     rows = compare(target, specs, prompts, new_tokens=new_tokens, temperatures=temperatures,
                    seed=seed, cost_ratios=costs, batch=batch, adaptive=adaptive,
-                   repeats=repeats, priors=priors)
+                   repeats=repeats, priors=priors, alternatives=alternatives, choices=choices)
     sweep = _k_sweep(target, specs.get("draft"), prompts, sweep_k, new_tokens=new_tokens, seed=seed,
                      costs=costs, batch=batch, adaptive=adaptive, repeats=repeats)
     greedy_same = all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
@@ -257,6 +299,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     results = dict(settings=settings, prompts=prompts, rows=rows, sweep=sweep, table=text,
                    priors=priors and {t: {m: dataclasses.asdict(c) for m, c in per.items()}
                                       for t, per in priors.items()},
+                   **({"trees": trees} if trees else {}),
                    greedy_identical=greedy_same, versions=versions(),
                    date=time.strftime("%Y-%m-%d"),
                    target_params=target.num_params(),

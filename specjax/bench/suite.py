@@ -65,7 +65,7 @@ from specjax.bench.suite_methods import (
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.cli_args import comma_list
-from specjax.speculators.eagle import check_tree
+from specjax.speculators.eagle import check_tree, tree_label
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side
 
@@ -526,35 +526,25 @@ def _finish(row: dict, tokens, reference: Reference | None, log, walls: list[flo
     return row
 
 
-def tree_label(eagle) -> str:
-    """An EAGLE speculator's tree as --eagle-tree names it: "top_k,depth,nodes"."""
-    return f"{eagle.top_k},{eagle.shape.max_depth},{eagle.total_tokens}"
-
-
 def choose_trees(target, method: str, candidates: dict, priors: dict, costs: dict,
                  prompt_sets: dict[str, list[Prompt]]) -> tuple[dict, list[dict]]:
     """Per (category, temperature, batch) calibrated, the shape of `method` (named
     `method`, and `method@top_k,depth,nodes` for the others) whose calibration the
-    adaptive rule expects to gain most (`specjax.calibrate.best_calibrated`), priced at
-    the category's median prompt length: ({(category, temperature, batch, method):
-    name}, one record per cell of every shape's expected gain and the one chosen)."""
-    from specjax.calibrate import best_calibrated, cost_ratio_of
+    adaptive rule expects to gain most (`specjax.calibrate.choose_tree`), priced at the
+    category's median prompt length: ({(category, temperature, batch, method): name},
+    one record per cell of every shape's expected gain and the one chosen)."""
+    from specjax.calibrate import choose_tree, cost_ratio_of
 
-    shapes = {n: spec for n, spec in candidates.items()
-              if n == method or n.startswith(method + "@")}
     choices, records = {}, []
-    for category, temp, b, name in priors:
-        if name != method:
-            continue
+    for category, temp, b, name in [key for key in priors if key[3] == method]:
         context = int(statistics.median(len(p.ids) for p in prompt_sets[category]))
-        best, gains = best_calibrated(
-            target, shapes, {n: priors.get((category, temp, b, n)) for n in shapes},
-            cost_ratios={n: cost_ratio_of(costs.get(b), temp, n) for n in shapes},
-            batch=b, context=context)
+        best, record = choose_tree(
+            target, method, candidates, {n: priors.get((category, temp, b, n))
+                                         for n in candidates},
+            {n: cost_ratio_of(costs.get(b), temp, n) for n in candidates}, batch=b,
+            context=context)
         choices[category, temp, b, method] = best
-        records.append(dict(category=category, temperature=temp, batch=b, method=method,
-                            chosen=tree_label(shapes[best]),
-                            gains={tree_label(shapes[n]): g for n, g in gains.items()}))
+        records.append(dict(record, category=category, temperature=temp, batch=b))
     return choices, records
 
 

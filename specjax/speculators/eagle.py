@@ -295,6 +295,12 @@ class Eagle(Speculator):
         return EagleState(cache, queue)
 
 
+def tree_label(eagle: "Eagle") -> str:
+    """An EAGLE speculator's dynamic tree as "top_k,depth,nodes" (`bench suite
+    --eagle-tree`'s form)."""
+    return f"{eagle.top_k},{eagle.shape.max_depth},{eagle.total_tokens}"
+
+
 def check_tree(tree, top_k: int, depth: int, total_tokens: int, vocab: int | None = None):
     """Static checks of the tree settings (and that the branching fits the vocabulary)."""
     if tree is None:
