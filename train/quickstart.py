@@ -206,6 +206,10 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     """
     from specjax.checkpoint.packaged import smollm2
 
+    if eagle_trees and not (calibrate and adaptive):  # before any stage runs
+        raise ValueError(f"eagle_trees={eagle_trees!r}: choosing between trees needs "
+                         f"calibrate > 0 and adaptive (calibrate={calibrate}, "
+                         f"adaptive={adaptive})")
     source = str(smollm2() if target is None else target)
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -482,7 +482,7 @@ def prior_gain(spec: Speculator, rule: Rule, batch: int = 1, context: int = 0) -
     it would pick for a row of a `batch`-row call reading `context` cached tokens, over
     plain decoding's (1.0 where it keeps k = 0). Comparing it across a speculator's
     shapes calibrated on the same prompts picks the shape that pays most
-    (`specjax.calibrate.best_shape`)."""
+    (`specjax.calibrate.best_calibrated`)."""
     return float(_prior_gain(spec, rule, verify_buckets(spec.shape.depth_widths), batch,
                              jnp.float32(context)))
 
@@ -573,7 +573,7 @@ def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, activ
     else:
         call_pays = jnp.ones_like(own, bool)
         own_gain = _gain_at(gains(alpha, mix), own)
-    hopeful_gain = jnp.take_along_axis(g, hopeful_k[:, None], axis=1)[:, 0] / g[:, 0]
+    hopeful_gain = _gain_at(g, hopeful_k)
     call_cost = rule.cost_ratio * jnp.asarray(calls, jnp.float32)
     # A probe is accepted only where the speculator proposes, and one that gets no draft
     # costs an empty step: at batch 1 both mix with the proposal rate (shared: in α₁).
