@@ -6,7 +6,7 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 - `measure_verify_cost` (+ `fit_verify_cost`, `fit_per_token`): what verifying T tokens
   costs over one, the table `specjax.decoding.cost.VerifyCost.from_table` takes.
 - `best_calibrated`: of several calibrated speculators (e.g. one head's tree shapes),
-  the one the adaptive rule expects to gain most (`calibrated_gain`; `choose_tree`).
+  the one the adaptive rule expects to gain most (`choose_tree`: one head's trees).
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
   depth, its step's overhead per draft depth and what a step that drafts nothing costs
   in its loop, as `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take
@@ -226,19 +226,6 @@ class Calibration:
                     proposal_prior=self.proposal, idle_overhead=self.idle)
 
 
-def calibrated_gain(target: Model, speculator, calibration: Calibration, *,
-                    cost_ratio: float | None = None, batch: int = 1, context: int = 0,
-                    verify_cost: VerifyCost | None = None) -> float:
-    """What the adaptive rule, started from `calibration` (and c = `cost_ratio`), expects
-    `speculator` to gain over plain decoding in a `batch`-row call reading `context`
-    cached tokens (`specjax.decoding.generate.expected_gain`; 1.0: it would not draft)."""
-    from specjax.decoding.generate import expected_gain
-
-    return expected_gain(target, speculator, batch=batch, context=context,
-                         cost_ratio=cost_ratio, verify_cost=verify_cost,
-                         **calibration.generate_kwargs())
-
-
 def best_calibrated(target: Model, candidates: dict, calibrations: dict, *,
                     cost_ratios: dict | None = None, batch: int = 1, context: int = 0,
                     verify_cost: VerifyCost | None = None) -> tuple[str, dict[str, float]]:
@@ -247,10 +234,13 @@ def best_calibrated(target: Model, candidates: dict, calibrations: dict, *,
     one head's tree shapes, where a wide tree's verify costs more than its deeper
     acceptance returns on one machine and pays on another. Ties go to the first;
     candidates without a calibration are left out. verify_cost: as `generate` takes it
-    (None: this backend's table)."""
-    gains = {name: calibrated_gain(target, spec, calibrations[name],
-                                   cost_ratio=(cost_ratios or {}).get(name), batch=batch,
-                                   context=context, verify_cost=verify_cost)
+    (None: this backend's table). Each is priced by `generate.expected_gain`."""
+    from specjax.decoding.generate import expected_gain
+
+    gains = {name: expected_gain(target, spec, batch=batch, context=context,
+                                 cost_ratio=(cost_ratios or {}).get(name),
+                                 verify_cost=verify_cost,
+                                 **calibrations[name].generate_kwargs())
              for name, spec in candidates.items() if calibrations.get(name) is not None}
     if not gains:
         raise ValueError(f"no calibration for any of {list(candidates)}")
@@ -263,10 +253,10 @@ def choose_tree(target: Model, method: str, candidates: dict, calibrations: dict
     `method@top_k,depth,nodes`), with their calibrations and c by name, the one the
     rule prices best (`best_calibrated`): (its name, a record of the chosen tree and
     every shape's expected gain, by "top_k,depth,nodes")."""
+    from specjax.speculators import method_of
     from specjax.speculators.eagle import tree_label
 
-    shapes = {n: spec for n, spec in candidates.items()
-              if n == method or n.startswith(method + "@")}
+    shapes = {n: spec for n, spec in candidates.items() if method_of(n) == method}
     best, gains = best_calibrated(target, shapes, calibrations, cost_ratios=cost_ratios,
                                   batch=batch, context=context)
     return best, dict(method=method, chosen=tree_label(shapes[best]),

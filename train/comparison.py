@@ -17,6 +17,7 @@ import numpy as np
 import specjax
 from specjax.calibrate import calibrations, choose_tree, cost_ratio_of, measured_cost_ratios
 from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus
+from specjax.speculators import method_of
 from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side
@@ -111,6 +112,14 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     return rows
 
 
+def check_tree_choice(trees, calibrate: int, adaptive: bool) -> None:
+    """A choice between tree shapes (`choose_trees`) is made by their calibration: an
+    error naming `trees` without one (or without the adaptive rule that reads it)."""
+    if not (calibrate and adaptive):
+        raise ValueError(f"{trees!r}: choosing between trees needs calibrate > 0 and "
+                         f"adaptive (calibrate={calibrate}, adaptive={adaptive})")
+
+
 def choose_trees(target: specjax.Model, candidates: dict, priors: dict, *,
                  cost_ratios: dict | None, batch: int, context: int) -> tuple[dict, list[dict]]:
     """Per temperature calibrated, for each method with other tree shapes among
@@ -119,7 +128,7 @@ def choose_trees(target: specjax.Model, candidates: dict, priors: dict, *,
     ({(temperature, method): name}, a record per choice of every shape's gain)."""
     choices, records = {}, []
     for temp, per in priors.items():
-        for method in sorted({n.split("@")[0] for n in candidates if "@" in n}):
+        for method in sorted({method_of(n) for n in candidates if method_of(n) != n}):
             costs = {n: cost_ratio_of(cost_ratios, temp, n) for n in candidates}
             best, record = choose_tree(target, method, candidates, per, costs, batch=batch,
                                        context=context)
@@ -254,10 +263,8 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     alternatives: {`method@top_k,depth,nodes`: speculator} other tree shapes of an EAGLE
     method, calibrated beside it; each temperature runs the shape its calibration prices
     best (`choose_trees`; needs `calibrate` and `adaptive`)."""
-    if alternatives and not (calibrate and adaptive):
-        raise ValueError(f"choosing between trees ({sorted(alternatives)}) needs "
-                         f"calibrate > 0 and adaptive (calibrate={calibrate}, "
-                         f"adaptive={adaptive})")
+    if alternatives:
+        check_tree_choice(sorted(alternatives), calibrate, adaptive)
     settings = dict(settings, prompts=num_prompts, prompt_len=prompt_len, new=new_tokens,
                     k=k, sweep_k=list(sweep_k), temperatures=list(temperatures),
                     **({} if batch is None else {"batch": batch}),

@@ -31,9 +31,9 @@ import numpy as np
 
 import specjax
 from specjax.config import ModelConfig
-from specjax.speculators import head_speculator
+from specjax.speculators import head_speculator, tree_alternatives
 from specjax.train import jobs
-from specjax.train.comparison import DONE, evaluate
+from specjax.train.comparison import DONE, check_tree_choice, evaluate
 from specjax.train.data import DataConfig
 from specjax.train.regenerate import RegenerateConfig
 from specjax.train.speculation import SpeculativeEval
@@ -93,9 +93,9 @@ def _head_specs(workdir: Path, target_export: Path, target: specjax.Model, head_
             d, target_export, tau, features_dir=fdir), dict(common, stage=make.settings))
         specs[name] = make.speculator(hdir, target, k)
         if isinstance(make.head_config, EagleConfig):
-            alternatives.update({f"{name}@{','.join(map(str, shape))}": head_speculator(
-                hdir / jobs.HEADS_DIR, target, tuple(shape))
-                for shape in eagle_trees if tuple(shape) != tuple(make.eagle_tree)})
+            alternatives.update(tree_alternatives(
+                hdir / jobs.HEADS_DIR, target, name,
+                [s for s in eagle_trees if tuple(s) != tuple(make.eagle_tree)]))
     return specs, alternatives
 
 
@@ -206,10 +206,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
     """
     from specjax.checkpoint.packaged import smollm2
 
-    if eagle_trees and not (calibrate and adaptive):  # before any stage runs
-        raise ValueError(f"eagle_trees={eagle_trees!r}: choosing between trees needs "
-                         f"calibrate > 0 and adaptive (calibrate={calibrate}, "
-                         f"adaptive={adaptive})")
+    if eagle_trees:  # before any stage runs
+        check_tree_choice(eagle_trees, calibrate, adaptive)
     source = str(smollm2() if target is None else target)
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)

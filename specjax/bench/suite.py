@@ -670,7 +670,7 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
                                               "temperatures", "new", "repeats", "prompts",
                                               "methods", "k", "eagle_tree", "seed", "adaptive",
                                               "calibrate", "kv_cache_dtype", "verification")}
-    settings["eagle_trees"] = list(getattr(args, "eagle_trees", (args.eagle_tree,)))
+    settings["eagle_trees"] = list(args.eagle_trees)
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
         note=args.note,
@@ -694,7 +694,7 @@ def suite(args, command: str, log=_log) -> dict:
     import specjax
     from specjax.bench.speculative import build_speculators
     from specjax.calibrate import measured_cost_ratios
-    from specjax.speculators import head_speculator
+    from specjax.speculators import tree_alternatives
 
     w = Path(args.workdir)
     if getattr(args, "default_methods", False) and (w / "eagle3").is_dir() and not (
@@ -719,8 +719,7 @@ def suite(args, command: str, log=_log) -> dict:
         if m in args.methods}
     alternatives = {}
     if "eagle" in speculators and len(args.eagle_trees) > 1:
-        alternatives = {f"eagle@{','.join(map(str, shape))}": head_speculator(
-            paths.eagle, target, shape) for shape in args.eagle_trees[1:]}
+        alternatives = tree_alternatives(paths.eagle, target, "eagle", args.eagle_trees[1:])
     candidates = {**speculators, **alternatives}
     log(f"target's decode matmuls: {decode_matmul(target)}")
     hf, hf_methods, threads = _hf_setup(args, target, draft)

@@ -469,9 +469,7 @@ def may_draft(spec: Speculator, rule: Rule, batch: int, context: int = 0) -> boo
 
 @functools.partial(jax.jit, static_argnames=("buckets", "batch"))
 def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int, context) -> jax.Array:
-    ones = jnp.ones((batch,), jnp.int32)  # every row alike: the batch rule is the row's
-    d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
-                    ones > 0, ones, jnp.int32(1), context)
+    d = _first_decision(spec, rule, buckets, batch, context)
     drafts = d.limit > 0  # rows that draft from the first step: they do not probe
     return ~rule.adaptive | jnp.any(drafts & d.call_pays) | d.probes_could_pay(~drafts)
 
@@ -489,10 +487,16 @@ def prior_gain(spec: Speculator, rule: Rule, batch: int = 1, context: int = 0) -
 
 @functools.partial(jax.jit, static_argnames=("buckets", "batch"))
 def _prior_gain(spec: Speculator, rule: Rule, buckets, batch: int, context) -> jax.Array:
-    ones = jnp.ones((batch,), jnp.int32)
-    d = decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
-                    ones > 0, ones, jnp.int32(1), context)
+    d = _first_decision(spec, rule, buckets, batch, context)
     return jnp.where(d.limit[0] > 0, d.gain[0], 1.0)
+
+
+def _first_decision(spec: Speculator, rule: Rule, buckets, batch: int, context) -> Decision:
+    """The rule's decision before a call's first step: no tries yet, every row alike (the
+    batch rule is the row's)."""
+    ones = jnp.ones((batch,), jnp.int32)
+    return decide_from(spec, rule, buckets, Counters.zeros(batch, spec.shape.max_depth),
+                       ones > 0, ones, jnp.int32(1), context)
 
 
 def decide_from(spec: Speculator, rule: Rule, buckets, counters: Counters, active,

@@ -13,8 +13,8 @@ from specjax.speculators.eagle import Eagle
 from specjax.speculators.medusa import Medusa
 from specjax.speculators.ngram import NGram
 from specjax.speculators.queue import PairQueue
-from specjax.speculators.saved import head_speculator
+from specjax.speculators.saved import head_speculator, method_of, tree_alternatives
 
 __all__ = ["CommitContext", "DraftCost", "DraftModel", "Eagle", "Medusa", "NGram",
            "PairQueue", "PrefillChunk", "ProposeContext", "Speculator", "TreeShape",
-           "head_speculator"]
+           "head_speculator", "method_of", "tree_alternatives"]
