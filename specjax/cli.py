@@ -2,6 +2,7 @@
 
   specjax run CONFIG.gin [--gin 'binding = value' ...] [--workdir DIR]
   specjax generate [--model DIR] [--prompt TEXT | --ids 1,2,3] [--speculator ngram|draft|none]
+      [--ngram-corpus JSONL]
   specjax bench decode [...]
   specjax bench speculative [...]
   specjax bench suite --workdir RUN [...]
@@ -42,8 +43,15 @@ def _generate(args) -> int:
     else:
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
     spec = None
+    if args.ngram_corpus and args.speculator != "ngram":
+        raise ValueError(f"--ngram-corpus is n-gram's; --speculator is {args.speculator!r}")
     if args.speculator == "ngram":
         spec = NGram(k=args.k)
+        if args.ngram_corpus:
+            from specjax.speculators.ngram_corpus import read_corpus
+
+            spec = spec.with_corpus(read_corpus(args.ngram_corpus, model.tokenizer),
+                                    model.config.vocab_size)
     elif args.speculator == "draft":
         if not args.draft:
             raise ValueError("--speculator draft needs --draft DIR")
@@ -139,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab", help="trim the draft's LM head to these target ids (a "
                    ".npy file, as the quickstart writes to <workdir>/draft_vocab/vocab.npy)")
     g.add_argument("--k", type=int, default=4)
+    g.add_argument("--ngram-corpus", metavar="JSONL", default=None,
+                   help="n-gram also drafts from these texts ('text') or token ids ('ids'), "
+                        "one JSON object a line, where a row's own tokens hold no match")
     g.add_argument("--kv-cache-dtype", default=None,
                    help="the KV caches (target, draft): a float dtype, or int8 (per-token scales)")
     g.add_argument("--json", action="store_true", help="also print stats as JSON")

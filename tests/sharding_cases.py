@@ -63,7 +63,9 @@ def speculator(kind: str):
     if kind == "plain":
         return None
     if kind == "ngram":
-        return specjax.speculators.NGram(k=3, n_min=1)  # a random model's one-token matches
+        # a random model's one-token matches; a corpus index replicated beside them
+        return specjax.speculators.NGram(k=3, n_min=1).with_corpus(
+            [p[::-1] + p for p in PROMPTS])
     if kind == "medusa":  # heads params through the rules' Medusa rows
         return specjax.speculators.Medusa.random(target(), num_heads=2,
                                                  tree=[[0], [1], [0, 0]])

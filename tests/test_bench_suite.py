@@ -28,6 +28,9 @@ from specjax.timing import balanced_order
 from specjax.train.tokenizer import train_bpe
 
 VOCAB = 320
+# what the suite runs without --methods: every method but those that need a corpus file
+DEFAULT_METHODS = tuple(m for m in suite.SPECJAX_METHODS + suite.HF_METHODS
+                        if m not in suite.CORPUS_METHODS)
 WORDS = ("alpha", "beta", "gamma", "delta", "total", "scale", "offset", "limit")
 # Every category in one length band (33..64 tokens): one compiled program per method.
 # One torch thread: two spin badly on a shared 2-core machine (see docs/benchmarks.md).
@@ -245,7 +248,7 @@ def test_suite_compares_every_method_on_every_category(finished):
     assert "kernel (VERIFY_COST['cpu" in result["matmul"]  # SPECJAX_CPU_MATMUL=on (conftest)
     rows = result["rows"]
     cells = {(r["category"], r["temperature"], r["method"]) for r in rows}
-    methods = suite.SPECJAX_METHODS + suite.HF_METHODS
+    methods = DEFAULT_METHODS
     assert cells == {(c, t, m) for c in P.CATEGORIES for t in (0.0, 1.0) for m in methods}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
@@ -434,7 +437,7 @@ def test_a_run_that_dies_keeps_the_parts_it_finished(workdir, tmp_path, monkeypa
     kept = json.loads(out.read_text())
     assert kept["partial"] is True
     assert {(r["category"], r["temperature"]) for r in kept["rows"]} == {(P.CATEGORIES[0], 0.0)}
-    assert {r["method"] for r in kept["rows"]} == set(suite.SPECJAX_METHODS + suite.HF_METHODS)
+    assert {r["method"] for r in kept["rows"]} == set(DEFAULT_METHODS)
     assert all(r["vs_transformers"] is not None for r in kept["rows"])
 
 
@@ -449,7 +452,7 @@ def test_suite_writes_its_section_and_plots(finished):
         assert needle in section
     for c in P.CATEGORIES:
         assert f"### {c}" in section
-    for m in suite.SPECJAX_METHODS + suite.HF_METHODS:
+    for m in DEFAULT_METHODS:
         assert f"| {m} |" in section
     assert re.search(r"\| 0 \| 1 \| eagle \| (plain, untimed|speculative) \| 0\.", section)
     # no loop, α, τ or k for transformers
@@ -580,6 +583,31 @@ def test_several_eagle_trees_run_the_one_each_cell_prices_best(workdir, finished
     assert {p["method"] for p in res["priors"]} == {"eagle", "eagle@1,2,2"}
     [row] = [r for r in res["rows"] if r["method"] == "eagle"]
     assert row["tree"] == record["chosen"] and row["identical"]
+
+
+def test_ngram_corpus_drafts_from_the_given_texts(workdir, finished, heldout):
+    """--ngram-corpus JSONL: `ngram_corpus` drafts from those texts where a row has no
+    match of its own. A corpus of the target's own greedy continuations of the run's
+    prompts (as token ids) gets drafts accepted that the plain n-gram does not have; the
+    texts are counted in the models line; lossless."""
+    _, out, _ = finished
+    docs, tok = heldout
+    args = suite.parse_args(["--workdir", str(workdir), *TINY, "--categories", "completion"])
+    prompts = suite.build_prompt_sets(args.categories, docs, tok, args.prompts,
+                                      suite.category_lengths(args), args.seed)["completion"]
+    target = specjax.load(workdir / "target" / "export")
+    ids = [p.ids for p in prompts]
+    outputs = specjax.generate(target, ids, max_new_tokens=args.new, ignore_eos=True).tokens
+    texts = out / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"ids": i + o}) + "\n" for i, o in zip(ids, outputs)))
+    res = one_method_run(workdir, out / "corpus.json", "ngram,ngram_corpus",
+                         "--ngram-corpus", str(texts), "--no-adaptive")
+    assert res["settings"]["ngram_corpus"] == str(texts)
+    assert f"n-gram corpus {len(ids)} texts" in res["models"]
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"autoregressive", "ngram", "ngram_corpus"}
+    assert all(r["identical"] for r in rows.values())
+    assert rows["ngram_corpus"]["tau"] > rows["ngram"]["tau"]
 
 
 def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
@@ -736,6 +764,8 @@ def test_timed_passes_leave_compilation_out():
     (["--eagle-tree", "4,4,16/1,4,4"], "choosing between trees needs --calibrate N"),
     (["--eagle-tree", "1,4,4/1,4,4", "--calibrate", "2"], "names 1,4,4 twice"),
     (["--eagle-tree", "4,4,16/1,4", "--calibrate", "2"], "must be TOP_K,DEPTH,NODES"),
+    (["--methods", "ngram_corpus"], "ngram_corpus needs --ngram-corpus JSONL"),
+    (["--ngram-corpus", "/no/such.jsonl"], "--ngram-corpus '/no/such.jsonl' is not a file"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as err:

@@ -169,7 +169,8 @@ def test_real_target_quickstart_heads_on_regenerated_text(finished, tmp_path):
     """With `regenerate` the head trains on the target's own continuations: rows no
     draft reads, so the head stage dumps its own features and nothing is shared. With
     `eagle_trees` the comparison calibrates a chain beside the head's own tree and runs
-    the one its calibration prices best."""
+    the one its calibration prices best. The continuations are also the corpus of the
+    comparison's `ngram_corpus` (lossless)."""
     workdir, _ = finished
     res = run_config(QUICKSTART, _tiny_real(workdir / "target" / "export") + REGENERATE + [
         "quickstart.quickstart.draft_layers = ()", "quickstart.quickstart.temperatures = (0.0,)",
@@ -177,14 +178,17 @@ def test_real_target_quickstart_heads_on_regenerated_text(finished, tmp_path):
         "quickstart.quickstart.eagle_trees = ((1, 4, 4),)"],
         workdir=tmp_path)
     assert res["settings"]["trees"] == ["eagle3@1,4,4"]
-    assert set(res["priors"][0.0]) == {"ngram", "eagle3", "eagle3@1,4,4"}
+    assert set(res["priors"][0.0]) == {"ngram", "ngram_corpus", "eagle3", "eagle3@1,4,4"}
     [record] = res["trees"]
     assert set(record["gains"]) == {"4,4,16", "1,4,4"} and record["chosen"] in record["gains"]
     [eagle] = [r for r in res["rows"] if r["method"] == "eagle3"]
     assert eagle["tree"] == record["chosen"] and res["greedy_identical"] is True
-    assert {r["method"] for r in res["rows"]} == {"autoregressive", "ngram", "eagle3"}
+    assert {r["method"] for r in res["rows"]} == {"autoregressive", "ngram", "ngram_corpus",
+                                                   "eagle3"}
     regenerated = tmp_path / "regenerated" / "regenerated.jsonl"
     assert len(regenerated.read_text().splitlines()) == 8
+    lookup = res["settings"]["lookups"]["ngram_corpus"]
+    assert lookup["corpus_k"] == 2 and lookup["corpus_tokens"] > 8 * 48
     head_data = res["settings"]["stages"]["eagle3"]["stage"]["data_config"]["corpus"]
     assert head_data["source"] == str(regenerated)
     assert not (tmp_path / "features").exists() and not (tmp_path / "draft").exists()

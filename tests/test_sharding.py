@@ -116,6 +116,17 @@ def test_indivisible_axis_names_the_param_and_sizes():
         sharding.param_specs(cfg, {"data": 1, "model": 4})
 
 
+def test_ngram_leaves_are_replicated():
+    """The n-gram's traced n_min (a Python int) and its corpus index have specs, each
+    replicated, so `generate(mesh=)` can lay the speculator out."""
+    from specjax.speculators import NGram
+
+    spec = NGram(k=3).with_corpus([[1, 2, 3, 4], [5, 6]])
+    specs = sharding.tree_specs(spec, {"data": 2, "model": 4})
+    assert specs.n_min == P() and specs.corpus.tokens == P(None)
+    assert specs.corpus.slots == P(None, None)
+
+
 def test_kv_heads_and_batch_replicate_when_indivisible():
     cfg = tiny_llama(num_heads=8, num_kv_heads=2)
     specs = sharding.param_specs(cfg, {"data": 2, "model": 4})

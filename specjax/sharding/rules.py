@@ -87,6 +87,10 @@ PARAM_AXES: tuple[tuple[str, Logical], ...] = (
     # a draft model trimmed to a reduced vocabulary (specjax/speculators/draft_model.py)
     ("vocab_ids", (None,)),  # [Vd] the target ids its LM head keeps
     ("vocab_head", ("embed", "vocab")),  # [D, Vd] those rows of its LM head
+    # n-gram (specjax/speculators/ngram.py): its traced n_min and its corpus index
+    ("n_min", ()),
+    ("corpus/tokens", (None,)),  # [C]
+    ("corpus/slots", (None, None)),  # [n_max, H]
 )
 
 # Cache field -> logical axes.
@@ -246,9 +250,9 @@ def tree_specs(tree: Any, mesh: Mesh | MeshShape, *, config: ModelConfig | None 
     counts = config_counts(config)
 
     def one(path, x):
-        name = path_str(path)
-        logical = param_logical_axes(name, len(x.shape))
-        return partition_spec(logical, x.shape, mesh, name=name, counts=counts, rules=rules)
+        name, shape = path_str(path), np.shape(x)  # a Python number is a leaf too (n_min)
+        logical = param_logical_axes(name, len(shape))
+        return partition_spec(logical, shape, mesh, name=name, counts=counts, rules=rules)
 
     return jax.tree.map_with_path(one, tree)
 

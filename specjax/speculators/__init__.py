@@ -12,9 +12,10 @@ from specjax.speculators.draft_model import DraftModel
 from specjax.speculators.eagle import Eagle
 from specjax.speculators.medusa import Medusa
 from specjax.speculators.ngram import NGram
+from specjax.speculators.ngram_corpus import CorpusIndex
 from specjax.speculators.queue import PairQueue
 from specjax.speculators.saved import head_speculator, method_of, tree_alternatives
 
-__all__ = ["CommitContext", "DraftCost", "DraftModel", "Eagle", "Medusa", "NGram",
+__all__ = ["CommitContext", "CorpusIndex", "DraftCost", "DraftModel", "Eagle", "Medusa", "NGram",
            "PairQueue", "PrefillChunk", "ProposeContext", "Speculator", "TreeShape",
            "head_speculator", "method_of", "tree_alternatives"]

@@ -13,6 +13,12 @@ Repetitive input (code edits, quoting the prompt) gives long accepted runs. A ma
 one token is right about one time in four, of two more often than not, so `n_min`
 defaults to 2 (docs/benchmarks.md, "n-gram: the shortest match"). `n_min` is a traced
 value, so another `n_min` runs the loop compiled for the first; `k` and `n_max` shape it.
+With a `corpus` (`CorpusIndex`), a row whose own tokens hold no match drafts the corpus's
+continuation of its last n tokens instead, as SuffixDecoding and REST draft from earlier
+outputs. Its own match comes first, since it is right far more often. A corpus draft
+stops after `corpus_k` tokens (default 2): its tokens are accepted less often than an
+own match's, so a longer one costs a wider verify than it returns (docs/benchmarks.md,
+"n-gram over a corpus").
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.speculators.base import ProposeContext, Speculator, TreeShape
+from specjax.speculators.ngram_corpus import CorpusIndex
 from specjax.tree import DraftTree, chain
 
 
@@ -35,19 +42,32 @@ class NGram(Speculator):
     # asks for a draft wherever the rule drafts, as a speculator that cannot peek does
     # (an ablation: `python -m specjax.bench.loop_steps` times both)
     peek: bool = struct.field(pytree_node=False, default=True)
+    # where the row's own tokens hold no match: the continuation in this corpus, at most
+    # corpus_k tokens of it (a corpus match is right less often than the row's own)
+    corpus: CorpusIndex | None = None
+    corpus_k: int = struct.field(pytree_node=False, default=2)
 
     @property
     def peeks(self) -> bool:
         return self.peek
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ValueError(f"NGram k={self.k} must be >= 1")
+        if self.k < 1 or self.corpus_k < 1:
+            raise ValueError(f"NGram k={self.k} and corpus_k={self.corpus_k} must be >= 1")
         # checked where it is a number: jax also rebuilds the speculator around tracers
         # and placeholders
         if isinstance(self.n_min, numbers.Number) and not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"NGram needs 1 <= n_min <= n_max; got n_min={self.n_min}, "
                              f"n_max={self.n_max}")
+        if (isinstance(self.corpus, CorpusIndex) and hasattr(self.corpus.slots, "shape")
+                and self.corpus.n_max < self.n_max):
+            raise ValueError(f"NGram n_max={self.n_max} exceeds its corpus index's n_max="
+                             f"{self.corpus.n_max}")
+
+    def with_corpus(self, documents, vocab_size: int | None = None) -> "NGram":
+        """This n-gram drafting from `documents` (token-id lists) too, where a row's own
+        tokens hold no match (`CorpusIndex.build`)."""
+        return self.replace(corpus=CorpusIndex.build(documents, self.n_max, vocab_size))
 
     @property
     def shape(self) -> TreeShape:
@@ -60,12 +80,20 @@ class NGram(Speculator):
         idx = best[:, None] + 1 + jnp.arange(self.k)[None, :]  # [B, k]
         drafts = jnp.take_along_axis(toks, jnp.clip(idx, 0, s - 1), axis=1)
         valid = (best[:, None] >= 0) & (idx < lens[:, None])
+        if self.corpus is not None:
+            outside, found = self.corpus.lookup(toks, lens, self.n_min, self.n_max, self.k)
+            found = found & (jnp.arange(self.k) < self.corpus_k)[None, :]
+            own = best[:, None] >= 0
+            drafts, valid = jnp.where(own, drafts, outside), jnp.where(own, valid, found)
         return chain(drafts, valid=valid), state
 
     def has_draft(self, state, tokens, lengths):
         """[B] bool: rows whose last n_min..n_max tokens recur earlier (a match always has
-        a token after it)."""
-        return self._match(tokens, lengths) >= 0
+        a token after it), or, with a corpus, occur there."""
+        own = self._match(tokens, lengths) >= 0
+        if self.corpus is None:
+            return own
+        return own | self.corpus.lookup(tokens, lengths, self.n_min, self.n_max, 1)[1][:, 0]
 
     def _match(self, toks, lens):
         """[B] int32: the end of the chosen earlier occurrence of each row's last n tokens
