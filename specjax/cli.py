@@ -48,10 +48,7 @@ def _generate(args) -> int:
     if args.speculator == "ngram":
         spec = NGram(k=args.k)
         if args.ngram_corpus:
-            from specjax.speculators.ngram_corpus import read_corpus
-
-            spec = spec.with_corpus(read_corpus(args.ngram_corpus, model.tokenizer),
-                                    model.config.vocab_size)
+            spec = spec.with_corpus_file(args.ngram_corpus, model)
     elif args.speculator == "draft":
         if not args.draft:
             raise ValueError("--speculator draft needs --draft DIR")

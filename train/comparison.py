@@ -127,9 +127,10 @@ def choose_trees(target: specjax.Model, candidates: dict, priors: dict, *,
     to gain most from its calibration (`specjax.calibrate.choose_tree`):
     ({(temperature, method): name}, a record per choice of every shape's gain)."""
     choices, records = {}, []
+    methods = sorted({method_of(n) for n in candidates if method_of(n) != n})
     for temp, per in priors.items():
-        for method in sorted({method_of(n) for n in candidates if method_of(n) != n}):
-            costs = {n: cost_ratio_of(cost_ratios, temp, n) for n in candidates}
+        costs = {n: cost_ratio_of(cost_ratios, temp, n) for n in candidates}
+        for method in methods:
             best, record = choose_tree(target, method, candidates, per, costs, batch=batch,
                                        context=context)
             choices[temp, method] = best

@@ -220,7 +220,6 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
 
     from specjax.speculators import DraftModel, NGram
     from specjax.speculators.draft_model import VOCAB_FILE, load_vocab
-    from specjax.speculators.ngram_corpus import read_corpus
 
     specs, draft = {"autoregressive": None, "ngram": NGram(k=k)}, None
     # Offline head stages on the quickstart's own rows share one features dump with the
@@ -261,9 +260,8 @@ def quickstart(workdir: str | Path, *, target: str | None = None,
         head_stages = {name: dataclasses.replace(make, data_config=head_data)
                        for name, make in head_stages.items()}
         # the same continuations serve the n-gram as a corpus of the target's own text
-        specs["ngram_corpus"] = NGram(k=k).with_corpus(
-            read_corpus(rdir / jobs.REGENERATED_FILE, target_model.tokenizer),
-            target_model.config.vocab_size)
+        specs["ngram_corpus"] = NGram(k=k).with_corpus_file(rdir / jobs.REGENERATED_FILE,
+                                                             target_model)
     heads, alternatives = _head_specs(workdir, export, target_model, head_stages, common,
                                       num_prompts, prompt_len, new_tokens, seed, k,
                                       record_tau=False, shared=shared, features_dir=fdir,

@@ -659,16 +659,6 @@ def _calibrated_priors(args, target, speculators: dict, prompt_sets, docs, lengt
     return priors
 
 
-def corpus_ngram(path: str | Path, target, k: int):
-    """`ngram_corpus`: n-gram of k that drafts from the corpus file `path`
-    (`ngram_corpus.read_corpus`) where a row's own tokens hold no match."""
-    from specjax.speculators import NGram
-    from specjax.speculators.ngram_corpus import read_corpus
-
-    return NGram(k=k).with_corpus(read_corpus(path, target.tokenizer),
-                                  target.config.vocab_size)
-
-
 def decode_matmul(target) -> str:
     """Which matmul the target's decode steps ran in this process, and so which
     verify-cost table the adaptive rule priced with: on CPU the few-row kernel's race
@@ -747,7 +737,10 @@ def suite(args, command: str, log=_log) -> dict:
         eagle_tree=args.eagle_tree).items()
         if m in args.methods}
     if "ngram_corpus" in args.methods:
-        speculators["ngram_corpus"] = corpus_ngram(args.ngram_corpus, target, args.k)
+        from specjax.speculators import NGram
+
+        speculators["ngram_corpus"] = NGram(k=args.k).with_corpus_file(args.ngram_corpus,
+                                                                        target)
     alternatives = {}
     if "eagle" in speculators and len(args.eagle_trees) > 1:
         alternatives = tree_alternatives(paths.eagle, target, "eagle", args.eagle_trees[1:])

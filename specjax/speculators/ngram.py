@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.speculators.base import ProposeContext, Speculator, TreeShape
-from specjax.speculators.ngram_corpus import CorpusIndex
+from specjax.speculators.ngram_corpus import CorpusIndex, read_corpus
 from specjax.tree import DraftTree, chain
 
 
@@ -68,6 +68,12 @@ class NGram(Speculator):
         """This n-gram drafting from `documents` (token-id lists) too, where a row's own
         tokens hold no match (`CorpusIndex.build`)."""
         return self.replace(corpus=CorpusIndex.build(documents, self.n_max, vocab_size))
+
+    def with_corpus_file(self, path, model) -> "NGram":
+        """`with_corpus` over the documents of the file `path` (`read_corpus`: JSON lines
+        of 'text', tokenized by `model`'s tokenizer, or 'ids'), checked against `model`'s
+        vocabulary."""
+        return self.with_corpus(read_corpus(path, model.tokenizer), model.config.vocab_size)
 
     @property
     def shape(self) -> TreeShape:
