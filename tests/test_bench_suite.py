@@ -827,6 +827,37 @@ def test_draft_vocab_bench_sweeps_the_trimmed_sizes(workdir, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_corpus_drafts_bench_replays_the_corpus_ngram(workdir, heldout, tmp_path, capsys):
+    """`python -m specjax.bench.corpus_drafts`: a row per category and min_share. The
+    corpus is the target's own greedy continuations of the very prompts it replays, so
+    its drafts are mostly right; a higher min_share drafts at no more positions; bad
+    flags exit 2 naming them."""
+    from specjax.bench import corpus_drafts
+
+    docs, tok = heldout
+    prompts = [p.ids for p in P.build_prompts("completion", docs, tok, 2, 64, seed=2)]
+    target = specjax.load(workdir / "target" / "export")
+    outputs = specjax.generate(target, prompts, max_new_tokens=12, ignore_eos=True).tokens
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"ids": o}) + "\n" for o in outputs))
+    argv = ["--workdir", str(workdir), "--corpus", str(texts), "--categories", "completion",
+            "--prompts", "2", "--prompt-tokens", "64", "--new", "12", "--k", "2",
+            "--min-shares", "0,0.5"]
+    assert corpus_drafts.main(argv) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| completion")]
+    assert [r[1] for r in rows] == ["0", "0.5"]
+    rate = [float(r[3]) for r in rows]
+    assert rate[0] > 0 and rate[1] <= rate[0]
+    assert float(rows[0][4].split(" / ")[0]) > 0.5  # the corpus's first tokens are right
+    for bad, message in ((["--min-shares", "0,2"], "2 is outside [0, 1]"),
+                         (["--corpus", str(tmp_path / "none.jsonl")], "--corpus:"),
+                         (["--prompt-tokens", "0"], "--prompt-tokens=0 must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            corpus_drafts.main(argv + bad)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_module_entry_turns_the_compilation_cache_on(tmp_path):
     """`python -m specjax.bench.suite` (the docs' commands) keeps the persistent cache, as
     the CLI does, even when it stops on a bad --workdir."""

@@ -22,9 +22,10 @@ def _lookup(index, rows, n_min=1, n_max=3, k=4):
     return [[int(t) for t, v in zip(d, ok) if v] for d, ok in zip(drafts, valid)]
 
 
-def test_lookup_takes_the_first_occurrence_and_the_longest_n():
+def test_lookup_takes_the_longest_n_and_ties_go_to_the_first_occurrence():
     index = CorpusIndex.build(DOCS, n_max=3)
-    # "6 7" first occurs in document 0: its continuation, up to the document's end
+    # "6 7" is followed by 8 in document 0 and by 40 in document 2: a tie, so the first
+    # occurrence's continuation, up to the document's end
     assert _lookup(index, [[1, 6, 7]]) == [[8, 9]]
     # "40": only in document 2
     assert _lookup(index, [[9, 40]]) == [[41]]
@@ -36,6 +37,35 @@ def test_lookup_takes_the_first_occurrence_and_the_longest_n():
     assert _lookup(index, [[9, 2, 3]], n_min=3) == [[]]
     # an n-gram that is not in the corpus, and a row shorter than n_min
     assert _lookup(index, [[11, 12, 13], [7]], n_min=2) == [[], []]
+
+
+def test_lookup_follows_the_most_frequent_continuation():
+    docs = [[1, 2, 4, 6], [1, 2, 3, 9], [1, 2, 4, 5], [7, 1, 2, 4, 5]]
+    index = CorpusIndex.build(docs)
+    # "1 2" is followed by 4 three times in four; after "1 2 4", by 5 twice in three;
+    # then each of those documents ends, so the draft stops there
+    assert _lookup(index, [[0, 1, 2]]) == [[4, 5]]
+    # the path is followed, and drafted, for `depth` tokens
+    assert _lookup(CorpusIndex.build(docs, depth=1), [[0, 1, 2]]) == [[4]]
+    # "4" alone: 5 twice, 6 once; two more "4 6 8" make 6 the most frequent, then 8
+    assert _lookup(index, [[3, 4]], n_min=1) == [[5]]
+    assert _lookup(CorpusIndex.build(docs + [[4, 6, 8]] * 2), [[3, 4]],
+                   n_min=1) == [[6, 8]]
+    # a document's end counts as a continuation: "4 5" ends two documents of three
+    ends = CorpusIndex.build([[4, 5, 6], [4, 5], [4, 5]])
+    assert _lookup(ends, [[4]]) == [[5]]
+
+
+def test_a_continuation_few_occurrences_agree_on_is_not_drafted():
+    # after "1 2 4" four tokens each follow once: a share of 0.25, under MIN_SHARE
+    docs = [[1, 2, 4, t] for t in (5, 6, 7, 8)]
+    assert _lookup(CorpusIndex.build(docs), [[1, 2]]) == [[4]]
+    assert _lookup(CorpusIndex.build(docs, min_share=0.25), [[1, 2]]) == [[4, 5]]
+    # a first token under the share: that n-gram drafts nothing, and peeks no draft
+    spread = [[1, 2, t, 9] for t in (5, 6, 7, 8)]
+    assert _lookup(CorpusIndex.build(spread), [[1, 2]]) == [[]]
+    assert _propose(NGram(k=4).with_corpus(spread), [30, 1, 2]) == ([], False)
+    assert _propose(NGram(k=4).with_corpus(spread, min_share=0), [30, 1, 2]) == ([5, 9], True)
 
 
 def test_no_ngram_crosses_a_document_boundary():
@@ -109,6 +139,8 @@ def test_a_corpus_of_the_targets_outputs_drafts_and_stays_lossless(tiny_target):
     (lambda: CorpusIndex.build([[1, 2], [3, -4]]), "document 1 holds token id -4"),
     (lambda: CorpusIndex.build([[1, 200]], vocab_size=128), r"token id 200, outside \[0, 128\)"),
     (lambda: CorpusIndex.build([[1, 2]], n_max=0), "n_max=0"),
+    (lambda: CorpusIndex.build([[1, 2]], depth=0), "depth=0"),
+    (lambda: CorpusIndex.build([[1, 2]], min_share=1.5), "min_share=1.5"),
     (lambda: NGram(k=2, corpus_k=0), "corpus_k=0 must be >= 1"),
     (lambda: NGram(k=2, n_max=3, corpus=CorpusIndex.build([[1, 2]], n_max=2)),
      "n_max=3 exceeds its corpus index's n_max=2"),
@@ -152,3 +184,21 @@ def test_cli_generate_drafts_from_a_corpus_file(tmp_path, capsys):
     assert f"{corpus}:1: needs 'ids'" in capsys.readouterr().err
     assert cli.main(["generate", "--speculator", "none", "--ngram-corpus", str(corpus)]) == 2
     assert "--ngram-corpus is n-gram's; --speculator is 'none'" in capsys.readouterr().err
+
+
+def test_replay_counts_corpus_drafts_against_the_continuation():
+    """`bench.corpus_drafts.replay` by hand: in [9 1 2 3 7 8] the corpus drafts "3 4"
+    after "1 2" (one token right) and "4" after "2 3" (wrong); in [5 6 5 6 5 6] the row's
+    own "5 6" drafts once, and is not counted as a corpus draft."""
+    from specjax.bench.corpus_drafts import replay
+
+    spec = NGram(k=2).with_corpus([[1, 2, 3, 4]])
+    out = replay(spec, [[9, 1, 2, 3, 7, 8], [5, 6, 5, 6, 5, 6]], [1, 1],
+                 lambda t: np.asarray(t, np.float64))  # a verify costs its tokens
+    assert out["positions"] == 8
+    assert (out["own"], out["corpus"]) == (1 / 8, 2 / 8)
+    assert out["acceptance"] == [0.5, 0.0]
+    assert out["tokens_per_cost"] == pytest.approx((2 + 1) / (3 + 2))
+    assert out["net_per_100"] == pytest.approx(100 * ((2 - 3) + (1 - 2)) / 8)
+    with pytest.raises(ValueError, match="no position to replay"):
+        replay(spec, [[1, 2]], [1], lambda t: t)

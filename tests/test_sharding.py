@@ -124,7 +124,7 @@ def test_ngram_leaves_are_replicated():
     spec = NGram(k=3).with_corpus([[1, 2, 3, 4], [5, 6]])
     specs = sharding.tree_specs(spec, {"data": 2, "model": 4})
     assert specs.n_min == P() and specs.corpus.tokens == P(None)
-    assert specs.corpus.slots == P(None, None)
+    assert specs.corpus.slots == specs.corpus.spans == P(None, None)
 
 
 def test_kv_heads_and_batch_replicate_when_indivisible():

@@ -139,6 +139,11 @@ class Workdir:
         return list(load_corpus(config).eval), repr(config)
 
 
+# each category's prompt length (`build_prompts`' N) unless a flag changes it
+DEFAULT_LENGTHS = dict(completion=128, docstring=128, repetitive=256, long=2048,
+                       humaneval=256)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The suite's command line: every flag with its default and help, checked afterwards by
     `parse_args`."""
@@ -168,12 +173,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="EAGLE's dynamic tree: branching, depth and nodes verified; "
                     "several shapes separated by '/' (with --calibrate): each cell runs "
                     "the one its calibration expects to gain most")
-    ap.add_argument("--short-tokens", type=int, default=128,
+    ap.add_argument("--short-tokens", type=int, default=DEFAULT_LENGTHS["completion"],
                     help="completion and docstring prompts: (N/2, N] tokens")
-    ap.add_argument("--edit-tokens", type=int, default=256,
+    ap.add_argument("--edit-tokens", type=int, default=DEFAULT_LENGTHS["repetitive"],
                     help="repetitive-edit prompts: (N/2, N] tokens")
-    ap.add_argument("--long-tokens", type=int, default=2048, help="long prompts: N tokens")
-    ap.add_argument("--humaneval-tokens", type=int, default=256,
+    ap.add_argument("--long-tokens", type=int, default=DEFAULT_LENGTHS["long"],
+                    help="long prompts: N tokens")
+    ap.add_argument("--humaneval-tokens", type=int, default=DEFAULT_LENGTHS["humaneval"],
                     help="humaneval prompts: (N/2, N] tokens")
     ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling")
@@ -287,7 +293,7 @@ def category_lengths(args: argparse.Namespace) -> dict[str, int]:
     """The prompt length (`build_prompts`' N) of every category from the suite's flags."""
     return dict(completion=args.short_tokens, docstring=args.short_tokens,
                 repetitive=args.edit_tokens, long=args.long_tokens,
-                humaneval=getattr(args, "humaneval_tokens", 256))
+                humaneval=getattr(args, "humaneval_tokens", DEFAULT_LENGTHS["humaneval"]))
 
 
 def build_prompt_sets(categories, docs, tokenizer, num: int, lengths: dict[str, int],

@@ -91,6 +91,7 @@ PARAM_AXES: tuple[tuple[str, Logical], ...] = (
     ("n_min", ()),
     ("corpus/tokens", (None,)),  # [C]
     ("corpus/slots", (None, None)),  # [n_max, H]
+    ("corpus/spans", (None, None)),  # [n_max, H]
 )
 
 # Cache field -> logical axes.

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.speculators.base import ProposeContext, Speculator, TreeShape
-from specjax.speculators.ngram_corpus import CorpusIndex, read_corpus
+from specjax.speculators.ngram_corpus import MIN_SHARE, CorpusIndex, read_corpus
 from specjax.tree import DraftTree, chain
 
 
@@ -64,10 +64,15 @@ class NGram(Speculator):
             raise ValueError(f"NGram n_max={self.n_max} exceeds its corpus index's n_max="
                              f"{self.corpus.n_max}")
 
-    def with_corpus(self, documents, vocab_size: int | None = None) -> "NGram":
+    def with_corpus(self, documents, vocab_size: int | None = None,
+                    min_share: float = MIN_SHARE) -> "NGram":
         """This n-gram drafting from `documents` (token-id lists) too, where a row's own
-        tokens hold no match (`CorpusIndex.build`)."""
-        return self.replace(corpus=CorpusIndex.build(documents, self.n_max, vocab_size))
+        tokens hold no match (`CorpusIndex.build`: each n-gram's most frequent
+        continuation, up to a token fewer than `min_share` of its occurrences go on
+        with)."""
+        return self.replace(corpus=CorpusIndex.build(
+            documents, self.n_max, vocab_size, depth=self.k,
+            min_share=min_share))
 
     def with_corpus_file(self, path, model) -> "NGram":
         """`with_corpus` over the documents of the file `path` (`read_corpus`: JSON lines
