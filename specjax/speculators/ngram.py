@@ -14,11 +14,12 @@ one token is right about one time in four, of two more often than not, so `n_min
 defaults to 2 (docs/benchmarks.md, "n-gram: the shortest match"). `n_min` is a traced
 value, so another `n_min` runs the loop compiled for the first; `k` and `n_max` shape it.
 With a `corpus` (`CorpusIndex`), a row whose own tokens hold no match drafts the corpus's
-continuation of its last n tokens instead, as SuffixDecoding and REST draft from earlier
-outputs. Its own match comes first, since it is right far more often. A corpus draft
-stops after `corpus_k` tokens (default 2): its tokens are accepted less often than an
-own match's, so a longer one costs a wider verify than it returns (docs/benchmarks.md,
-"n-gram over a corpus").
+most frequent continuation of its last n tokens instead, as SuffixDecoding and REST draft
+from earlier outputs, up to a token few of the n-gram's occurrences go on with. Its own
+match comes first, since it is right far more often. A corpus draft stops after
+`corpus_k` tokens (default 2): its tokens are accepted less often than an own match's,
+so a longer one costs a wider verify than it returns (docs/benchmarks.md, "n-gram over a
+corpus").
 """
 
 from __future__ import annotations

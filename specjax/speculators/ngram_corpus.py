@@ -137,10 +137,12 @@ class CorpusIndex:
             ends, grams = ends[ok], grams[ok]
             if not ends.size:  # no document is longer than n
                 continue
-            group = np.unique(grams, axis=0, return_inverse=True)[1].reshape(-1)
+            # [G] each distinct n-gram's first occurrence, [N] each occurrence's n-gram
+            _, first, group = np.unique(grams, axis=0, return_index=True,
+                                        return_inverse=True)
+            group = group.reshape(-1)
             chosen, shares = _most_frequent(flat, ends, group, depth)  # [G], [G, depth]
             span = np.cumprod(shares >= min_share, axis=1).sum(axis=1)  # [G]
-            first = np.unique(group, return_index=True)[1]  # [G] its first occurrence
             where = (_hash(grams[first]) & np.uint32(size - 1)).astype(np.int64)
             # of the n-grams that collide in a slot, the one that occurs first keeps it
             order = np.argsort(first, kind="stable")
