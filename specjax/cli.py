@@ -1,7 +1,8 @@
 """The `specjax` command line.
 
   specjax run CONFIG.gin [--gin 'binding = value' ...] [--workdir DIR]
-  specjax generate [--model DIR] [--prompt TEXT | --ids 1,2,3] [--speculator ngram|draft|none]
+  specjax generate [--model PATH | --workdir RUN] [--prompt TEXT | --ids 1,2,3]
+      [--speculator none|ngram|draft|eagle|medusa] [--heads DIR] [--tree TOP_K,DEPTH,NODES]
       [--ngram-corpus JSONL]
   specjax bench decode [...]
   specjax bench speculative [...]
@@ -18,62 +19,9 @@ Errors in arguments exit non-zero with a one-line message naming the value.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-
-def _generate(args) -> int:
-    import specjax
-    from specjax.config import tiny_llama
-    from specjax.speculators import DraftModel, NGram
-    from specjax.speculators.draft_model import load_vocab
-
-    if args.model:
-        model = specjax.load(args.model)
-        source = args.model
-    else:  # a small random model built on the spot: no download, runs anywhere
-        model = specjax.init_model(tiny_llama(vocab_size=256, hidden_size=128, num_layers=4,
-                                              intermediate_size=344, num_heads=4,
-                                              num_kv_heads=2), seed=args.seed)
-        source = f"random tiny Llama ({model.num_params():,} params, seed {args.seed})"
-    if args.ids:
-        prompts = [[int(x) for x in args.ids.split(",")]]
-    elif args.prompt:
-        prompts = [args.prompt]
-    else:
-        prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
-    spec = None
-    if args.ngram_corpus and args.speculator != "ngram":
-        raise ValueError(f"--ngram-corpus is n-gram's; --speculator is {args.speculator!r}")
-    if args.speculator == "ngram":
-        spec = NGram(k=args.k)
-        if args.ngram_corpus:
-            spec = spec.with_corpus_file(args.ngram_corpus, model)
-    elif args.speculator == "draft":
-        if not args.draft:
-            raise ValueError("--speculator draft needs --draft DIR")
-        vocab = load_vocab(args.draft_vocab) if args.draft_vocab else None
-        spec = DraftModel.create(specjax.load(args.draft), k=args.k, target=model, vocab=vocab)
-    print(f"model: {source}")
-    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
-    plain = specjax.generate(model, prompts, **common)
-    print(f"autoregressive: {plain.stats.summary()}")
-    if spec is not None:
-        out = specjax.generate(model, prompts, speculator=spec, **common)
-        print(f"{args.speculator:>14}: {out.stats.summary()}")
-        if args.temperature == 0:
-            same = out.tokens == plain.tokens
-            print(f"greedy outputs identical: {same}")
-            if not same:
-                return 1
-        plain = out
-    for row, toks in enumerate(plain.tokens):
-        shown = plain.text[row] if plain.text else toks
-        print(f"[{row}] {shown}")
-    if args.json:
-        print(json.dumps(plain.stats.to_dict()))
-    return 0
+from specjax import cli_generate
 
 
 def _run(args) -> int:
@@ -133,23 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from a model (default: a random tiny one)",
                        parents=[common])
-    g.add_argument("--model", help="Hugging Face or orbax directory")
-    g.add_argument("--prompt", help="text prompt (needs the model's tokenizer)")
-    g.add_argument("--ids", help="comma-separated prompt token ids")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--speculator", choices=["none", "ngram", "draft"], default="ngram")
-    g.add_argument("--draft", help="draft model directory for --speculator draft")
-    g.add_argument("--draft-vocab", help="trim the draft's LM head to these target ids (a "
-                   ".npy file, as the quickstart writes to <workdir>/draft_vocab/vocab.npy)")
-    g.add_argument("--k", type=int, default=4)
-    g.add_argument("--ngram-corpus", metavar="JSONL", default=None,
-                   help="n-gram also drafts from these texts ('text') or token ids ('ids'), "
-                        "one JSON object a line, where a row's own tokens hold no match")
-    g.add_argument("--kv-cache-dtype", default=None,
-                   help="the KV caches (target, draft): a float dtype, or int8 (per-token scales)")
-    g.add_argument("--json", action="store_true", help="also print stats as JSON")
+    cli_generate.add_arguments(g)
     r = sub.add_parser("run", help="run a gin experiment (training or evaluation)",
                        parents=[common])
     r.add_argument("config", help="a .gin file, e.g. configs/experiments/quickstart.gin")
@@ -189,7 +121,7 @@ def main(argv=None) -> int:
 
         compile_cache.enable(args.compilation_cache)
         if args.command == "generate":
-            return _generate(args)
+            return cli_generate.main(args)
         if args.command == "run":
             if args.workdir is None:
                 from pathlib import Path

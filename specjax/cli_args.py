@@ -41,3 +41,30 @@ def comma_list(ap: argparse.ArgumentParser, flag: str, text: str, convert=str, *
     if minimum is not None and min(values) < minimum:
         ap.error(f"{flag}={text!r}: every value must be >= {minimum}")
     return values
+
+
+def parse_tree(flag: str, text: str) -> tuple[int, int, int]:
+    """An EAGLE dynamic tree's TOP_K,DEPTH,NODES from a flag's text; a ValueError naming
+    the flag and value where it is not three integers >= 1, or no such tree exists
+    (`eagle.check_tree`)."""
+    from specjax.speculators.eagle import check_tree
+
+    try:
+        tree = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        tree = ()
+    if len(tree) != 3 or min(tree) < 1:
+        raise ValueError(f"{flag}={text!r} must be TOP_K,DEPTH,NODES: three integers >= 1")
+    try:
+        check_tree(None, *tree)
+    except ValueError as e:
+        raise ValueError(f"{flag}={text!r}: {e}") from e
+    return tree
+
+
+def tree_arg(ap: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, int, int]:
+    """`parse_tree`, its error through `ap.error` (exit 2)."""
+    try:
+        return parse_tree(flag, text)
+    except ValueError as e:
+        ap.error(str(e))

@@ -850,6 +850,15 @@ def test_corpus_drafts_bench_replays_the_corpus_ngram(workdir, heldout, tmp_path
     rate = [float(r[3]) for r in rows]
     assert rate[0] > 0 and rate[1] <= rate[0]
     assert float(rows[0][4].split(" / ")[0]) > 0.5  # the corpus's first tokens are right
+    # --corpus train: the training split of the corpus the prompts are held out from
+    corpus = suite.Workdir.check(workdir, []).corpus()[0]
+    tokens = sum(len(e.ids) for e in tok.encode_batch(list(corpus.train),
+                                                       add_special_tokens=False))
+    assert corpus_drafts.main(argv[:2] + ["--corpus", "train"] + argv[4:]) == 0
+    out = capsys.readouterr().out
+    assert (f"corpus: the training split of {corpus.name}, {len(corpus.train):,} texts, "
+            f"{tokens:,} tokens") in out
+    assert sum(line.startswith("| completion") for line in out.splitlines()) == 2
     for bad, message in ((["--min-shares", "0,2"], "2 is outside [0, 1]"),
                          (["--corpus", str(tmp_path / "none.jsonl")], "--corpus:"),
                          (["--prompt-tokens", "0"], "--prompt-tokens=0 must be >= 1")):

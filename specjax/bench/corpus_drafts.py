@@ -15,7 +15,7 @@ its tokens would be accepted. Per category and `min_share`, the table gives:
 Each position is counted once, whether or not the loop would reach it (an accepted
 draft skips the positions it covers), so this ranks settings; the suite times them.
 
-  python -m specjax.bench.corpus_drafts --workdir RUN --corpus FILE
+  python -m specjax.bench.corpus_drafts --workdir RUN --corpus FILE|train
       [--categories humaneval,docstring,completion] [--prompts 16] [--prompt-tokens N]
       [--new 64] [--k 4]
       [--corpus-k 2] [--min-shares 0,0.1,0.2,0.3,0.4,0.5] [--seed 2]
@@ -109,8 +109,10 @@ def main(argv=None) -> int:
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True, help="a quickstart or recipe run")
-    ap.add_argument("--corpus", required=True, metavar="JSONL",
-                    help="the corpus file (`NGram.with_corpus_file`)")
+    ap.add_argument("--corpus", required=True, metavar="JSONL|train",
+                    help="the corpus file (`NGram.with_corpus_file`), or 'train': the "
+                    "training split of the corpus the held-out prompts come from "
+                    "(human-written text of their domain, as a REST datastore)")
     ap.add_argument("--categories", default="humaneval,docstring,completion")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per category")
     ap.add_argument("--prompt-tokens", type=int, default=None,
@@ -139,11 +141,14 @@ def main(argv=None) -> int:
     from specjax.speculators.ngram_corpus import read_corpus
 
     target = specjax.load(paths.target, dtype="float32")
+    corpus, _ = paths.corpus()
     try:
-        docs = read_corpus(args.corpus, target.tokenizer)
+        docs = ([e.ids for e in target.tokenizer.encode_batch(
+            list(corpus.train), add_special_tokens=False)] if args.corpus == "train"
+            else read_corpus(args.corpus, target.tokenizer))
     except (OSError, ValueError) as e:
         ap.error(f"--corpus: {e}")
-    heldout, _ = paths.heldout_documents()
+    heldout = list(corpus.eval)
     cost = default_verify_cost(target.config)
     specs = {s: NGram(k=args.k, corpus_k=args.corpus_k).with_corpus(
         docs, target.config.vocab_size, min_share=s) for s in shares}
@@ -161,7 +166,8 @@ def main(argv=None) -> int:
         for s, spec in specs.items():
             rows.append(dict(category=cat, min_share=s, **replay(
                 spec, seqs, [len(p) for p in prompts], cost)))
-    print(f"corpus: {len(docs):,} texts, {sum(map(len, docs)):,} tokens; n-gram k = "
+    name = f"the training split of {corpus.name}" if args.corpus == "train" else args.corpus
+    print(f"corpus: {name}, {len(docs):,} texts, {sum(map(len, docs)):,} tokens; n-gram k = "
           f"{args.k}, corpus_k = {args.corpus_k}; {args.prompts} prompts per category "
           f"(seed {args.seed}), {args.new} greedy tokens each")
     print(markdown(rows))

@@ -67,8 +67,8 @@ from specjax.bench.suite_methods import (
     SPECJAX_METHODS,
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
-from specjax.cli_args import comma_list
-from specjax.speculators.eagle import check_tree, tree_label
+from specjax.cli_args import comma_list, tree_arg
+from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side
 
@@ -126,6 +126,12 @@ class Workdir:
         pretrained target (the real-target quickstart) the whole corpus's held-out split,
         as its comparison draws them: the split is by document hash, so no document of
         it was in the smaller training subset."""
+        corpus, config = self.corpus()
+        return list(corpus.eval), repr(config)
+
+    def corpus(self):
+        """(`specjax.corpus.Corpus`, its `CorpusConfig`): the corpus whose held-out split
+        `heldout_documents` gives, both splits."""
         from specjax.corpus import CorpusConfig, load_corpus
 
         try:
@@ -136,7 +142,7 @@ class Workdir:
         config = CorpusConfig(**corpus)
         if "target" in settings:  # not trained on the corpus: widen to all of it
             config = dataclasses.replace(config, max_files=None, max_chars=None)
-        return list(load_corpus(config).eval), repr(config)
+        return load_corpus(config), config
 
 
 # each category's prompt length (`build_prompts`' N) unless a flag changes it
@@ -251,14 +257,7 @@ def _check_numbers(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
     shapes = []
     for part in args.eagle_tree.split("/"):
-        tree = tuple(comma_list(ap, "--eagle-tree", part, int, minimum=1))
-        if len(tree) != 3:
-            ap.error(f"--eagle-tree={args.eagle_tree!r} must be TOP_K,DEPTH,NODES, or "
-                     "several separated by '/'")
-        try:
-            check_tree(None, *tree)
-        except ValueError as e:
-            ap.error(f"--eagle-tree={args.eagle_tree!r}: {part}: {e}")
+        tree = tree_arg(ap, "--eagle-tree", part)
         if tree in shapes:
             ap.error(f"--eagle-tree={args.eagle_tree!r} names {part} twice")
         shapes.append(tree)

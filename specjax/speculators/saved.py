@@ -11,10 +11,11 @@ from specjax.speculators.medusa import DEFAULT_TREE, Medusa
 
 
 def head_speculator(heads_dir: str | Path, target: Model,
-                    eagle_tree: tuple[int, int, int] = (4, 4, 16)):
+                    eagle_tree: tuple[int, int, int] = (4, 4, 16), kind: str | None = None):
     """The speculator that uses the heads saved in `heads_dir`: `Medusa` with the default
-    tree cut to its number of heads, or `Eagle` with a dynamic tree of `eagle_tree`."""
-    ckpt = load_heads(heads_dir, target.config)
+    tree cut to its number of heads, or `Eagle` with a dynamic tree of `eagle_tree`.
+    kind: "medusa" or "eagle", checked (`load_heads`); None takes what is there."""
+    ckpt = load_heads(heads_dir, target.config, kind)
     if ckpt.kind == "medusa":
         tree = [p for p in DEFAULT_TREE if len(p) <= ckpt.config.num_heads]
         return Medusa.create(ckpt.params, ckpt.config, target=target, tree=tree)

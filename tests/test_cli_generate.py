@@ -1,0 +1,128 @@
+"""`specjax generate` from a training run: its target, draft and heads, its chain length
+and tree, and its calibration passed to the adaptive rule; greedy output identical to
+plain decoding for every speculator; bad input exits 2 naming the value."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import specjax
+from specjax import cli_generate
+from specjax.cli import main as cli
+from specjax.config import tiny_llama
+from specjax.speculators import DraftModel, Eagle, Medusa, NGram
+
+IDS = ["--ids", "5,6,7,8,5,6,7,8,5,6", "--max-new-tokens", "8"]
+# the run's calibrations, as the comparison writes them into results.json
+PRIORS = {"0.0": {"ngram": dict(prior=[0.9, 0.8], overhead=[0.01, 0.02], proposal=0.5,
+                                idle=0.01),
+                  "eagle3": dict(prior=[0.7, 0.6], overhead=[0.05, 0.1], proposal=1.0,
+                                 idle=0.02)},
+          "1.0": {"eagle3": dict(prior=[0.3, 0.2], overhead=[0.05, 0.1], proposal=1.0,
+                                 idle=0.02)}}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A finished run in miniature: target and draft exports, an EAGLE-3 stage (its tree
+    in DONE.json) and Medusa heads, and results.json with k = 2 and calibrations."""
+    w = tmp_path_factory.mktemp("cli") / "run"
+    target = specjax.init_model(tiny_llama(64, num_layers=2), seed=0)
+    draft = specjax.init_model(tiny_llama(64, num_layers=1, hidden_size=32,
+                                          intermediate_size=64, num_heads=2,
+                                          num_kv_heads=1), seed=1)
+    specjax.save_hf(target, w / "target" / "export")
+    specjax.save_hf(draft, w / "draft" / "export")
+    Eagle.random(target, version=3, top_k=2, depth=2, total_tokens=3).save(
+        w / "eagle3" / "heads")
+    stage = {"settings": {"stage": {"eagle_tree": [2, 2, 3]}}}
+    (w / "eagle3" / "DONE.json").write_text(json.dumps(stage))
+    Medusa.random(target, num_heads=2, tree=[[0], [0, 0]]).save(w / "medusa" / "heads")
+    (w / "results.json").write_text(json.dumps({"settings": {"k": 2}, "priors": PRIORS}))
+    return w
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[dict]:
+    """Every `specjax.generate` call's speculator and keyword arguments, the call itself
+    unchanged."""
+    seen, real = [], specjax.generate
+
+    def recording(model, prompts, speculator=None, **kw):
+        seen.append(dict(kw, speculator=speculator))
+        return real(model, prompts, speculator=speculator, **kw)
+
+    monkeypatch.setattr(specjax, "generate", recording)
+    return seen
+
+
+def test_eagle_from_a_run_uses_its_heads_tree_and_calibration(run, calls, capsys):
+    assert cli(["generate", "--workdir", str(run), "--speculator", "eagle"] + IDS) == 0
+    out = capsys.readouterr().out
+    assert "greedy outputs identical: True" in out
+    assert f"calibration: eagle3 at T = 0, from {run / 'results.json'}" in out
+    spec, kw = calls[1]["speculator"], calls[1]
+    assert isinstance(spec, Eagle) and (spec.top_k, spec.depth, spec.total_tokens) == (2, 2, 3)
+    assert kw["acceptance_prior"] == [0.7, 0.6] and kw["step_overhead"] == [0.05, 0.1]
+    assert "acceptance_prior" not in calls[0]  # plain decoding takes no calibration
+    # at T = 1 the run's T = 1 calibration
+    assert cli(["generate", "--workdir", str(run), "--speculator", "eagle",
+                "--temperature", "1"] + IDS) == 0
+    assert calls[3]["acceptance_prior"] == [0.3, 0.2]
+    # another tree than the run calibrated: that tree, and the rule's defaults
+    assert cli(["generate", "--workdir", str(run), "--speculator", "eagle",
+                "--tree", "1,2,2"] + IDS) == 0
+    spec = calls[5]["speculator"]
+    assert (spec.top_k, spec.depth, spec.total_tokens) == (1, 2, 2)
+    assert "acceptance_prior" not in calls[5]
+    assert "calibration: none" in capsys.readouterr().out
+
+
+def test_chains_and_medusa_from_a_run(run, calls, capsys):
+    """n-gram and the draft take the run's k (and n-gram its calibration); another k
+    drops the calibration; Medusa loads the run's medusa/heads. Greedy, all lossless."""
+    assert cli(["generate", "--workdir", str(run), "--speculator", "ngram"] + IDS) == 0
+    assert isinstance(calls[1]["speculator"], NGram) and calls[1]["speculator"].k == 2
+    assert calls[1]["acceptance_prior"] == [0.9, 0.8]
+    assert cli(["generate", "--workdir", str(run), "--speculator", "ngram", "--k", "3"]
+               + IDS) == 0
+    assert calls[3]["speculator"].k == 3 and "acceptance_prior" not in calls[3]
+    assert cli(["generate", "--workdir", str(run), "--speculator", "draft"] + IDS) == 0
+    assert isinstance(calls[5]["speculator"], DraftModel) and calls[5]["speculator"].k == 2
+    assert "acceptance_prior" not in calls[5]  # the run has no draft calibration
+    assert cli(["generate", "--workdir", str(run), "--speculator", "medusa"] + IDS) == 0
+    assert isinstance(calls[7]["speculator"], Medusa)
+    assert capsys.readouterr().out.count("greedy outputs identical: True") == 4
+
+
+def test_heads_without_a_run(run, calls, capsys):
+    """--model and --heads alone: the default tree (4,4,16), no calibration."""
+    assert cli(["generate", "--model", str(run / "target" / "export"), "--speculator",
+                "eagle", "--heads", str(run / "eagle3" / "heads")] + IDS) == 0
+    spec = calls[1]["speculator"]
+    assert (spec.top_k, spec.depth, spec.total_tokens) == cli_generate.DEFAULT_TREE
+    assert "acceptance_prior" not in calls[1]
+    assert "greedy outputs identical: True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculator", "eagle"], "--speculator eagle needs --heads DIR"),
+    (["--speculator", "medusa", "--workdir", "{run}/eagle3"], "no target/export"),
+    (["--speculator", "eagle", "--heads", "{run}/medusa/heads"],
+     "holds 'medusa' heads, not 'eagle' heads"),
+    (["--workdir", "{run}", "--speculator", "eagle", "--tree", "4,4"],
+     "--tree='4,4' must be TOP_K,DEPTH,NODES"),
+    (["--workdir", "{run}", "--speculator", "eagle", "--tree", "2,2,9"],
+     "--tree='2,2,9': Eagle dynamic tree needs"),
+    (["--workdir", "{run}", "--k", "0"], "--k=0 must be >= 1"),
+    (["--speculator", "draft"], "--speculator draft needs --draft DIR"),
+])
+def test_bad_input_exits_2_naming_it(run, argv, message, capsys):
+    argv = [a.replace("{run}", str(run)) for a in argv]
+    if "--workdir" not in argv and "--heads" in argv:
+        argv += ["--model", str(run / "target" / "export")]
+    assert cli(["generate"] + argv + IDS) == 2
+    assert message in capsys.readouterr().err
