@@ -125,8 +125,9 @@ def build(args, model, run: Run | None):
     if name == "draft":
         if args.draft:
             path, vocab_file, as_run = args.draft, args.draft_vocab, False
-        elif run and run.draft:
+        elif run and run.draft:  # another vocabulary is another draft than calibrated
             path, vocab_file = run.draft, args.draft_vocab or run.draft_vocab
+            as_run = as_run and not args.draft_vocab
         else:
             raise ValueError("--speculator draft needs --draft DIR (or --workdir RUN with "
                              "a draft stage)")
@@ -140,6 +141,9 @@ def build(args, model, run: Run | None):
     else:
         raise ValueError(f"--speculator {name} needs --heads DIR (a run's <stage>/heads) or "
                          f"--workdir RUN with a {' or '.join(HEAD_STAGES[name])} stage")
+    if args.tree and name != "eagle":
+        raise ValueError(f"--tree is EAGLE's dynamic tree; --speculator is {name!r} (Medusa "
+                         "heads verify their default tree)")
     run_tree = run.trees.get(stage, DEFAULT_TREE) if stage else DEFAULT_TREE
     tree = parse_tree("--tree", args.tree) if args.tree else run_tree
     spec = head_speculator(path, model, tree, kind=name)
@@ -179,7 +183,9 @@ def main(args) -> int:
     else:
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 4]
     spec, method = build(args, model, run)
-    cal = calibration(run, method, args.temperature)
+    # the run calibrated its own target with the default KV cache
+    as_run = args.model is None and args.kv_cache_dtype is None
+    cal = calibration(run, method, args.temperature) if as_run else None
     print(f"model: {source}")
     if run is not None and spec is not None:
         print(f"calibration: {method} at T = {args.temperature:g}, from "

@@ -98,6 +98,20 @@ def test_chains_and_medusa_from_a_run(run, calls, capsys):
     assert capsys.readouterr().out.count("greedy outputs identical: True") == 4
 
 
+def test_another_model_or_cache_than_the_run_calibrated_drops_its_calibration(run, calls,
+                                                                            capsys):
+    """The run's calibration holds for its own target with the default KV cache:
+    --model or --kv-cache-dtype leave the rule at its defaults."""
+    base = ["generate", "--workdir", str(run), "--speculator", "ngram"] + IDS
+    for extra in (["--model", str(run / "target" / "export")],
+                  ["--kv-cache-dtype", "int8"]):
+        assert cli(base + extra) == 0
+        assert "acceptance_prior" not in calls[-1]
+        assert "calibration: none" in capsys.readouterr().out
+    assert cli(base) == 0  # and without them, the run's calibration
+    assert calls[-1]["acceptance_prior"] == [0.9, 0.8]
+
+
 def test_heads_without_a_run(run, calls, capsys):
     """--model and --heads alone: the default tree (4,4,16), no calibration."""
     assert cli(["generate", "--model", str(run / "target" / "export"), "--speculator",
@@ -119,6 +133,8 @@ def test_heads_without_a_run(run, calls, capsys):
      "--tree='2,2,9': Eagle dynamic tree needs"),
     (["--workdir", "{run}", "--k", "0"], "--k=0 must be >= 1"),
     (["--speculator", "draft"], "--speculator draft needs --draft DIR"),
+    (["--workdir", "{run}", "--speculator", "medusa", "--tree", "2,2,3"],
+     "--tree is EAGLE's dynamic tree; --speculator is 'medusa'"),
 ])
 def test_bad_input_exits_2_naming_it(run, argv, message, capsys):
     argv = [a.replace("{run}", str(run)) for a in argv]

@@ -83,7 +83,7 @@ def test_a_file_is_an_error_naming_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("before", [True, False])
 def test_cli_flag(tmp_path, monkeypatch, capsys, before):
     seen = []
-    monkeypatch.setattr(cli, "_generate", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(cli.cli_generate, "main", lambda args: seen.append(args) or 0)
     monkeypatch.setattr(cli, "_bench", lambda args, rest: seen.append(rest) or 0)
 
     def run(value, *cmd):
