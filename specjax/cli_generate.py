@@ -15,6 +15,9 @@ SPECULATORS = ("none", "ngram", "draft", "eagle", "medusa")
 HEAD_STAGES = {"eagle": ("eagle3", "eagle"), "medusa": ("medusa",)}
 HEADS_DIR = "heads"  # where a head stage keeps its heads (`specjax.train.jobs.heads`)
 RESULTS = "results.json"  # the run's comparison, with its calibrations ("priors")
+# the target's own continuations a regenerating run writes (`specjax.train.regenerate`),
+# its comparison's `ngram_corpus` corpus
+REGENERATED = Path("regenerated") / "regenerated.jsonl"
 DEFAULT_TREE = (4, 4, 16)  # EAGLE's dynamic tree: top_k, depth, nodes
 
 
@@ -45,7 +48,8 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    help="n-gram and draft chain length (default 4, or the run's)")
     g.add_argument("--ngram-corpus", metavar="JSONL", default=None,
                    help="n-gram also drafts from these texts ('text') or token ids ('ids'), "
-                        "one JSON object a line, where a row's own tokens hold no match")
+                        "one JSON object a line, where a row's own tokens hold no match "
+                        "(a run's regenerated/regenerated.jsonl comes with its calibration)")
     g.add_argument("--kv-cache-dtype", default=None,
                    help="the KV caches (target, draft): a float dtype, or int8 (per-token scales)")
     g.add_argument("--json", action="store_true", help="also print stats as JSON")
@@ -59,6 +63,7 @@ class Run:
     target: Path
     draft: Path | None
     draft_vocab: Path | None
+    regenerated: Path | None
     heads: dict  # speculator -> (stage name, its heads directory)
     k: int | None
     trees: dict  # stage name -> (top_k, depth, nodes)
@@ -85,7 +90,9 @@ class Run:
         results = _json(w / RESULTS)
         draft, vocab = w / "draft" / "export", w / "draft_vocab" / "vocab.npy"
         return cls(target=target, draft=draft if draft.is_dir() else None,
-                   draft_vocab=vocab if vocab.is_file() else None, heads=heads,
+                   draft_vocab=vocab if vocab.is_file() else None,
+                   regenerated=w / REGENERATED if (w / REGENERATED).is_file() else None,
+                   heads=heads,
                    k=results.get("settings", {}).get("k"), trees=trees,
                    priors=results.get("priors") or {})
 
@@ -119,9 +126,13 @@ def build(args, model, run: Run | None):
     if name == "none":
         return None, None
     if name == "ngram":
-        if args.ngram_corpus:  # the run calibrated the n-gram without this corpus
-            return NGram(k=k).with_corpus_file(args.ngram_corpus, model), None
-        return NGram(k=k), name if as_run else None
+        if not args.ngram_corpus:
+            return NGram(k=k), name if as_run else None
+        # the run's own continuations are the corpus its comparison calibrated
+        own = (run is not None and run.regenerated is not None
+               and Path(args.ngram_corpus).resolve() == run.regenerated.resolve())
+        spec = NGram(k=k).with_corpus_file(args.ngram_corpus, model)
+        return spec, "ngram_corpus" if own and as_run else None
     if name == "draft":
         if args.draft:
             path, vocab_file, as_run = args.draft, args.draft_vocab, False

@@ -20,7 +20,9 @@ IDS = ["--ids", "5,6,7,8,5,6,7,8,5,6", "--max-new-tokens", "8"]
 PRIORS = {"0.0": {"ngram": dict(prior=[0.9, 0.8], overhead=[0.01, 0.02], proposal=0.5,
                                 idle=0.01),
                   "eagle3": dict(prior=[0.7, 0.6], overhead=[0.05, 0.1], proposal=1.0,
-                                 idle=0.02)},
+                                 idle=0.02),
+                  "ngram_corpus": dict(prior=[0.6, 0.5], overhead=[0.02, 0.03],
+                                       proposal=0.8, idle=0.01)},
           "1.0": {"eagle3": dict(prior=[0.3, 0.2], overhead=[0.05, 0.1], proposal=1.0,
                                  idle=0.02)}}
 
@@ -42,6 +44,9 @@ def run(tmp_path_factory) -> Path:
     (w / "eagle3" / "DONE.json").write_text(json.dumps(stage))
     Medusa.random(target, num_heads=2, tree=[[0], [0, 0]]).save(w / "medusa" / "heads")
     (w / "results.json").write_text(json.dumps({"settings": {"k": 2}, "priors": PRIORS}))
+    (w / "regenerated").mkdir()
+    (w / "regenerated" / "regenerated.jsonl").write_text(
+        "".join(json.dumps({"ids": [5, 6, 7, 8, 9, i]}) + "\n" for i in range(10, 14)))
     return w
 
 
@@ -110,6 +115,20 @@ def test_another_model_or_cache_than_the_run_calibrated_drops_its_calibration(ru
         assert "calibration: none" in capsys.readouterr().out
     assert cli(base) == 0  # and without them, the run's calibration
     assert calls[-1]["acceptance_prior"] == [0.9, 0.8]
+
+
+def test_the_runs_own_continuations_come_with_their_calibration(run, calls, tmp_path):
+    """--ngram-corpus naming the run's regenerated continuations: its comparison's
+    `ngram_corpus` calibration; the same texts in another file: none."""
+    own = run / "regenerated" / "regenerated.jsonl"
+    base = ["generate", "--workdir", str(run), "--speculator", "ngram"] + IDS
+    assert cli(base + ["--ngram-corpus", str(own)]) == 0
+    assert calls[1]["speculator"].corpus is not None
+    assert calls[1]["acceptance_prior"] == [0.6, 0.5]
+    other = tmp_path / "copy.jsonl"
+    other.write_text(own.read_text())
+    assert cli(base + ["--ngram-corpus", str(other)]) == 0
+    assert "acceptance_prior" not in calls[3]
 
 
 def test_heads_without_a_run(run, calls, capsys):
