@@ -73,7 +73,11 @@ def test_rerun_reuses_every_stage(finished, capsys):
     assert time.perf_counter() - t0 < 60
     assert again["rows"] == res["rows"]
     assert {p: p.stat().st_mtime for p in workdir.glob("*/DONE.json")} == markers
-    assert "finished earlier" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "finished earlier" in out
+    # and the command that decodes with what the run trained
+    assert (f"specjax generate --workdir {workdir} --speculator ngram|draft|medusa|eagle "
+            "--prompt TEXT") in out
 
 
 def test_bad_binding_is_a_clear_error_and_keeps_stages(finished, capsys):

@@ -287,6 +287,7 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
         if old.get("settings") == settings:
             print(old["table"])
             print(f"(finished earlier: {res_file})")
+            print(generate_hint(workdir, specs))
             return old
     prompts = heldout_prompts(load_corpus(prompt_corpus), target.tokenizer,
                               num_prompts, prompt_len, seed)
@@ -322,6 +323,20 @@ def evaluate(workdir: Path, target: specjax.Model, draft: specjax.Model | None, 
     (workdir / "results.md").write_text(text + "\n")
     print(text)
     print(f"greedy outputs identical across methods: {greedy_same}")
+    print(generate_hint(workdir, specs))
     if not greedy_same:
         raise AssertionError("greedy outputs differ between methods: speculation was lossy")
     return results
+
+
+# the comparison's methods as `specjax generate --speculator` names them
+_CLI_SPECULATORS = {"ngram": "ngram", "draft": "draft", "medusa": "medusa",
+                    "eagle": "eagle", "eagle3": "eagle"}
+
+
+def generate_hint(workdir: Path, methods) -> str:
+    """The command that decodes with the run's target and what it trained, the adaptive
+    rule primed by this comparison's calibration (`specjax generate --workdir`)."""
+    names = dict.fromkeys(_CLI_SPECULATORS[m] for m in methods if m in _CLI_SPECULATORS)
+    return (f"decode with them: specjax generate --workdir {workdir} --speculator "
+            f"{'|'.join(names)} --prompt TEXT")
