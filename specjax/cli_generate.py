@@ -10,10 +10,7 @@ import json
 from pathlib import Path
 
 SPECULATORS = ("none", "ngram", "draft", "eagle", "medusa")
-# a run's head stages for each head speculator, looked for in this order (the
-# quickstart and the EAGLE-3 recipes train `eagle3`, the from-scratch pipeline `eagle`)
-HEAD_STAGES = {"eagle": ("eagle3", "eagle"), "medusa": ("medusa",)}
-HEADS_DIR = "heads"  # where a head stage keeps its heads (`specjax.train.jobs.heads`)
+HEAD_SPECULATORS = ("eagle", "medusa")  # those that load trained heads (`--heads`)
 RESULTS = "results.json"  # the run's comparison, with its calibrations ("priors")
 # the target's own continuations a regenerating run writes (`specjax.train.regenerate`),
 # its comparison's `ngram_corpus` corpus
@@ -71,26 +68,25 @@ class Run:
 
     @classmethod
     def read(cls, workdir: str | Path) -> "Run":
+        from specjax.bench.speculative import workdir_paths
+
         w = Path(workdir)
-        target = w / "target" / "export"
+        paths = workdir_paths(w)  # where a run keeps its exports, vocabulary and heads
+        target = paths["target"]
         if not target.is_dir():
             raise FileNotFoundError(f"--workdir {str(w)!r}: no {target.relative_to(w)} "
                                     "(not a quickstart or recipe run, or its target stage "
                                     "has not finished)")
-        heads, trees = {}, {}
-        for spec, stages in HEAD_STAGES.items():
-            found = [s for s in stages if (w / s / HEADS_DIR).is_dir()]
-            if found:
-                heads[spec] = (found[0], w / found[0] / HEADS_DIR)
-            for s in found:
-                tree = _json(w / s / "DONE.json").get("settings", {}).get(
-                    "stage", {}).get("eagle_tree")
-                if tree:
-                    trees[s] = tuple(tree)
+        # speculator -> (its stage's name, the heads), and each such stage's tree
+        heads = {spec: (paths[spec].parent.name, paths[spec]) for spec in HEAD_SPECULATORS
+                 if paths[spec].is_dir()}
+        trees = {stage: tuple(tree) for stage, _ in heads.values()
+                 if (tree := _json(w / stage / "DONE.json").get("settings", {}).get(
+                     "stage", {}).get("eagle_tree"))}
         results = _json(w / RESULTS)
-        draft, vocab = w / "draft" / "export", w / "draft_vocab" / "vocab.npy"
-        return cls(target=target, draft=draft if draft.is_dir() else None,
-                   draft_vocab=vocab if vocab.is_file() else None,
+        return cls(target=target,
+                   draft=paths["draft"] if paths["draft"].is_dir() else None,
+                   draft_vocab=paths["draft_vocab"] if paths["draft_vocab"].is_file() else None,
                    regenerated=w / REGENERATED if (w / REGENERATED).is_file() else None,
                    heads=heads,
                    k=results.get("settings", {}).get("k"), trees=trees,
@@ -151,7 +147,7 @@ def build(args, model, run: Run | None):
         stage, path = run.heads[name]
     else:
         raise ValueError(f"--speculator {name} needs --heads DIR (a run's <stage>/heads) or "
-                         f"--workdir RUN with a {' or '.join(HEAD_STAGES[name])} stage")
+                         f"--workdir RUN with {name} heads")
     if args.tree and name != "eagle":
         raise ValueError(f"--tree is EAGLE's dynamic tree; --speculator is {name!r} (Medusa "
                          "heads verify their default tree)")

@@ -136,6 +136,7 @@ def main(argv=None) -> int:
         ap.error(str(e))
     import specjax
     from specjax.bench.speculative import specjax_pass
+    from specjax.corpus import encode_documents
     from specjax.decoding.cost import default_verify_cost
     from specjax.speculators import NGram
     from specjax.speculators.ngram_corpus import read_corpus
@@ -143,9 +144,8 @@ def main(argv=None) -> int:
     target = specjax.load(paths.target, dtype="float32")
     corpus, _ = paths.corpus()
     try:
-        docs = ([e.ids for e in target.tokenizer.encode_batch(
-            list(corpus.train), add_special_tokens=False)] if args.corpus == "train"
-            else read_corpus(args.corpus, target.tokenizer))
+        docs = (encode_documents(target.tokenizer, corpus.train) if args.corpus == "train"
+                else read_corpus(args.corpus, target.tokenizer))
     except (OSError, ValueError) as e:
         ap.error(f"--corpus: {e}")
     heldout = list(corpus.eval)
