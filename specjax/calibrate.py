@@ -8,9 +8,9 @@ speedup take, as library functions (the benchmarks and the quickstart call them)
 - `best_calibrated`: of several calibrated speculators (e.g. one head's tree shapes),
   the one the adaptive rule expects to gain most (`choose_tree`: one head's trees).
 - `calibration(s)`: on calibration prompts, a speculator's acceptance per depth at full
-  depth, its step's overhead per draft depth and what a step that drafts nothing costs
-  in its loop, as `generate(acceptance_prior=, step_overhead=, idle_overhead=)` take
-  them.
+  depth (with the tries it is worth, `effective_tries`), its step's overhead per draft
+  depth and what a step that drafts nothing costs in its loop, as
+  `generate(acceptance_prior=, prior_tries=, step_overhead=, idle_overhead=)` take them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from specjax.decoding.cost import VerifyCost, default_verify_cost
 from specjax.decoding.policy import attended_tokens
 from specjax.model import Model, init_model, step, step_kv
 from specjax.speculators.base import ProposeContext
-from specjax.stats import GenerationStats
+from specjax.stats import GenerationStats, accepted_at_least
 from specjax.timing import interleaved_medians
 from specjax.tree import ancestor_mask, chain
 from specjax.xla_options import compile_decode
@@ -214,16 +214,19 @@ class Calibration:
     """What a calibration pass measured for one speculator at one temperature: the
     acceptance per depth the adaptive rule starts from, and the speculative step's
     overhead (`step_overhead`), one value or one per draft depth 1..max_depth
-    (`depth_overheads`); `generate(**c.generate_kwargs())` takes them."""
+    (`depth_overheads`), with the tries the acceptance is measured from
+    (`effective_tries`); `generate(**c.generate_kwargs())` takes them."""
 
     prior: list | None = None
     overhead: float | list[float] = 0.0
     proposal: float | None = None  # how often the speculator found a draft when asked
     idle: float = 0.0  # a step at k = 0 in the speculative loop, over a plain one, less 1
+    tries: list | None = None  # per depth; None: unknown (the prior taken as exact)
 
     def generate_kwargs(self) -> dict:
         return dict(acceptance_prior=self.prior, step_overhead=self.overhead,
-                    proposal_prior=self.proposal, idle_overhead=self.idle)
+                    proposal_prior=self.proposal, idle_overhead=self.idle,
+                    prior_tries=self.tries)
 
 
 def best_calibrated(target: Model, candidates: dict, calibrations: dict, *,
@@ -367,6 +370,37 @@ def idle_overhead(idle_decode_s: float, idle_steps: int, plain_step_s: float) ->
     return max(idle_decode_s / idle_steps / plain_step_s - 1.0, MIN_IDLE)
 
 
+def effective_tries(calls: list[GenerationStats]) -> list[float | None]:
+    """Per draft depth, the tries the pooled acceptance of `calls` is worth (None where
+    the depth was never tried): its tries over every call, or fewer where the calls
+    disagree more than independent tries would, n = α(1 - α) / Var(α), Var(α) being the
+    ratio estimator's variance between calls (`generate(prior_tries=)`). A call's tries
+    are of one prompt and move together: 100 tries over 4 prompts whose acceptance
+    differs say less about a fifth prompt than 100 tries of one coin. The design effect
+    of cluster sampling (Kish), the calls the clusters."""
+    depth = max((len(c.tried_hist) for c in calls), default=0)
+    tried = np.zeros((len(calls), depth))
+    hits = np.zeros((len(calls), depth))
+    for i, c in enumerate(calls):
+        tried[i, :len(c.tried_hist)] = c.tried_hist
+        at_least = accepted_at_least(np.asarray(c.accepted_hist, np.float64))
+        hits[i, :len(at_least)] = at_least[:depth]
+    out: list[float | None] = []
+    for a, n in zip(hits.T, tried.T):
+        total = n.sum()
+        if total == 0:
+            out.append(None)
+            continue
+        p = a.sum() / total
+        m = int((n > 0).sum())
+        if m < 2 or p in (0.0, 1.0):
+            out.append(float(total))
+            continue
+        var = m / (m - 1) * np.sum((a - p * n) ** 2) / total ** 2
+        out.append(float(min(total, p * (1 - p) / var)) if var > 0 else float(total))
+    return out
+
+
 def call_step(stats: GenerationStats) -> tuple[float, int]:
     """(decode seconds, loop steps) of one `generate` call."""
     return stats.wall_s - stats.ttft_s, loop_steps(stats)
@@ -447,7 +481,10 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     the step's overhead at both ends (`step_overhead`, `depth_overheads`): one figure
     from the full depth would price a one-level tree's step at a four-level tree's
     bookkeeping. The idle pass gives what its loop costs where it drafts nothing
-    (`idle_overhead`). Each pass runs once untimed first (on the first call of each
+    (`idle_overhead`). The acceptance comes with the tries it is worth, its calls'
+    disagreement counted (`effective_tries`, over the calls of distinct prompts), which
+    bounds generate's choice to draft at all (`policy.may_draft`). Each pass runs once
+    untimed first (on the first call of each
     shape, `warmup_calls`), at the first temperature only: temperature is traced, so
     every temperature runs the same programs. Each pass is priced per call against
     that call's plain pass, and the median over calls counts (`paired_median`): on a
@@ -459,7 +496,8 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     from specjax.stats import merge_stats
 
     specs = {name: spec for name, spec in speculators.items() if spec is not None}
-    calls = timed_calls(filled_batches(list(prompts), batch))
+    distinct = filled_batches(list(prompts), batch)
+    calls = timed_calls(distinct)
     out = {}
     for n, temp in enumerate(temperatures):
         def passes(i, rows):
@@ -511,7 +549,9 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                 full.acceptance_by_position,
                 depth_overheads(over.get("shallow", over["full"]), over["full"],
                                 spec.shape.max_depth),
-                full.proposal_rate, idle)
+                full.proposal_rate, idle,
+                # a repeated call's prompts are no new prompts: its tries are not counted
+                effective_tries(stats["full", name][:len(distinct)]))
     return out
 
 

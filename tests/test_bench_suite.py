@@ -694,6 +694,10 @@ def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished,
                for a in priors.values())
     assert all(len(p["step_overhead"]) == 2 and min(p["step_overhead"]) >= 0
                for p in res["priors"])
+    # the tries each depth's acceptance is worth: none where it was never tried
+    assert all(len(p["prior_tries"]) == 2 and all(
+        (n is None) == (a is None) and (n is None or n > 0)
+        for a, n in zip(p["acceptance_by_position"], p["prior_tries"])) for p in res["priors"])
     assert all(r["identical"] for r in res["rows"])  # greedy stays lossless
     docs, tokenizer = heldout
     timed = suite.build_prompt_sets(["docstring"], docs, tokenizer, 2, dict(docstring=64), 0)

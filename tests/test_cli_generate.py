@@ -20,7 +20,7 @@ IDS = ["--ids", "5,6,7,8,5,6,7,8,5,6", "--max-new-tokens", "8"]
 PRIORS = {"0.0": {"ngram": dict(prior=[0.9, 0.8], overhead=[0.01, 0.02], proposal=0.5,
                                 idle=0.01),
                   "eagle3": dict(prior=[0.7, 0.6], overhead=[0.05, 0.1], proposal=1.0,
-                                 idle=0.02),
+                                 idle=0.02, tries=[200.0, 120.0]),
                   "ngram_corpus": dict(prior=[0.6, 0.5], overhead=[0.02, 0.03],
                                        proposal=0.8, idle=0.01)},
           "1.0": {"eagle3": dict(prior=[0.3, 0.2], overhead=[0.05, 0.1], proposal=1.0,
@@ -72,6 +72,7 @@ def test_eagle_from_a_run_uses_its_heads_tree_and_calibration(run, calls, capsys
     spec, kw = calls[1]["speculator"], calls[1]
     assert isinstance(spec, Eagle) and (spec.top_k, spec.depth, spec.total_tokens) == (2, 2, 3)
     assert kw["acceptance_prior"] == [0.7, 0.6] and kw["step_overhead"] == [0.05, 0.1]
+    assert kw["prior_tries"] == [200.0, 120.0]  # the calibration's tries come with it
     assert "acceptance_prior" not in calls[0]  # plain decoding takes no calibration
     # at T = 1 the run's T = 1 calibration
     assert cli(["generate", "--workdir", str(run), "--speculator", "eagle",

@@ -708,6 +708,82 @@ def test_the_least_calibrated_upkeep_keeps_a_probe_in_the_noise_plain(tiny_targe
     assert expected_gain(tiny_target, spec, idle_overhead=MIN_IDLE, **kw) == 1.0
 
 
+def test_the_choice_to_draft_holds_at_the_priors_lower_confidence_bound(tiny_target):
+    """A call runs the speculative loop only where drafting pays at the prior's lower
+    confidence bound (`policy.cautious_prior`: the Wilson score bound from the tries the
+    calibration measured it from, one standard error down): α₁ 0.2 expects 8 % here, over
+    the 5 % margin. From 100 tries its bound is 0.163 and the call runs plain decoding's
+    programs; from 1,000 (bound 0.188), or with its tries unknown, the call drafts. Tokens
+    are the same either way."""
+    import math
+
+    import numpy as np
+
+    from specjax.calibrate import Calibration
+    from specjax.decoding.generate import expected_gain
+    from specjax.decoding.policy import CALL_CONFIDENCE_Z, cautious_prior
+
+    spec = NGram(k=4).with_corpus([[1, 2, 3, 4, 5]])
+    kw = dict(acceptance_prior=[0.2, 0.39, 0.67, 0.25], proposal_prior=0.5,
+              step_overhead=[0.0, 0.018, 0.035, 0.052], idle_overhead=0.03, cost_ratio=0.0,
+              verify_cost=VerifyCost(jump=0.08))
+    assert expected_gain(tiny_target, spec, **kw) == pytest.approx(1.084, abs=1e-3)
+    # the gain is priced at the prior itself, however few its tries
+    assert expected_gain(tiny_target, spec, prior_tries=[100] * 4, **kw) == \
+        expected_gain(tiny_target, spec, **kw)
+    out = {n: specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=8, speculator=spec,
+                               prior_tries=n, **kw) for n in (None, (100,) * 4, (1000,) * 4)}
+    assert [o.stats.speculative_calls for o in out.values()] == [1, 0, 1]
+    assert out[None].tokens == out[(100,) * 4].tokens == out[(1000,) * 4].tokens
+    # a calibration hands its tries to generate with the rest
+    cal = Calibration(prior=kw["acceptance_prior"], tries=[100, 40, 20, 4])
+    assert cal.generate_kwargs()["prior_tries"] == [100, 40, 20, 4]
+
+    def wilson(p, n, z=CALL_CONFIDENCE_Z):  # the score interval's lower end, by hand
+        return (p + z * z / (2 * n) - z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (
+            1 + z * z / n)
+
+    low = np.asarray(cautious_prior(np.asarray([0.2, 0.3, 1.0, 0.0, np.nan], np.float32),
+                                    np.asarray([100, 1000, 50, 50, 50], np.float32)))
+    assert low[:4] == pytest.approx([wilson(0.2, 100), wilson(0.3, 1000), wilson(1.0, 50), 0.0],
+                                    abs=1e-6)
+    assert low[0] == pytest.approx(0.1631, abs=1e-4) and np.isnan(low[4])
+    # unknown tries (NaN, 0) keep the prior as given
+    kept = np.asarray(cautious_prior(np.asarray([0.2, 0.3], np.float32),
+                                     np.asarray([np.nan, 0.0], np.float32)))
+    assert kept == pytest.approx([0.2, 0.3])
+    for bad in ([-1], [1, 2, 3, 4, 5], 100, ["x"]):
+        with pytest.raises(ValueError, match="prior_tries="):
+            specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=2, speculator=spec,
+                             prior_tries=bad)
+
+
+def test_calibrated_tries_count_the_calls_disagreement():
+    """`effective_tries`: the pooled tries where the calls agree as independent tries
+    would; fewer where they disagree, by the ratio estimator's variance between calls
+    (here 50 tries each at 0.1 and 0.5: α 0.3 from 100 tries, worth 2.6 tries); None at a
+    depth never tried; all of them where α is 0 or 1 (no spread to measure)."""
+    import numpy as np
+
+    from specjax.calibrate import effective_tries
+    from specjax.stats import build_stats
+
+    def call(hist, tried):
+        one = np.ones(1, np.int64)
+        return build_stats(new_tokens=9 * one, target_calls=4 * one, draft_calls=0 * one,
+                           drafted=one, accepted=one, cost_ratio=0.0, verify_cost=None,
+                           hist=np.asarray([hist]), tried=np.asarray(tried), ttft_s=0.0,
+                           decode_s=1.0, compile_s=0.0)
+
+    # hist: steps that accepted exactly 0, 1, 2 drafts; tried: depths 1 and 2
+    same = [call([35, 10, 5], [50, 15]), call([35, 10, 5], [50, 15])]
+    assert effective_tries(same) == [100.0, 30.0]
+    apart = [call([45, 5, 0], [50, 5]), call([25, 25, 0], [50, 25])]
+    var = 2 * ((5 - 0.3 * 50) ** 2 + (25 - 0.3 * 50) ** 2) / 100 ** 2
+    assert effective_tries(apart)[0] == pytest.approx(0.3 * 0.7 / var)
+    assert effective_tries(apart)[1] == 30.0  # depth 2 never accepted: α 0
+    assert effective_tries([call([50, 0, 0], [50, 0])]) == [50.0, None]
+
 # The deferred commit (write-kept) is the CPU default, which every other greedy test
 # here runs; a chain written and compacted also runs, at the pages' edge, in
 # test_pages_take_the_draft_slack_only_where_the_tree_is_written: the default run keeps
@@ -1287,7 +1363,8 @@ def test_calibration_times_one_filled_call_three_times(monkeypatch):
     """Four prompts at batch 4 fill one call; each pass is still timed in three calls
     (the call repeated, seeded 0 to 2), so one slowed call (the first full-depth one at three
     times its time) does not become the step's overhead: 16 plain steps in 1.6 s, 10
-    full-depth steps in 2 s, 0.6 past 2 draft calls at c = 0.1 and a 1.2-step verify."""
+    full-depth steps in 2 s, 0.6 past 2 draft calls at c = 0.1 and a 1.2-step verify.
+    The repeats are the same prompts, so the acceptance's tries are one call's."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
@@ -1310,7 +1387,10 @@ def test_calibration_times_one_filled_call_three_times(monkeypatch):
         decode = 2.0 if kind == "full" else 1.6
         if (seed, kind, len(ran) > 4) == (0, "full", True):  # the first timed full pass
             decode *= 3.0
-        stats = build_stats(new_tokens=31 * ones, hist=np.zeros((4, 4), np.int64),
+        # each row: 10 steps, 5 accepting nothing, 3 one draft, 2 two; depth 3 never tried
+        hist = np.tile([5, 3, 2, 0], (4, 1)) if kind == "full" else np.zeros((4, 4), np.int64)
+        tried = np.tile([10, 5, 0], (4, 1)) if kind == "full" else None
+        stats = build_stats(new_tokens=31 * ones, hist=hist, tried=tried,
                             ttft_s=0.0, decode_s=decode, compile_s=0.0, **counts)
         return SimpleNamespace(stats=stats)
 
@@ -1318,6 +1398,8 @@ def test_calibration_times_one_filled_call_three_times(monkeypatch):
     cal = calibrations(SimpleNamespace(config=None), {"spec": spec}, [[1], [2], [3], [4]],
                        new_tokens=32, batch=4)[0.0]["spec"]
     assert cal.overhead[-1] == pytest.approx(0.6)
+    assert cal.prior[:2] == pytest.approx([0.5, 0.4]) and cal.prior[2] is None
+    assert cal.tries == [40.0, 20.0, None]  # one call's 4 rows, not three calls' 12
     kinds = ("plain", "full", "shallow", "idle")
     assert ran == [(seed, kind, 4) for seed in (0, 0, 1, 2) for kind in kinds]  # warm-up first
 

@@ -390,7 +390,8 @@ def _compare(target, runners: dict, prompts, args, calibration=()) -> dict:
     return dict(settings={k: v for k, v in vars(args).items()}, prompt_tokens=[len(p) for p in
                                                                              prompts],
                 ngram_prior=cal.prior, ngram_proposal_rate=cal.proposal,
-                ngram_step_overhead=cal.overhead, ngram_idle_overhead=cal.idle, methods=out)
+                ngram_step_overhead=cal.overhead, ngram_idle_overhead=cal.idle,
+                ngram_prior_tries=cal.tries, methods=out)
 
 
 if __name__ == "__main__":

@@ -708,7 +708,8 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
         **llama_info,
         priors=[dict(category=c, temperature=t, batch=b, method=m,
                      acceptance_by_position=cal.prior, proposal_rate=cal.proposal,
-                     step_overhead=cal.overhead, idle_overhead=cal.idle)
+                     step_overhead=cal.overhead, idle_overhead=cal.idle,
+                     prior_tries=cal.tries)
                 for (c, t, b, m), cal in priors.items()],
         eagle_trees=trees or [], rows=rows)
 

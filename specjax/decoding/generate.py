@@ -45,6 +45,11 @@ generate's arguments:
   acceptance_prior: the acceptance α_d per draft depth the adaptive rule starts from
     (None, or None / NaN entries: the default); a calibration run's
     `stats.acceptance_by_position` makes a good draft draft deep from its first step.
+  prior_tries: the tries each acceptance_prior entry was measured from (None, or None
+    entries: unknown); a calibration's `stats.tried_hist`, or fewer where its prompts
+    disagree (`specjax.calibrate.effective_tries`). Whether the call runs the speculative
+    loop at all is decided at the prior's lower confidence bound
+    (`policy.cautious_prior`), so a prior from a few prompts must show a margin.
   proposal_prior: the rate at which the speculator finds a draft when asked, which the
     rule starts from (None: 1); a calibration run's `stats.proposal_rate`. At batch > 1
     a row whose n-gram finds nothing still pays the batch's verify.
@@ -104,7 +109,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              step_overhead: float | Sequence[float] | None = None,
              idle_overhead: float | None = None, probe_gap: int | None = None,
              acceptance_prior: Sequence[float | None] | None = None,
-             proposal_prior: float | None = None, layer_layout: str = "auto",
+             proposal_prior: float | None = None,
+             prior_tries: Sequence[float | None] | None = None, layer_layout: str = "auto",
              page_size: int = 16, num_pages: int | None = None,
              prefill_chunk: int = 256, attention_backend: str | None = None,
              kv_cache_dtype=None, kv_commit: str | None = None) -> GenerationResult:
@@ -123,7 +129,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     if verify_cost is None and speculator is not None:
         verify_cost = default_verify_cost(cfg)
     rule = _rule(cost, adaptive, verify_cost, acceptance_prior, speculator, per_row, mesh,
-                 step_overhead, proposal_prior, idle_overhead, probe_gap)
+                 step_overhead, proposal_prior, idle_overhead, probe_gap, prior_tries)
     depth = speculator.shape.max_depth if speculator is not None else 0
     lens = [len(r) for r in rows]
     with shard.use_mesh(mesh):  # the commit strategy depends on the mesh the loop runs on
@@ -169,12 +175,15 @@ def expected_gain(model: Model, speculator: Speculator, *, batch: int = 1,
                   step_overhead: float | Sequence[float] | None = None,
                   idle_overhead: float | None = None,
                   acceptance_prior: Sequence[float | None] | None = None,
-                  proposal_prior: float | None = None) -> float:
+                  proposal_prior: float | None = None,
+                  prior_tries: Sequence[float | None] | None = None) -> float:
     """What `generate`'s adaptive rule, given these arguments (as `generate` takes them),
     expects drafting with `speculator` to gain over plain decoding before a call's first
     step: expected tokens per unit of cost at the depth it would pick for a row of a
     `batch`-row call reading `context` cached tokens, over plain decoding's (1.0 where
-    it would not draft; `policy.prior_gain`)."""
+    it would not draft; `policy.prior_gain`). The gain is read at the prior itself:
+    prior_tries, checked as `generate` checks it, bounds only generate's choice to draft
+    at all (`policy.may_draft`)."""
     if not isinstance(speculator, Speculator):
         raise ValueError(f"speculator={speculator!r} is not a specjax Speculator")
     if not (isinstance(batch, numbers.Integral) and batch >= 1):
@@ -184,7 +193,7 @@ def expected_gain(model: Model, speculator: Speculator, *, batch: int = 1,
         verify_cost = default_verify_cost(model.config)
     rule = _rule(_cost_ratio(cost_ratio, speculator, model.config), True, verify_cost,
                  acceptance_prior, speculator, False, None, step_overhead, proposal_prior,
-                 idle_overhead)
+                 idle_overhead, prior_tries=prior_tries)
     return prior_gain(speculator, rule, batch, context)
 
 
@@ -343,7 +352,7 @@ def _is_number(x) -> bool:
 
 def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator,
           per_row: bool, mesh, step_overhead=None, proposal_prior=None, idle_overhead=None,
-          probe_gap=None) -> Rule:
+          probe_gap=None, prior_tries=None) -> Rule:
     """The adaptive rule's traced settings, replicated on the mesh."""
     if proposal_prior is not None and not (_is_number(proposal_prior)
                                            and 0 <= proposal_prior <= 1):
@@ -369,7 +378,8 @@ def _rule(cost: float, adaptive: bool, verify_cost, acceptance_prior, speculator
                                                      else proposal_prior),
                                 idle=jnp.float32(idle_overhead or 0.0),
                                 probe_gap=jnp.int32(PROBE_GAP if probe_gap is None
-                                                    else probe_gap)), mesh)
+                                                    else probe_gap),
+                                prior_tries=jnp.asarray(_tries(prior_tries, max_depth))), mesh)
 
 
 def _timed(program, *args):
@@ -452,6 +462,22 @@ def _prior(acceptance_prior, max_depth: int) -> np.ndarray:
             for a in vals):
         raise ValueError(f"acceptance_prior={acceptance_prior!r} must list at most "
                          f"max_depth={max_depth} rates in [0, 1] (None: the default)")
+    out[:len(vals)] = vals
+    return out
+
+
+def _tries(prior_tries, max_depth: int) -> np.ndarray:
+    """generate's `prior_tries` as `Rule.prior_tries`: [max_depth] float32 (NaN:
+    unknown)."""
+    out = np.full((max_depth,), np.nan, np.float32)
+    if prior_tries is None:
+        return out
+    vals = [np.nan if n is None else n for n in prior_tries] if isinstance(
+        prior_tries, (list, tuple, np.ndarray)) else None
+    if vals is None or len(vals) > max_depth or not all(
+            _is_number(n) and (np.isnan(n) or n >= 0) for n in vals):
+        raise ValueError(f"prior_tries={prior_tries!r} must list at most max_depth="
+                         f"{max_depth} counts >= 0 (None: unknown)")
     out[:len(vals)] = vals
     return out
 

@@ -63,6 +63,10 @@ class Rule:
     idle: jax.Array = np.float32(0.0)
     # [] steps a row at k = 0 waits before its first probe (`probe_schedule`)
     probe_gap: jax.Array = np.int32(PROBE_GAP)
+    # [Dm] or [] the tries each `prior` α_d was measured from (`generate(prior_tries=)`);
+    # NaN: unknown, the prior taken as exact. The choice of a call's programs reads the
+    # prior at its lower confidence bound (`cautious_prior`)
+    prior_tries: jax.Array = np.float32(np.nan)
 
 
 def verify_buckets(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -121,6 +125,32 @@ def expected_tokens(alpha):
 
 
 PRIOR_TRIES = 4.0  # pseudo-tries the acceptance estimates are shrunk with
+
+# Standard errors below a calibrated prior at which the choice of a call's programs
+# reads it (`cautious_prior`). A calibration on 4 prompts read α₁ 0.30 where the 16
+# timed prompts then accepted 0.16-0.20, and the call, drafting on an expected gain of
+# 8 %, ran 0.95× plain decoding. One standard error at each depth: the call's gain
+# multiplies the depths' acceptances, so a one-sided 95 % bound (1.645) at each falls far
+# below 95 % for the product, and turned a greedy n-gram that gains 28 % on repetitive
+# edits to plain decoding (docs/benchmarks.md, "n-gram over a corpus").
+CALL_CONFIDENCE_Z = 1.0
+
+
+def cautious_prior(prior, tries, z: float = CALL_CONFIDENCE_Z):
+    """prior α_d [Dm] at the lower end of its Wilson score interval from tries [Dm] or []
+    (the calibration's tries at each depth; NaN or 0: unknown, the prior kept): the α a
+    call's choice to draft must hold at, since it cannot be undone inside the call and
+    the prior is a mean over a few calibration prompts. NaN priors stay NaN (the
+    default's)."""
+    p = jnp.asarray(prior, jnp.float32)
+    n = jnp.broadcast_to(jnp.asarray(tries, jnp.float32), p.shape)
+    known = jnp.isfinite(n) & (n > 0)
+    n = jnp.where(known, n, 1.0)
+    z2 = z * z
+    centre = p + z2 / (2.0 * n)
+    spread = z * jnp.sqrt(jnp.clip(p * (1.0 - p), 0.0) / n + z2 / (4.0 * n * n))
+    low = jnp.clip((centre - spread) / (1.0 + z2 / n), 0.0, 1.0)
+    return jnp.where(known, low, p)
 
 
 def position_acceptance(hist, tried, prior: tuple[float, float] = (3.0, PRIOR_TRIES),
@@ -462,14 +492,18 @@ def may_draft(spec: Speculator, rule: Rule, batch: int, context: int = 0) -> boo
     (`Decision.call_pays`), probes or not (such a row would draft from its first step,
     not probe): a lookup that matches at one step in ten, each match gaining 30 %, gains
     2-3 % over the call, inside the error of its estimates and of the speculative
-    loop's measured upkeep (docs/speculators.md, the adaptive rule)."""
+    loop's measured upkeep (docs/speculators.md, the adaptive rule). The prior is read
+    at its lower confidence bound (`cautious_prior`, from `Rule.prior_tries`): once a
+    call runs the speculative loop it pays that loop's upkeep to its end, so the choice
+    must hold for prompts whose acceptance falls below the calibration's mean."""
     return bool(_may_draft(spec, rule, verify_buckets(spec.shape.depth_widths), batch,
                            jnp.float32(context)))
 
 
 @functools.partial(jax.jit, static_argnames=("buckets", "batch"))
 def _may_draft(spec: Speculator, rule: Rule, buckets, batch: int, context) -> jax.Array:
-    d = _first_decision(spec, rule, buckets, batch, context)
+    cautious = rule.replace(prior=cautious_prior(rule.prior, rule.prior_tries))
+    d = _first_decision(spec, cautious, buckets, batch, context)
     drafts = d.limit > 0  # rows that draft from the first step: they do not probe
     return ~rule.adaptive | jnp.any(drafts & d.call_pays) | d.probes_could_pay(~drafts)
 
