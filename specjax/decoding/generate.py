@@ -453,31 +453,30 @@ def _overhead(step_overhead, max_depth: int) -> np.ndarray:
 
 def _prior(acceptance_prior, max_depth: int) -> np.ndarray:
     """generate's `acceptance_prior` as the loop's [max_depth] float32 (NaN: default)."""
-    out = np.full((max_depth,), np.nan, np.float32)
-    if acceptance_prior is None:
-        return out
-    vals = [np.nan if a is None else a for a in acceptance_prior]
-    if len(vals) > max_depth or not all(
-            isinstance(a, (int, float, np.floating, np.integer)) and (np.isnan(a) or 0 <= a <= 1)
-            for a in vals):
-        raise ValueError(f"acceptance_prior={acceptance_prior!r} must list at most "
-                         f"max_depth={max_depth} rates in [0, 1] (None: the default)")
-    out[:len(vals)] = vals
-    return out
+    return _per_depth("acceptance_prior", acceptance_prior, max_depth,
+                      lambda a: 0 <= a <= 1, "rates in [0, 1] (None: the default)")
 
 
 def _tries(prior_tries, max_depth: int) -> np.ndarray:
     """generate's `prior_tries` as `Rule.prior_tries`: [max_depth] float32 (NaN:
     unknown)."""
+    return _per_depth("prior_tries", prior_tries, max_depth, lambda n: n >= 0,
+                      "counts >= 0 (None: unknown)")
+
+
+def _per_depth(name: str, values, max_depth: int, valid, what: str) -> np.ndarray:
+    """A per-draft-depth argument as [max_depth] float32: NaN for None, NaN entries and
+    the depths it does not list; each other entry a number passing `valid`, else a
+    ValueError naming `name` and `what` it must list."""
     out = np.full((max_depth,), np.nan, np.float32)
-    if prior_tries is None:
+    if values is None:
         return out
-    vals = [np.nan if n is None else n for n in prior_tries] if isinstance(
-        prior_tries, (list, tuple, np.ndarray)) else None
+    vals = ([np.nan if v is None else v for v in values]
+            if isinstance(values, (list, tuple, np.ndarray)) else None)
     if vals is None or len(vals) > max_depth or not all(
-            _is_number(n) and (np.isnan(n) or n >= 0) for n in vals):
-        raise ValueError(f"prior_tries={prior_tries!r} must list at most max_depth="
-                         f"{max_depth} counts >= 0 (None: unknown)")
+            _is_number(v) and (np.isnan(v) or valid(v)) for v in vals):
+        raise ValueError(f"{name}={values!r} must list at most max_depth={max_depth} "
+                         f"{what}")
     out[:len(vals)] = vals
     return out
 

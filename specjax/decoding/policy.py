@@ -131,8 +131,8 @@ PRIOR_TRIES = 4.0  # pseudo-tries the acceptance estimates are shrunk with
 # timed prompts then accepted 0.16-0.20, and the call, drafting on an expected gain of
 # 8 %, ran 0.95× plain decoding. One standard error at each depth: the call's gain
 # multiplies the depths' acceptances, so a one-sided 95 % bound (1.645) at each falls far
-# below 95 % for the product, and turned a greedy n-gram that gains 28 % on repetitive
-# edits to plain decoding (docs/benchmarks.md, "n-gram over a corpus").
+# below 95 % for the product, and would have turned a greedy n-gram that gains 25-28 % on
+# repetitive edits to plain decoding (docs/benchmarks.md, "n-gram over a corpus").
 CALL_CONFIDENCE_Z = 1.0
 
 
