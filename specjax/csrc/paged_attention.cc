@@ -11,18 +11,20 @@
 // is sliced or copied), and the step's own keys/values may come from beside the pages.
 //
 // Per (row, KV head, block of queries): slots are taken kLanes at a time (one vector:
-// 16 with AVX-512, 8 with AVX2); a block's keys are transposed to [H, kLanes] so each
-// query's kLanes scores are one chain of H multiply-adds, the queries sharing each load. Scores go to a scratch row;
+// 16 with AVX-512, 8 with AVX2), each key read where it lies; a query's score against a
+// slot is a chain of lane-wise multiply-adds over the head dimension, whose lanes a
+// fixed tree of folds then sums, kLanes slots' sums at once. Scores go to a scratch row;
 // a second pass takes exp(score - max) and the denominator, and a third sums
 // probability x value slot by slot. Every sum runs in a fixed order of the slot's
-// absolute position (lane = slot mod kLanes) and of h, so a query's output depends only on
-// the slots it sees: not on how many queries share the call, nor on whether its newer
-// slots came from the pages or from beside them (a chain verify's token gets the bits
-// a one-token step gives it).
+// absolute position (lane = slot mod kLanes) and of h, so a query's output depends only
+// on the slots it sees: not on how many queries share the call, nor on whether its
+// newer slots came from the pages or from beside them (a chain verify's token gets the
+// bits a one-token step gives it).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "parallel_items.h"
@@ -35,7 +37,7 @@ namespace {
 
 using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
     specjax::vi;  // vectors.h
-constexpr int kMaxGroup = 8;  // queries whose score chains share each load of keys
+constexpr int kMaxGroup = 8;  // the fewest queries a work item split off a head takes
 constexpr int kValueGroup = 4;  // queries whose sums share each load of values
 // head-dim columns a value pass holds: kValueGroup x their vectors of accumulators and
 // the vectors of values must fit the registers (4 x 4 + 4 of 32; 4 x 2 + 2 of 16)
@@ -128,23 +130,52 @@ inline bool sees(const Args& a, int64_t b, int64_t t, int64_t s, int64_t start,
   return a.mask[(b * a.s.T + t) * a.s.T + rel];
 }
 
-// scores[r][s0 .. s0 + kLanes) for queries qs[0..R) against the transposed keys kt
-// [H, kLanes].
-template <int R>
-void score_block(const float* const* qs, const float* kt, int64_t H, vf* acc) {
-  vf c[R];
-  for (int r = 0; r < R; ++r) c[r] = vf{};
-  for (int64_t h = 0; h < H; ++h) {
-    const vf k = load(kt + h * kLanes);
-    for (int r = 0; r < R; ++r) c[r] += qs[r][h] * k;
-  }
-  for (int r = 0; r < R; ++r) acc[r] = c[r];
+// Lane L of the vector `lane_sums` returns holds the sum of the lanes of input vector
+// bit_reverse(L): its inputs go in at bit-reversed positions to come out in order.
+constexpr int bit_reverse(int i) {
+  int r = 0;
+  for (int b = 1; b < kLanes; b <<= 1, i >>= 1) r = (r << 1) | (i & 1);
+  return r;
 }
 
-typedef void (*ScoreFn)(const float* const*, const float*, int64_t, vf*);
-constexpr ScoreFn kScore[kMaxGroup] = {score_block<1>, score_block<2>, score_block<3>,
-                                       score_block<4>, score_block<5>, score_block<6>,
-                                       score_block<7>, score_block<8>};
+// One level of `lane_sums`: lanes of a and b in blocks of 2H, each output lane the sum of
+// a lane and the lane H past it, from a in the first half of a block and b in the second.
+constexpr int pick(int H, int lane, bool upper) {
+  const int block = lane / (2 * H) * 2 * H, off = lane % (2 * H) + (upper ? H : 0);
+  return off < (upper ? 2 * H : H) ? block + off : kLanes + block + off - H;
+}
+template <int H, std::size_t... L>
+inline vf fold(vf a, vf b, std::index_sequence<L...>) {
+  return (vf)__builtin_shufflevector(a, b, pick(H, L, false)...) +
+         (vf)__builtin_shufflevector(a, b, pick(H, L, true)...);
+}
+
+// kLanes vectors v[0..kLanes) -> one vector of their lane sums (lane L: v[bit_reverse(L)]'s),
+// by pairwise folds (lane j + lane j + kLanes/2, then + kLanes/4, ...): every vector's
+// lanes are summed in the same order wherever it sits. Overwrites v.
+template <int H = kLanes / 2>
+inline vf lane_sums(vf* v) {
+  for (int i = 0; i < H; ++i)  // 2H vectors at this level into H
+    v[i] = fold<H>(v[2 * i], v[2 * i + 1], std::make_index_sequence<kLanes>{});
+  if constexpr (H > 1) return lane_sums<H / 2>(v);
+  else return v[0];
+}
+
+// The scores of query q [H] against the kLanes keys krow[i] [H], lane i for key i: per key
+// a chain of lane-wise fused multiply-adds over H in order, then its lanes summed by
+// `lane_sums`. The keys are read where they lie (no transposed copy), and a score's
+// arithmetic is the same for any query and slot.
+inline vf score_block(const float* q, const float* const* krow, int64_t H) {
+  vf acc[kLanes];
+  for (int i = 0; i < kLanes; ++i) acc[i] = vf{};
+  for (int64_t c = 0; c < H; c += kLanes) {
+    const vf qv = load(q + c);
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i)
+      acc[bit_reverse(i)] = specjax::fma(qv, load(krow[i] + c), acc[bit_reverse(i)]);
+  }
+  return lane_sums(acc);
+}
 
 // out[q] columns [c, c + kValueColumns) = sum_s p[q][s] v_s for R queries, slots in
 // order.
@@ -185,12 +216,11 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   const int64_t padded = (slots + kLanes - 1) / kLanes * kLanes;
   const int64_t nq = q1 - q0;
 
-  thread_local std::vector<float> scratch, kt;
+  thread_local std::vector<float> scratch, zeros;
   thread_local std::vector<const float*> vrows;
   scratch.resize(nq * padded);
-  kt.resize(H * kLanes);
+  zeros.assign(H, 0.0f);
   vrows.resize(slots);
-  const float* qrow[kMaxGroup];
   const auto query = [&](int64_t q) {
     return a.q + ((b * d.T + q / G) * d.N + kh * G + q % G) * H;
   };
@@ -199,36 +229,24 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   thread_local std::vector<vf> maxima;  // per query, lane-wise until the end
   maxima.assign(nq, splat(-INFINITY));
   for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
-    for (int64_t i = 0; i < kLanes; ++i) {
-      const int64_t s = s0 + i;
-      if (s < slots) {
-        const float* k = slot_row(a, a.kp, a.kn, b, kh, s, page_len);
-        for (int64_t h = 0; h < H; ++h) kt[h * kLanes + i] = k[h];
-      } else {
-        for (int64_t h = 0; h < H; ++h) kt[h * kLanes + i] = 0.0f;
-      }
-    }
+    const float* krow[kLanes];  // the block's keys where they lie (zeros past the slots)
+    for (int64_t i = 0; i < kLanes; ++i)
+      krow[i] = s0 + i < slots ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, page_len) : zeros.data();
     // slots every query sees: the prefix, inside any window
     const bool all_seen = s0 + kLanes <= std::min(start, slots) && a.window == 0;
-    for (int64_t g0 = 0; g0 < nq; g0 += kMaxGroup) {
-      const int n = static_cast<int>(std::min<int64_t>(kMaxGroup, nq - g0));
-      for (int r = 0; r < n; ++r) qrow[r] = query(q0 + g0 + r);
-      vf sc[kMaxGroup];
-      kScore[n - 1](qrow, kt.data(), H, sc);
-      for (int r = 0; r < n; ++r) {
-        vf x = sc[r] * a.scale;
-        if (a.soft_cap > 0.0f)
-          for (int i = 0; i < kLanes; ++i) x[i] = a.soft_cap * std::tanh(x[i] / a.soft_cap);
-        if (!all_seen) {
-          const int64_t t = (q0 + g0 + r) / G;
-          for (int i = 0; i < kLanes; ++i) {
-            const int64_t s = s0 + i;
-            if (s >= slots || !sees(a, b, t, s, start, q_len)) x[i] = -INFINITY;
-          }
+    for (int64_t r = 0; r < nq; ++r) {
+      vf x = score_block(query(q0 + r), krow, H) * a.scale;
+      if (a.soft_cap > 0.0f)
+        for (int i = 0; i < kLanes; ++i) x[i] = a.soft_cap * std::tanh(x[i] / a.soft_cap);
+      if (!all_seen) {
+        const int64_t t = (q0 + r) / G;
+        for (int i = 0; i < kLanes; ++i) {
+          const int64_t s = s0 + i;
+          if (s >= slots || !sees(a, b, t, s, start, q_len)) x[i] = -INFINITY;
         }
-        store(scratch.data() + (g0 + r) * padded + s0, x);
-        maxima[g0 + r] = maxima[g0 + r] > x ? maxima[g0 + r] : x;
       }
+      store(scratch.data() + r * padded + s0, x);
+      maxima[r] = maxima[r] > x ? maxima[r] : x;
     }
   }
 
