@@ -135,11 +135,11 @@ def categorical(key: jax.Array, log_p: jax.Array) -> jax.Array:
     """int32 [...]: one draw per leading index of log_p [..., V] (log-weights; -inf never
     drawn, no need to normalize), by inverse transform sampling with one uniform per draw.
 
-    Why not `jax.random.categorical`: its Gumbel-max draws a random number and two
-    logarithms per vocabulary entry, 0.35 ms a row over SmolLM2's 49k on XLA:CPU, 3 ms
-    of a batch-16 step. One uniform, the weights' block sums and two short prefix sums
-    (the block, then the entry within it, as FlashInfer's sorting-free samplers search)
-    take a tenth of that (docs/benchmarks.md, "Where a decode step's time goes").
+    Why not `jax.random.categorical`: its Gumbel-max draws a random number and takes two
+    logarithms per vocabulary entry, a large part of a sampled step on XLA:CPU at batch
+    16. One uniform, the weights' block sums and two short prefix sums (the block, then
+    the entry within it, as FlashInfer's sorting-free samplers search) cost a fraction
+    of that (docs/benchmarks.md, "Where a decode step's time goes").
     An entry is drawn with its weight's share of the total, up to float32 rounding of the
     sums; an entry of weight 0 is never drawn."""
     lead, v = log_p.shape[:-1], log_p.shape[-1]
