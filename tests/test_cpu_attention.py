@@ -78,10 +78,11 @@ def test_kernel_matches_the_reference(t, group, head, tree, new):
 
 @pytest.mark.parametrize("t,tree,new", [(1, False, False), (5, True, True), (17, False, True)])
 def test_long_contexts_match_the_reference(t, tree, new):
-    """Rows of hundreds of slots over a shuffled table (one ending just past 256 slots),
-    with and without a sliding window that leaves most of them unseen."""
+    """Rows longer than the kernel's chunk of slots (512: attended apart, then merged)
+    and shorter, over a shuffled table, with and without a sliding window that leaves a
+    whole chunk unseen."""
     c = _case(t + 100, t=t, tree=tree and t > 1, pages=80, kv_lens=(600 + t, 257 + t))
-    for opts in (dict(scale=0.125), dict(scale=0.125, sliding_window=200)):
+    for opts in (dict(scale=0.125), dict(scale=0.125, sliding_window=60)):
         np.testing.assert_allclose(np.asarray(_kernel(c, 1, new, **opts))[_valid(c)],
                                    np.asarray(_reference(c, 1, new, **opts))[_valid(c)],
                                    rtol=1e-5, atol=2e-6)
@@ -121,11 +122,12 @@ def test_slots_it_must_not_read_may_hold_nan(new):
                                atol=2e-6)
 
 
-@pytest.mark.parametrize("prefix", [37, 253, 600])
+@pytest.mark.parametrize("prefix", [37, 509, 600])
 def test_a_querys_output_depends_only_on_the_slots_it_sees(prefix):
     """Bit for bit: token j of a 5-token chain verify (its keys beside the pages) gets what
     a one-token step gives it after tokens 0..j were written into the pages; also across
-    a page and a vector of slots (253) and after hundreds of slots (600)."""
+    the kernel's chunks of 512 slots (509: attended apart, then merged) and after one
+    (600)."""
     c = _case(11, b=1, t=5, pages=48, kv_lens=(prefix + 5,), q_lens=[5])
     chain = np.asarray(_kernel(c, 0, True, scale=0.125))
     k, v = np.array(c["k_pages"]), np.array(c["v_pages"])

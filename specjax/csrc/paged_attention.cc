@@ -10,16 +10,17 @@
 // straight from the stacked pages [L, K, P, Z, H] (the layer is an operand, so nothing
 // is sliced or copied), and the step's own keys/values may come from beside the pages.
 //
-// Per (row, KV head, block of queries): slots are taken kLanes at a time (one vector:
-// 16 with AVX-512, 8 with AVX2), each key read where it lies; a query's score against a
-// slot is a chain of lane-wise multiply-adds over the head dimension, whose lanes a
-// fixed tree of folds then sums, kLanes slots' sums at once. Scores go to a scratch row;
-// a second pass takes exp(score - max) and the denominator, and a third sums
-// probability x value slot by slot. Every sum runs in a fixed order of the slot's
-// absolute position (lane = slot mod kLanes) and of h, so a query's output depends only
-// on the slots it sees: not on how many queries share the call, nor on whether its
-// newer slots came from the pages or from beside them (a chain verify's token gets the
-// bits a one-token step gives it).
+// Per (row, KV head, chunk of slots, block of queries), the chunks merged after
+// (`merge`): slots are taken kLanes at a time (one vector: 16 with AVX-512, 8 with AVX2),
+// each key read where it lies; a query's score against a slot is a chain of lane-wise
+// multiply-adds over the head dimension, whose lanes a fixed tree of folds then sums,
+// kLanes slots' sums at once. Scores go to a scratch row; a second pass takes
+// exp(score - max) and the denominator, and a third sums probability x value slot by
+// slot. Every sum runs in a fixed order of the slot's absolute position (lane = slot mod
+// kLanes; chunks by absolute position, merged in order) and of h, so a query's output
+// depends only on the slots it sees: not on how many queries share the call, nor on
+// whether its newer slots came from the pages or from beside them (a chain verify's
+// token gets the bits a one-token step gives it).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -203,24 +204,51 @@ typedef void (*ValueFn)(const float* const*, const float* const*, int64_t, int64
 constexpr ValueFn kValue[kValueGroup] = {value_chunk<1>, value_chunk<2>, value_chunk<3>,
                                          value_chunk<4>};
 
+// Slots per chunk: a work item attends over one chunk of a row's slots (by absolute
+// position), and the chunks' partial results are merged after (`merge`), so one row's
+// long context spreads over the threads (3 KV heads on 2 threads left one idle a third
+// of the time). Fixed, so a query's arithmetic does not depend on the call's shape.
+constexpr int64_t kSlotChunk = 512;
+static_assert(kSlotChunk % kLanes == 0);
+
+// The row's slots: its pages' and, when they come from beside the pages, its new ones.
+inline int64_t row_slots(const Args& a, int64_t b, int64_t* page_len, int64_t* q_len) {
+  const Shapes& d = a.s;
+  *q_len = std::min<int64_t>(std::max<int32_t>(a.q_lens[b], 0), d.T);
+  *page_len = std::min<int64_t>(std::max<int32_t>(a.page_lens[b], 0), d.M * d.Z);
+  return *page_len + (d.has_new ? *q_len : 0);
+}
+
+// Per (row, KV head, chunk, query): the chunk's maximum score (-inf: it sees none of
+// the chunk), its sum of exp(score - maximum) and the unnormalized sum of p v [H].
+struct Partials {
+  int64_t chunks, queries, H;
+  float *m, *l, *o;
+  int64_t at(const Shapes& d, int64_t b, int64_t kh, int64_t c, int64_t q) const {
+    return ((b * d.K + kh) * chunks + c) * queries + q;
+  }
+};
+
 // One work item: row b, KV head kh, queries [q0, q1) of its T * G (query q is token
-// q / G, head kh * G + q % G).
-void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
+// q / G, head kh * G + q % G), over the slots of chunk c.
+void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
+            int64_t q0, int64_t q1) {
   const Shapes& d = a.s;
   const int64_t H = d.H, G = d.G;
-  const int64_t q_len = std::min<int64_t>(std::max<int32_t>(a.q_lens[b], 0), d.T);
-  const int64_t page_len =
-      std::min<int64_t>(std::max<int32_t>(a.page_lens[b], 0), d.M * d.Z);
+  int64_t page_len, q_len;
+  const int64_t slots = row_slots(a, b, &page_len, &q_len);
+  const int64_t c0 = c * kSlotChunk;
+  if (c0 >= slots) return;  // past this row's slots: `merge` reads only its own chunks
+  const int64_t c1 = std::min(slots, c0 + kSlotChunk);
   const int64_t start = a.new_start[b];
-  const int64_t slots = page_len + (d.has_new ? q_len : 0);
-  const int64_t padded = (slots + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded = (c1 - c0 + kLanes - 1) / kLanes * kLanes;
   const int64_t nq = q1 - q0;
 
   thread_local std::vector<float> scratch, zeros;
   thread_local std::vector<const float*> vrows;
   scratch.resize(nq * padded);
   zeros.assign(H, 0.0f);
-  vrows.resize(slots);
+  vrows.resize(c1 - c0);
   const auto query = [&](int64_t q) {
     return a.q + ((b * d.T + q / G) * d.N + kh * G + q % G) * H;
   };
@@ -228,12 +256,12 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
   // Pass 1: scores (masked to -inf) and each query's maximum.
   thread_local std::vector<vf> maxima;  // per query, lane-wise until the end
   maxima.assign(nq, splat(-INFINITY));
-  for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
+  for (int64_t s0 = c0; s0 < c0 + padded; s0 += kLanes) {
     const float* krow[kLanes];  // the block's keys where they lie (zeros past the slots)
     for (int64_t i = 0; i < kLanes; ++i)
-      krow[i] = s0 + i < slots ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, page_len) : zeros.data();
+      krow[i] = s0 + i < c1 ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, page_len) : zeros.data();
     // slots every query sees: the prefix, inside any window
-    const bool all_seen = s0 + kLanes <= std::min(start, slots) && a.window == 0;
+    const bool all_seen = s0 + kLanes <= std::min(start, c1) && a.window == 0;
     for (int64_t r = 0; r < nq; ++r) {
       vf x = score_block(query(q0 + r), krow, H) * a.scale;
       if (a.soft_cap > 0.0f)
@@ -242,49 +270,70 @@ void attend(const Args& a, int64_t b, int64_t kh, int64_t q0, int64_t q1) {
         const int64_t t = (q0 + r) / G;
         for (int i = 0; i < kLanes; ++i) {
           const int64_t s = s0 + i;
-          if (s >= slots || !sees(a, b, t, s, start, q_len)) x[i] = -INFINITY;
+          if (s >= c1 || !sees(a, b, t, s, start, q_len)) x[i] = -INFINITY;
         }
       }
-      store(scratch.data() + r * padded + s0, x);
+      store(scratch.data() + r * padded + (s0 - c0), x);
       maxima[r] = maxima[r] > x ? maxima[r] : x;
     }
   }
 
-  // Pass 2: probabilities in place of the scores, and each query's denominator.
-  std::vector<float> denom(nq);
+  // Pass 2: probabilities in place of the scores, and each query's sum of them.
   for (int64_t r = 0; r < nq; ++r) {
     float* row = scratch.data() + r * padded;
     const float m = hmax(maxima[r]);
     vf sum = vf{};
     for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
       const vf x = load(row + s0);
-      // a query that sees nothing (m = -inf) gets probabilities 0 and outputs 0
+      // a query that sees none of the chunk (m = -inf) gets probabilities 0
       const vf p = x > splat(-INFINITY) ? exp_nonpositive(x - m) : vf{};
       store(row + s0, p);
       sum += p;
     }
-    const float total = hsum(sum);
-    denom[r] = total > 0.0f ? total : 1.0f;
+    const int64_t e = part.at(d, b, kh, c, q0 + r);
+    part.m[e] = m;
+    part.l[e] = hsum(sum);
   }
 
-  // Pass 3: sum p v over the slots (in order), then divide.
-  for (int64_t s = 0; s < slots; ++s) vrows[s] = slot_row(a, a.vp, a.vn, b, kh, s, page_len);
+  // Pass 3: sum p v over the chunk's slots (in order).
+  for (int64_t s = c0; s < c1; ++s) vrows[s - c0] = slot_row(a, a.vp, a.vn, b, kh, s, page_len);
   const float* prow[kValueGroup];
   vf acc[kValueGroup][kValueColumns / kLanes];
   for (int64_t g0 = 0; g0 < nq; g0 += kValueGroup) {
     const int n = static_cast<int>(std::min<int64_t>(kValueGroup, nq - g0));
     for (int r = 0; r < n; ++r) prow[r] = scratch.data() + (g0 + r) * padded;
-    for (int64_t c = 0; c < H; c += kValueColumns) {
-      kValue[n - 1](prow, vrows.data(), slots, c, acc);
+    for (int64_t col = 0; col < H; col += kValueColumns) {
+      kValue[n - 1](prow, vrows.data(), c1 - c0, col, acc);
       for (int r = 0; r < n; ++r) {
-        const int64_t q = q0 + g0 + r;
-        float* o = a.out + ((b * d.T + q / G) * d.N + kh * G + q % G) * H + c;
-        const float inv = denom[g0 + r];
-        for (int v = 0; v < kValueColumns / kLanes; ++v)
-          store(o + v * kLanes, acc[r][v] / inv);
+        float* o = part.o + part.at(d, b, kh, c, q0 + g0 + r) * H + col;
+        for (int v = 0; v < kValueColumns / kLanes; ++v) store(o + v * kLanes, acc[r][v]);
       }
     }
   }
+}
+
+// out for row b, KV head kh, query q: its chunks' sums rescaled to the largest maximum
+// and added in chunk order, over their added denominators (a row of one chunk: its sum
+// over its denominator). A query that sees no slot outputs 0.
+void merge(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t q) {
+  const Shapes& d = a.s;
+  const int64_t H = d.H;
+  int64_t page_len, q_len;
+  const int64_t chunks = (row_slots(a, b, &page_len, &q_len) + kSlotChunk - 1) / kSlotChunk;
+  float m = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part.m[part.at(d, b, kh, c, q)]);
+  float* out = a.out + ((b * d.T + q / d.G) * d.N + kh * d.G + q % d.G) * H;
+  std::fill(out, out + H, 0.0f);
+  if (m == -INFINITY) return;
+  float l = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t e = part.at(d, b, kh, c, q);
+    if (part.m[e] == -INFINITY) continue;
+    const float w = std::exp(part.m[e] - m);  // 1 for the chunk that holds the maximum
+    l += part.l[e] * w;
+    for (int64_t h = 0; h < H; ++h) out[h] += part.o[e * H + h] * w;
+  }
+  for (int64_t h = 0; h < H; ++h) out[h] /= l;
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -319,19 +368,41 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                s.has_new ? k_new.typed_data() : nullptr,
                s.has_new ? v_new.typed_data() : nullptr, scale, soft_cap, window,
                out->typed_data()};
-  // Rows x KV heads, each split into blocks of queries when there are fewer of those
-  // than threads (one row's tree verify): every item reads its row's keys once more.
-  const int64_t queries = s.T * s.G, heads = s.B * s.K;
+  // Items: rows x KV heads x chunks of slots, each split into blocks of queries when
+  // rows x KV heads are fewer than threads (one row's tree verify over a short context):
+  // every block reads its chunk's keys once more.
+  int64_t most = 0;
+  for (int64_t b = 0; b < s.B; ++b) {
+    int64_t page_len, q_len;
+    most = std::max(most, row_slots(a, b, &page_len, &q_len));
+  }
+  const int64_t chunks = std::max<int64_t>(1, (most + kSlotChunk - 1) / kSlotChunk);
+  const int64_t queries = s.T * s.G, heads = s.B * s.K * chunks;
+  std::vector<float> maxima(heads * queries), sums(heads * queries),
+      values(heads * queries * s.H);
+  const Partials part{chunks, queries, s.H, maxima.data(), sums.data(), values.data()};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t split = 1;
-  while (heads * split < 2 * threads && queries / (split * 2) >= kMaxGroup) split *= 2;
-  const int64_t chunk = (queries + split - 1) / split;
-  const int64_t per_head = (queries + chunk - 1) / chunk;
-  specjax::parallel_items(pool, heads * per_head, threads, [&a, per_head, chunk,
-                                                            queries](int64_t k) {
-    const int64_t bk = k / per_head, q0 = k % per_head * chunk;
-    attend(a, bk / a.s.K, bk % a.s.K, q0, std::min(queries, q0 + chunk));
+  int64_t split = 1;  // by rows x KV heads: a short context's one chunk carries the load
+  while (s.B * s.K * split < 2 * threads && queries / (split * 2) >= kMaxGroup) split *= 2;
+  const int64_t block = (queries + split - 1) / split;
+  const int64_t per_head = (queries + block - 1) / block;
+  specjax::parallel_items(pool, heads * per_head, threads, [&a, &part, per_head, block,
+                                                            queries, chunks](int64_t k) {
+    const int64_t item = k / per_head, q0 = k % per_head * block;
+    const int64_t bk = item / chunks;
+    attend(a, part, bk / a.s.K, bk % a.s.K, item % chunks, q0,
+           std::min(queries, q0 + block));
   });
+  // The merge is O(rows x heads x queries x chunks x H): threads only for a large one
+  // (a batch's tree verify), where their start-up costs less than the work.
+  const auto merge_head = [&a, &part, queries](int64_t bk) {
+    for (int64_t q = 0; q < queries; ++q) merge(a, part, bk / a.s.K, bk % a.s.K, q);
+  };
+  if (heads * queries * s.H < (int64_t{1} << 16)) {
+    for (int64_t bk = 0; bk < s.B * s.K; ++bk) merge_head(bk);
+  } else {
+    specjax::parallel_items(pool, s.B * s.K, threads, merge_head);
+  }
   return ffi::Error::Success();
 }
 
