@@ -222,8 +222,8 @@ inline int64_t row_slots(const Args& a, int64_t b, int64_t* page_len, int64_t* q
 // Per (row, KV head, chunk, query): the chunk's maximum score (-inf: it sees none of
 // the chunk), its sum of exp(score - maximum) and the unnormalized sum of p v [H].
 struct Partials {
-  int64_t chunks, queries, H;
-  float *m, *l, *o;
+  int64_t chunks, queries;
+  float *m, *l, *o;  // [rows x KV heads x chunks x queries] (o: x H)
   int64_t at(const Shapes& d, int64_t b, int64_t kh, int64_t c, int64_t q) const {
     return ((b * d.K + kh) * chunks + c) * queries + q;
   }
@@ -377,18 +377,18 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     most = std::max(most, row_slots(a, b, &page_len, &q_len));
   }
   const int64_t chunks = std::max<int64_t>(1, (most + kSlotChunk - 1) / kSlotChunk);
-  const int64_t queries = s.T * s.G, heads = s.B * s.K * chunks;
-  std::vector<float> maxima(heads * queries), sums(heads * queries),
-      values(heads * queries * s.H);
-  const Partials part{chunks, queries, s.H, maxima.data(), sums.data(), values.data()};
+  const int64_t queries = s.T * s.G, parts = s.B * s.K * chunks;  // (row, head, chunk)s
+  std::vector<float> maxima(parts * queries), sums(parts * queries),
+      values(parts * queries * s.H);
+  const Partials part{chunks, queries, maxima.data(), sums.data(), values.data()};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t split = 1;  // by rows x KV heads: a short context's one chunk carries the load
   while (s.B * s.K * split < 2 * threads && queries / (split * 2) >= kMaxGroup) split *= 2;
   const int64_t block = (queries + split - 1) / split;
-  const int64_t per_head = (queries + block - 1) / block;
-  specjax::parallel_items(pool, heads * per_head, threads, [&a, &part, per_head, block,
+  const int64_t per_part = (queries + block - 1) / block;
+  specjax::parallel_items(pool, parts * per_part, threads, [&a, &part, per_part, block,
                                                             queries, chunks](int64_t k) {
-    const int64_t item = k / per_head, q0 = k % per_head * block;
+    const int64_t item = k / per_part, q0 = k % per_part * block;
     const int64_t bk = item / chunks;
     attend(a, part, bk / a.s.K, bk % a.s.K, item % chunks, q0,
            std::min(queries, q0 + block));
@@ -398,7 +398,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto merge_head = [&a, &part, queries](int64_t bk) {
     for (int64_t q = 0; q < queries; ++q) merge(a, part, bk / a.s.K, bk % a.s.K, q);
   };
-  if (heads * queries * s.H < (int64_t{1} << 16)) {
+  if (parts * queries * s.H < (int64_t{1} << 16)) {
     for (int64_t bk = 0; bk < s.B * s.K; ++bk) merge_head(bk);
   } else {
     specjax::parallel_items(pool, s.B * s.K, threads, merge_head);
