@@ -34,6 +34,12 @@ def test_main_prints_a_row_per_context_and_query_count(capsys):
             or line.startswith("| 40 |")]
     assert len(rows) == 4 and all(len(r.split("|")) == 2 + 2 + len(bench.FORMS) + 2
                                   for r in rows)  # ends, context, T, forms, 2 ratios
+    assert bench.main(["--queries", "1", "--contexts", "8", "--layers", "1", "--kv-heads",
+                       "1", "--group", "2", "--repeats", "1", "--kernel-only"]) == 0
+    out = capsys.readouterr().out
+    assert "jnp" not in out and "kernel, in pages, ms | kernel, beside, ms |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 8 |"))
+    assert len(row.split("|")) == 2 + 2 + len(bench.KERNEL_FORMS)  # no ratios
     with pytest.raises(SystemExit):
         bench.main(["--head-dim", "96"])
     with pytest.raises(SystemExit):

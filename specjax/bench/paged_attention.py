@@ -12,6 +12,7 @@ T new tokens. Interleaved rounds in a seeded order, medians (`specjax.timing
 
   python -m specjax.bench.paged_attention [--queries 1,5,17] [--contexts 200,1024]
       [--layers 30] [--kv-heads 3] [--group 3] [--head-dim 64] [--repeats 20]
+      [--kernel-only]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from specjax.timing import interleaved_medians
 from specjax.xla_options import compile_decode
 
 FORMS = ("jnp, in pages", "jnp, beside", "kernel, in pages", "kernel, beside")
+KERNEL_FORMS = FORMS[2:]  # `--kernel-only`
 PAGE = 16
 
 
@@ -94,9 +96,10 @@ def measure(queries, contexts, repeats: int, forms=FORMS, **shape) -> dict:
 
 
 def markdown(seconds: dict, queries, contexts, forms=FORMS) -> str:
-    """One row per (context, T): ms per form, and the jnp form's time over the kernel's,
-    new tokens in the pages and beside them."""
-    ratios = (("in pages", forms[0], forms[2]), ("beside", forms[1], forms[3]))
+    """One row per (context, T): ms per form and, when the jnp forms ran, their time
+    over the kernel's, new tokens in the pages and beside them."""
+    ratios = ((("in pages", FORMS[0], FORMS[2]), ("beside", FORMS[1], FORMS[3]))
+              if set(FORMS) <= set(forms) else ())
     head = ("| context | T | " + " | ".join(f"{f}, ms" for f in forms) + " | "
             + " | ".join(f"jnp / kernel, {name}" for name, _, _ in ratios) + " |")
     lines = [head, "|---:|---:|" + "---:|" * (len(forms) + len(ratios))]
@@ -119,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20, help="interleaved timed rounds")
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="time the kernel's two forms alone: a quicker A/B of kernel "
+                         "changes, runs alternating between checkouts")
     args = ap.parse_args(argv)
     queries = tuple(comma_list(ap, "--queries", args.queries, int, minimum=1))
     contexts = tuple(comma_list(ap, "--contexts", args.contexts, int, minimum=1))
@@ -130,8 +136,9 @@ def main(argv=None) -> int:
         ap.error("the CPU attention kernel is unavailable (it warned why)")
     shape = dict(layers=args.layers, kv_heads=args.kv_heads, group=args.group,
                  head=args.head_dim)
-    seconds = measure(queries, contexts, args.repeats, **shape)
-    print(markdown(seconds, queries, contexts))
+    forms = KERNEL_FORMS if args.kernel_only else FORMS
+    seconds = measure(queries, contexts, args.repeats, forms=forms, **shape)
+    print(markdown(seconds, queries, contexts, forms))
     return 0
 
 

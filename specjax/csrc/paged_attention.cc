@@ -10,18 +10,19 @@
 // straight from the stacked pages [L, K, P, Z, H] (the layer is an operand, so nothing
 // is sliced or copied), and the step's own keys/values may come from beside the pages.
 //
-// Per (row, KV head, chunk of slots, block of queries), the chunks merged after
-// (`merge`): slots are taken kLanes at a time (one vector: 16 with AVX-512, 8 with AVX2),
-// each key read where it lies; a query's score against a slot is a chain of lane-wise
-// multiply-adds over the head dimension, whose lanes a fixed tree of folds then sums,
-// kLanes slots' sums at once. Scores go to a scratch row; a second pass takes
-// exp(score - max) and the denominator, and a third sums probability x value slot by
-// slot. Every sum runs in a fixed order of the slot's absolute position (lane = slot mod
-// kLanes; chunks by absolute position, merged in order) and of h, so a query's output
-// depends only on the slots it sees: not on how many queries share the call, nor on
-// whether its newer slots came from the pages or from beside them (a chain verify's
-// token gets the bits a one-token step gives it).
+// Per (row, KV head, chunk of slots, block of queries), a long row's chunks merged by
+// the item that finishes its last (`merge`): slots are taken kLanes at a time (one
+// vector: 16 with AVX-512, 8 with AVX2), each key read where it lies; a query's score
+// against a slot is a chain of lane-wise multiply-adds over the head dimension, whose
+// lanes a fixed tree of folds then sums, kLanes slots' sums at once. Scores go to a
+// scratch row; a second pass takes exp(score - max) and the denominator, and a third
+// sums probability x value slot by slot. Every sum runs in a fixed order of the slot's
+// absolute position (lane = slot mod kLanes; chunks by absolute position, merged in
+// order) and of h, so a query's output depends only on the slots it sees: not on how
+// many queries share the call, nor on whether its newer slots came from the pages or
+// from beside them (a chain verify's token gets the bits a one-token step gives it).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,7 +39,7 @@ namespace {
 
 using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
     specjax::vi;  // vectors.h
-constexpr int kMaxGroup = 8;  // the fewest queries a work item split off a head takes
+constexpr int kMinQueryBlock = 8;  // the fewest queries a work item split off a head takes
 constexpr int kValueGroup = 4;  // queries whose sums share each load of values
 // head-dim columns a value pass holds: kValueGroup x their vectors of accumulators and
 // the vectors of values must fit the registers (4 x 4 + 4 of 32; 4 x 2 + 2 of 16)
@@ -211,16 +212,22 @@ constexpr ValueFn kValue[kValueGroup] = {value_chunk<1>, value_chunk<2>, value_c
 constexpr int64_t kSlotChunk = 512;
 static_assert(kSlotChunk % kLanes == 0);
 
-// The row's slots: its pages' and, when they come from beside the pages, its new ones.
-inline int64_t row_slots(const Args& a, int64_t b, int64_t* page_len, int64_t* q_len) {
+// A row's slots: those read from its pages, and its new ones when they come from beside
+// the pages; and how many of its q_len tokens are queries.
+struct RowSlots {
+  int64_t slots, page_len, q_len;
+  int64_t chunks() const { return (slots + kSlotChunk - 1) / kSlotChunk; }
+};
+inline RowSlots row_slots(const Args& a, int64_t b) {
   const Shapes& d = a.s;
-  *q_len = std::min<int64_t>(std::max<int32_t>(a.q_lens[b], 0), d.T);
-  *page_len = std::min<int64_t>(std::max<int32_t>(a.page_lens[b], 0), d.M * d.Z);
-  return *page_len + (d.has_new ? *q_len : 0);
+  const int64_t q_len = std::min<int64_t>(std::max<int32_t>(a.q_lens[b], 0), d.T);
+  const int64_t page_len = std::min<int64_t>(std::max<int32_t>(a.page_lens[b], 0), d.M * d.Z);
+  return {page_len + (d.has_new ? q_len : 0), page_len, q_len};
 }
 
 // Per (row, KV head, chunk, query): the chunk's maximum score (-inf: it sees none of
-// the chunk), its sum of exp(score - maximum) and the unnormalized sum of p v [H].
+// the chunk) and its sum of exp(score - maximum); for a row over several chunks, the
+// unnormalized sum of p v [H] too.
 struct Partials {
   int64_t chunks, queries;
   float *m, *l, *o;  // [rows x KV heads x chunks x queries] (o: x H)
@@ -229,17 +236,25 @@ struct Partials {
   }
 };
 
+// Where query q (of a row's T * G) of row b, KV head kh writes its output [H].
+inline float* output(const Args& a, int64_t b, int64_t kh, int64_t q) {
+  const Shapes& d = a.s;
+  return a.out + ((b * d.T + q / d.G) * d.N + kh * d.G + q % d.G) * d.H;
+}
+
 // One work item: row b, KV head kh, queries [q0, q1) of its T * G (query q is token
-// q / G, head kh * G + q % G), over the slots of chunk c.
+// q / G, head kh * G + q % G), over the slots of chunk c. A row of one chunk writes its
+// output here, as `merge` would from its one chunk: (0 + sum) / denominator, 0 where a
+// query sees no slot; a longer row's chunks leave their partials for `merge`.
 void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
             int64_t q0, int64_t q1) {
   const Shapes& d = a.s;
   const int64_t H = d.H, G = d.G;
-  int64_t page_len, q_len;
-  const int64_t slots = row_slots(a, b, &page_len, &q_len);
+  const RowSlots row = row_slots(a, b);
   const int64_t c0 = c * kSlotChunk;
-  if (c0 >= slots) return;  // past this row's slots: `merge` reads only its own chunks
-  const int64_t c1 = std::min(slots, c0 + kSlotChunk);
+  if (c > 0 && c0 >= row.slots) return;  // past this row's slots: `merge` reads its own
+  const bool whole = row.chunks() <= 1;
+  const int64_t c1 = std::min(row.slots, c0 + kSlotChunk);
   const int64_t start = a.new_start[b];
   const int64_t padded = (c1 - c0 + kLanes - 1) / kLanes * kLanes;
   const int64_t nq = q1 - q0;
@@ -259,7 +274,8 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
   for (int64_t s0 = c0; s0 < c0 + padded; s0 += kLanes) {
     const float* krow[kLanes];  // the block's keys where they lie (zeros past the slots)
     for (int64_t i = 0; i < kLanes; ++i)
-      krow[i] = s0 + i < c1 ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, page_len) : zeros.data();
+      krow[i] = s0 + i < c1 ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, row.page_len)
+                            : zeros.data();
     // slots every query sees: the prefix, inside any window
     const bool all_seen = s0 + kLanes <= std::min(start, c1) && a.window == 0;
     for (int64_t r = 0; r < nq; ++r) {
@@ -270,7 +286,7 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
         const int64_t t = (q0 + r) / G;
         for (int i = 0; i < kLanes; ++i) {
           const int64_t s = s0 + i;
-          if (s >= c1 || !sees(a, b, t, s, start, q_len)) x[i] = -INFINITY;
+          if (s >= c1 || !sees(a, b, t, s, start, row.q_len)) x[i] = -INFINITY;
         }
       }
       store(scratch.data() + r * padded + (s0 - c0), x);
@@ -280,14 +296,14 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
 
   // Pass 2: probabilities in place of the scores, and each query's sum of them.
   for (int64_t r = 0; r < nq; ++r) {
-    float* row = scratch.data() + r * padded;
+    float* p_row = scratch.data() + r * padded;
     const float m = hmax(maxima[r]);
     vf sum = vf{};
     for (int64_t s0 = 0; s0 < padded; s0 += kLanes) {
-      const vf x = load(row + s0);
+      const vf x = load(p_row + s0);
       // a query that sees none of the chunk (m = -inf) gets probabilities 0
       const vf p = x > splat(-INFINITY) ? exp_nonpositive(x - m) : vf{};
-      store(row + s0, p);
+      store(p_row + s0, p);
       sum += p;
     }
     const int64_t e = part.at(d, b, kh, c, q0 + r);
@@ -296,7 +312,8 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
   }
 
   // Pass 3: sum p v over the chunk's slots (in order).
-  for (int64_t s = c0; s < c1; ++s) vrows[s - c0] = slot_row(a, a.vp, a.vn, b, kh, s, page_len);
+  for (int64_t s = c0; s < c1; ++s)
+    vrows[s - c0] = slot_row(a, a.vp, a.vn, b, kh, s, row.page_len);
   const float* prow[kValueGroup];
   vf acc[kValueGroup][kValueColumns / kLanes];
   for (int64_t g0 = 0; g0 < nq; g0 += kValueGroup) {
@@ -305,35 +322,42 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
     for (int64_t col = 0; col < H; col += kValueColumns) {
       kValue[n - 1](prow, vrows.data(), c1 - c0, col, acc);
       for (int r = 0; r < n; ++r) {
-        float* o = part.o + part.at(d, b, kh, c, q0 + g0 + r) * H + col;
-        for (int v = 0; v < kValueColumns / kLanes; ++v) store(o + v * kLanes, acc[r][v]);
+        const int64_t qr = q0 + g0 + r;
+        float* o = whole ? output(a, b, kh, qr) : part.o + part.at(d, b, kh, c, qr) * H;
+        o += col;
+        const int64_t e = part.at(d, b, kh, c, qr);
+        const bool seen = part.m[e] > -INFINITY;
+        const vf l = splat(part.l[e]);
+        for (int v = 0; v < kValueColumns / kLanes; ++v)
+          store(o + v * kLanes, !whole ? acc[r][v] : seen ? (vf{} + acc[r][v]) / l : vf{});
       }
     }
   }
 }
 
-// out for row b, KV head kh, query q: its chunks' sums rescaled to the largest maximum
-// and added in chunk order, over their added denominators (a row of one chunk: its sum
-// over its denominator). A query that sees no slot outputs 0.
-void merge(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t q) {
+// out for row b, KV head kh, queries [q0, q1), over the row's `chunks` (> 1): each
+// query's chunk sums rescaled to the largest maximum and added in chunk order, over
+// their added denominators. A query that sees no slot outputs 0.
+void merge(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t q0,
+           int64_t q1, int64_t chunks) {
   const Shapes& d = a.s;
   const int64_t H = d.H;
-  int64_t page_len, q_len;
-  const int64_t chunks = (row_slots(a, b, &page_len, &q_len) + kSlotChunk - 1) / kSlotChunk;
-  float m = -INFINITY;
-  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part.m[part.at(d, b, kh, c, q)]);
-  float* out = a.out + ((b * d.T + q / d.G) * d.N + kh * d.G + q % d.G) * H;
-  std::fill(out, out + H, 0.0f);
-  if (m == -INFINITY) return;
-  float l = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t e = part.at(d, b, kh, c, q);
-    if (part.m[e] == -INFINITY) continue;
-    const float w = std::exp(part.m[e] - m);  // 1 for the chunk that holds the maximum
-    l += part.l[e] * w;
-    for (int64_t h = 0; h < H; ++h) out[h] += part.o[e * H + h] * w;
+  for (int64_t q = q0; q < q1; ++q) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part.m[part.at(d, b, kh, c, q)]);
+    float* out = output(a, b, kh, q);
+    std::fill(out, out + H, 0.0f);
+    if (m == -INFINITY) continue;
+    float l = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t e = part.at(d, b, kh, c, q);
+      if (part.m[e] == -INFINITY) continue;
+      const float w = std::exp(part.m[e] - m);  // 1 for the chunk that holds the maximum
+      l += part.l[e] * w;
+      for (int64_t h = 0; h < H; ++h) out[h] += part.o[e * H + h] * w;
+    }
+    for (int64_t h = 0; h < H; ++h) out[h] /= l;
   }
-  for (int64_t h = 0; h < H; ++h) out[h] /= l;
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -372,37 +396,38 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // rows x KV heads are fewer than threads (one row's tree verify over a short context):
   // every block reads its chunk's keys once more.
   int64_t most = 0;
-  for (int64_t b = 0; b < s.B; ++b) {
-    int64_t page_len, q_len;
-    most = std::max(most, row_slots(a, b, &page_len, &q_len));
-  }
+  for (int64_t b = 0; b < s.B; ++b) most = std::max(most, row_slots(a, b).slots);
   const int64_t chunks = std::max<int64_t>(1, (most + kSlotChunk - 1) / kSlotChunk);
   const int64_t queries = s.T * s.G, parts = s.B * s.K * chunks;  // (row, head, chunk)s
-  std::vector<float> maxima(parts * queries), sums(parts * queries),
-      values(parts * queries * s.H);
-  const Partials part{chunks, queries, maxima.data(), sums.data(), values.data()};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t split = 1;  // by rows x KV heads: a short context's one chunk carries the load
-  while (s.B * s.K * split < 2 * threads && queries / (split * 2) >= kMaxGroup) split *= 2;
+  while (s.B * s.K * split < 2 * threads && queries / (split * 2) >= kMinQueryBlock)
+    split *= 2;
   const int64_t block = (queries + split - 1) / split;
   const int64_t per_part = (queries + block - 1) / block;
-  specjax::parallel_items(pool, parts * per_part, threads, [&a, &part, per_part, block,
-                                                            queries, chunks](int64_t k) {
-    const int64_t item = k / per_part, q0 = k % per_part * block;
-    const int64_t bk = item / chunks;
-    attend(a, part, bk / a.s.K, bk % a.s.K, item % chunks, q0,
-           std::min(queries, q0 + block));
-  });
-  // The merge is O(rows x heads x queries x chunks x H): threads only for a large one
-  // (a batch's tree verify), where their start-up costs less than the work.
-  const auto merge_head = [&a, &part, queries](int64_t bk) {
-    for (int64_t q = 0; q < queries; ++q) merge(a, part, bk / a.s.K, bk % a.s.K, q);
-  };
-  if (parts * queries * s.H < (int64_t{1} << 16)) {
-    for (int64_t bk = 0; bk < s.B * s.K; ++bk) merge_head(bk);
-  } else {
-    specjax::parallel_items(pool, s.B * s.K, threads, merge_head);
+  // Partials (every entry read is written first, so the buffers are reused as they
+  // are) and, for rows over several chunks, a count of chunks done per (row, head,
+  // query block): the item that finishes the last chunk merges that block while the
+  // other threads still attend.
+  thread_local std::vector<float> maxima, sums, values;
+  std::vector<std::atomic<int32_t>> done(chunks > 1 ? s.B * s.K * per_part : 0);
+  maxima.resize(std::max<size_t>(maxima.size(), parts * queries));
+  sums.resize(std::max<size_t>(sums.size(), parts * queries));
+  if (chunks > 1) {
+    values.resize(std::max<size_t>(values.size(), parts * queries * s.H));
+    for (auto& n : done) n.store(0, std::memory_order_relaxed);
   }
+  const Partials part{chunks, queries, maxima.data(), sums.data(), values.data()};
+  specjax::parallel_items(pool, parts * per_part, threads, [&](int64_t k) {
+    const int64_t item = k / per_part, qb = k % per_part, q0 = qb * block;
+    const int64_t q1 = std::min(queries, q0 + block), bk = item / chunks, c = item % chunks;
+    const int64_t b = bk / s.K, kh = bk % s.K;
+    attend(a, part, b, kh, c, q0, q1);
+    const int64_t row_chunks = chunks > 1 ? row_slots(a, b).chunks() : 1;
+    if (row_chunks > 1 && c < row_chunks &&
+        done[bk * per_part + qb].fetch_add(1, std::memory_order_acq_rel) + 1 == row_chunks)
+      merge(a, part, b, kh, q0, q1, row_chunks);
+  });
   return ffi::Error::Success();
 }
 
