@@ -266,6 +266,17 @@ def choose_tree(target: Model, method: str, candidates: dict, calibrations: dict
                       gains={tree_label(shapes[n]): g for n, g in gains.items()})
 
 
+def chosen_shapes(speculators: dict, alternatives: dict | None, choices: dict | None,
+                  key) -> tuple[dict, dict]:
+    """For one cell of a comparison, each method's chosen tree shape (`choose_tree`):
+    ({method: the name it is calibrated and priced under}, {method: the speculator it
+    runs}). choices: {key(method): name}; alternatives: {name: speculator}; a method
+    with no choice runs as itself."""
+    pick = {name: (choices or {}).get(key(name), name) for name in speculators}
+    return pick, {name: (alternatives or {}).get(pick[name], spec)
+                  for name, spec in speculators.items()}
+
+
 def calibrated_kwargs(calibration: Calibration | None, speculator) -> dict:
     """generate's calibrated arguments for a call with `speculator`: none for plain
     decoding (speculator None) or without a calibration."""

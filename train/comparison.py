@@ -15,7 +15,13 @@ import jax
 import numpy as np
 
 import specjax
-from specjax.calibrate import calibrations, choose_tree, cost_ratio_of, measured_cost_ratios
+from specjax.calibrate import (
+    calibrations,
+    choose_tree,
+    chosen_shapes,
+    cost_ratio_of,
+    measured_cost_ratios,
+)
 from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus
 from specjax.speculators import method_of
 from specjax.speculators.eagle import tree_label
@@ -74,9 +80,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     rows = []
     warm = warmup_prompts(prompts, batch)
     for temp in temperatures:
-        pick = {name: (choices or {}).get((temp, name), name) for name in speculators}
-        cell = {name: (alternatives or {}).get(pick[name], spec)
-                for name, spec in speculators.items()}
+        pick, cell = chosen_shapes(speculators, alternatives, choices,
+                                   lambda name, temp=temp: (temp, name))
 
         def run(name, spec, prompts=prompts):
             return speculative_run(target, spec, prompts, new_tokens=new_tokens,

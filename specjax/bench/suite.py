@@ -484,7 +484,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
     alternatives: {name: speculator} other shapes of a method, calibrated and priced
     under their own names; choices: {(category, temperature, batch, method): name} the
     one a cell runs as `method` (`choose_trees`), its shape in the row's `tree`."""
-    from specjax.calibrate import cost_ratio_of
+    from specjax.calibrate import chosen_shapes, cost_ratio_of
 
     rows = []
     for category, prompts in prompt_sets.items():
@@ -497,10 +497,8 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
             peers = _peers(hf, hf_methods, llamacpp, ids, run_kw)
             peer_results = {}  # name -> its timed rounds' results
             for b in batches:
-                pick = {name: (choices or {}).get((category, temp, b, name), name)
-                        for name in speculators}
-                cell = {name: (alternatives or {}).get(pick[name], spec)
-                        for name, spec in speculators.items()}
+                pick, cell = chosen_shapes(speculators, alternatives, choices,
+                                           lambda name, b=b: (category, temp, b, name))
                 per = {name: dict(cost_ratio=cost_ratio_of((cost_ratios or {}).get(b), temp,
                                                            pick[name]),
                                   calibration=(priors or {}).get((category, temp, b,
