@@ -16,6 +16,9 @@ RESULTS = "results.json"  # the run's comparison, with its calibrations ("priors
 # its comparison's `ngram_corpus` corpus
 REGENERATED = Path("regenerated") / "regenerated.jsonl"
 DEFAULT_TREE = (4, 4, 16)  # EAGLE's dynamic tree: top_k, depth, nodes
+# flags only some speculators read: given with another, they would be ignored unseen
+FLAG_OWNERS = {"ngram_corpus": ("ngram",), "draft": ("draft",), "draft_vocab": ("draft",),
+               "heads": ("eagle", "medusa"), "tree": ("eagle",)}
 
 
 def add_arguments(g: argparse.ArgumentParser) -> None:
@@ -112,8 +115,10 @@ def build(args, model, run: Run | None):
     from specjax.speculators.draft_model import load_vocab
 
     name = args.speculator
-    if args.ngram_corpus and name != "ngram":
-        raise ValueError(f"--ngram-corpus is n-gram's; --speculator is {name!r}")
+    for flag, owners in FLAG_OWNERS.items():
+        if getattr(args, flag) and name not in owners:
+            raise ValueError(f"--{flag.replace('_', '-')} is for --speculator "
+                             f"{' or '.join(owners)}; --speculator is {name!r}")
     run_k = run.k if run else None
     k = args.k if args.k is not None else (run_k or 4)
     if k < 1:
@@ -148,9 +153,6 @@ def build(args, model, run: Run | None):
     else:
         raise ValueError(f"--speculator {name} needs --heads DIR (a run's <stage>/heads) or "
                          f"--workdir RUN with {name} heads")
-    if args.tree and name != "eagle":
-        raise ValueError(f"--tree is EAGLE's dynamic tree; --speculator is {name!r} (Medusa "
-                         "heads verify their default tree)")
     run_tree = run.trees.get(stage, DEFAULT_TREE) if stage else DEFAULT_TREE
     tree = parse_tree("--tree", args.tree) if args.tree else run_tree
     spec = head_speculator(path, model, tree, kind=name)
@@ -184,7 +186,10 @@ def main(args) -> int:
                                               num_kv_heads=2), seed=args.seed)
         source = f"random tiny Llama ({model.num_params():,} params, seed {args.seed})"
     if args.ids:
-        prompts = [[int(x) for x in args.ids.split(",")]]
+        try:
+            prompts = [[int(x) for x in args.ids.split(",")]]
+        except ValueError:
+            raise ValueError(f"--ids={args.ids!r} must be comma-separated integers") from None
     elif args.prompt:
         prompts = [args.prompt]
     else:

@@ -154,7 +154,15 @@ def test_heads_without_a_run(run, calls, capsys):
     (["--workdir", "{run}", "--k", "0"], "--k=0 must be >= 1"),
     (["--speculator", "draft"], "--speculator draft needs --draft DIR"),
     (["--workdir", "{run}", "--speculator", "medusa", "--tree", "2,2,3"],
-     "--tree is EAGLE's dynamic tree; --speculator is 'medusa'"),
+     "--tree is for --speculator eagle; --speculator is 'medusa'"),
+    (["--speculator", "none", "--tree", "1,2,2"],
+     "--tree is for --speculator eagle; --speculator is 'none'"),
+    (["--speculator", "ngram", "--heads", "{run}/eagle3/heads"],
+     "--heads is for --speculator eagle or medusa; --speculator is 'ngram'"),
+    (["--speculator", "eagle", "--draft", "{run}/draft", "--heads", "{run}/eagle3/heads"],
+     "--draft is for --speculator draft; --speculator is 'eagle'"),
+    (["--speculator", "ngram", "--draft-vocab", "vocab.npy"],
+     "--draft-vocab is for --speculator draft; --speculator is 'ngram'"),
 ])
 def test_bad_input_exits_2_naming_it(run, argv, message, capsys):
     argv = [a.replace("{run}", str(run)) for a in argv]
@@ -162,3 +170,8 @@ def test_bad_input_exits_2_naming_it(run, argv, message, capsys):
         argv += ["--model", str(run / "target" / "export")]
     assert cli(["generate"] + argv + IDS) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ids_that_are_not_integers_exit_2_naming_them(capsys):
+    assert cli(["generate", "--speculator", "none", "--ids", "1,x"]) == 2
+    assert "--ids='1,x' must be comma-separated integers" in capsys.readouterr().err

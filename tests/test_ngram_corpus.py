@@ -183,7 +183,8 @@ def test_cli_generate_drafts_from_a_corpus_file(tmp_path, capsys):
     assert cli.main(["generate", "--ids", "1,2,3", "--ngram-corpus", str(corpus)]) == 2
     assert f"{corpus}:1: needs 'ids'" in capsys.readouterr().err
     assert cli.main(["generate", "--speculator", "none", "--ngram-corpus", str(corpus)]) == 2
-    assert "--ngram-corpus is n-gram's; --speculator is 'none'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--ngram-corpus is for --speculator ngram; --speculator is 'none'" in err
 
 
 def test_replay_counts_corpus_drafts_against_the_continuation():
