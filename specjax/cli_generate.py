@@ -35,6 +35,12 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--ids", help="comma-separated prompt token ids")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens holding this mass (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the likeliest's probability "
+                        "(0: off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculator", choices=SPECULATORS, default="ngram")
     g.add_argument("--draft", help="draft model directory for --speculator draft")
@@ -204,7 +210,8 @@ def main(args) -> int:
               f"{Path(args.workdir) / RESULTS}" if cal else "calibration: none (the run "
               "has none for these settings); the adaptive rule starts from its defaults")
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
+                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                  kv_cache_dtype=args.kv_cache_dtype)
     plain = specjax.generate(model, prompts, **common)
     print(f"autoregressive: {plain.stats.summary()}")
     if spec is not None:

@@ -1,9 +1,10 @@
-"""Logit processing and sampling: temperature, top-k, top-p, all with traced parameters.
+"""Logit processing and sampling: temperature, top-k, top-p and min-p, all with traced
+parameters.
 
-`Sampling` holds the three knobs as arrays, so changing them never recompiles. The
+`Sampling` holds the four knobs as arrays, so changing them never recompiles. The
 distribution a row samples from is `probs(logits, sampling)`; speculative verification
 applies the very same function to target and draft logits, which is what keeps
-rejection sampling lossless with top-k/top-p.
+rejection sampling lossless with top-k/top-p/min-p.
 """
 
 from __future__ import annotations
@@ -18,24 +19,30 @@ class Sampling:
     temperature: jax.Array  # [] float32; 0 = greedy
     top_k: jax.Array  # [] int32; 0 = off
     top_p: jax.Array  # [] float32; 1 = off
+    min_p: jax.Array  # [] float32; 0 = off
 
     @classmethod
-    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
-        validate_sampling(temperature, top_k, top_p)
-        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0) -> "Sampling":
+        validate_sampling(temperature, top_k, top_p, min_p)
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                   jnp.float32(min_p))
 
     @property
     def greedy(self) -> jax.Array:
         return self.temperature <= 0
 
 
-def validate_sampling(temperature: float, top_k: int, top_p: float) -> None:
+def validate_sampling(temperature: float, top_k: int, top_p: float,
+                      min_p: float = 0.0) -> None:
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature} must be >= 0")
     if int(top_k) != top_k or top_k < 0:
         raise ValueError(f"top_k={top_k} must be a non-negative integer")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p} must be in [0, 1]")
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -51,7 +58,7 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """logits [..., V] f32 -> log-probabilities after temperature, top-k and top-p.
+    """logits [..., V] f32 -> log-probabilities after temperature, top-k, top-p, min-p.
 
     At temperature 0 this is the (log) one-hot of the argmax, so greedy decoding is the
     same distribution machinery with a point mass. The vocabulary sorts of top-k/top-p
@@ -69,15 +76,17 @@ def log_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
 
 
 def _tempered(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """logits [..., V] over the temperature, top-k and top-p applied: the log-weights a
-    sampled row draws from (unnormalized; `categorical` needs no log-softmax)."""
+    """logits [..., V] over the temperature, top-k, top-p and min-p applied: the
+    log-weights a sampled row draws from (unnormalized; `categorical` needs no
+    log-softmax)."""
     x = logits.astype(jnp.float32) / sampling.temperature
-    filtering = (sampling.top_k > 0) | (sampling.top_p < 1)
+    filtering = (sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0)
     return jax.lax.cond(filtering, lambda: _filter(x, sampling), lambda: x)
 
 
 def _filter(x: jax.Array, sampling: Sampling) -> jax.Array:
-    """Top-k then top-p on tempered logits x [..., V]: filtered-out entries -> float min."""
+    """Top-k, top-p, then min-p (transformers' order) on tempered logits x [..., V]:
+    filtered-out entries -> float min."""
     v = x.shape[-1]
     neg = jnp.finfo(jnp.float32).min
     # top-k: keep logits >= the k-th largest (ties kept), k = 0 disables.
@@ -91,7 +100,11 @@ def _filter(x: jax.Array, sampling: Sampling) -> jax.Array:
     before = jnp.cumsum(p_desc, axis=-1) - p_desc  # mass strictly above each sorted entry
     keep_sorted = before < sampling.top_p
     cutoff = jnp.min(jnp.where(keep_sorted, desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where((sampling.top_p < 1) & (x < cutoff), neg, x)
+    x = jnp.where((sampling.top_p < 1) & (x < cutoff), neg, x)
+    # min-p: keep entries whose probability is at least min_p times the largest one's
+    # (p_i >= min_p p_max, i.e. x_i >= x_max + log min_p; the largest is always kept).
+    floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(sampling.min_p)
+    return jnp.where((sampling.min_p > 0) & (x < floor), neg, x)
 
 
 def probs(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -29,9 +29,11 @@ def chain_shape(depth: int) -> tuple:
     return shape
 
 
-def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0):
+def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+         min_p: float = 0.0):
     """float64 `specjax.sampling.probs`: temperature, then top-k (ties kept), then top-p
-    (the smallest sorted prefix whose mass reaches top_p)."""
+    (the smallest sorted prefix whose mass reaches top_p), then min-p (probabilities at
+    least min_p times the largest)."""
     x = np.asarray(logits, np.float64) / temperature
     if top_k:
         kth = np.sort(x)[::-1][min(top_k, x.size) - 1]
@@ -44,6 +46,7 @@ def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 
         cutoff = desc[before < top_p].min()
         x = np.where(x < cutoff, -np.inf, x)
     p = np.exp(x - x.max())
+    p = np.where(p < min_p, 0.0, p)  # p / p_max, the largest 1
     return p / p.sum()
 
 
@@ -86,16 +89,22 @@ class Spec:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     shape: tuple = chain_shape(3)
     draw: str = "sampled"
     method: str = "rejection"
     bug: str | None = None
 
+    @property
+    def warp_args(self) -> tuple:
+        """(temperature, top_k, top_p, min_p), as `warp` and `Sampling.create` take them."""
+        return self.temperature, self.top_k, self.top_p, self.min_p
+
     def p(self, path):
-        return warp(self.target.logits(path), self.temperature, self.top_k, self.top_p)
+        return warp(self.target.logits(path), *self.warp_args)
 
     def q(self, path):
-        return warp(self.draft.logits(path), self.temperature, self.top_k, self.top_p)
+        return warp(self.draft.logits(path), *self.warp_args)
 
     def q_verified(self, path, x):
         """The draft distribution the verifier is handed for a child x after `path`."""
@@ -295,7 +304,7 @@ def draw_rows(spec: Spec, rows: int, seed: int):
             # warped once per distinct context (at most V^depth of them), not per row:
             # per row, the 100k-row draws spent seconds in numpy's per-call overhead
             distinct, inverse = np.unique(dl, axis=0, return_inverse=True)
-            q = np.stack([warp(z, spec.temperature, spec.top_k, spec.top_p)
+            q = np.stack([warp(z, *spec.warp_args)
                           for z in distinct])[inverse.reshape(-1)]
             tokens[:, i] = np.argmax(np.cumsum(q, axis=1) > rng.random((rows, 1)), axis=1)
         paths.append(np.concatenate([base, tokens[:, i:i + 1]], axis=1))

@@ -9,10 +9,10 @@ import specjax
 from specjax.sampling import Sampling, probs
 
 
-def exact_joint(model, prompt, n, temperature, top_p=1.0, top_k=0):
+def exact_joint(model, prompt, n, temperature, top_p=1.0, top_k=0, min_p=0.0):
     """{(t1..tn): probability} of the target's first n sampled tokens, by enumeration."""
     v = model.config.vocab_size
-    s = Sampling.create(temperature, top_k, top_p)
+    s = Sampling.create(temperature, top_k, top_p, min_p)
     out = {(): 1.0}
     for _ in range(n):
         seqs = list(out)

@@ -175,3 +175,14 @@ def test_bad_input_exits_2_naming_it(run, argv, message, capsys):
 def test_ids_that_are_not_integers_exit_2_naming_them(capsys):
     assert cli(["generate", "--speculator", "none", "--ids", "1,x"]) == 2
     assert "--ids='1,x' must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_sampling_flags_reach_both_calls_and_bad_ones_exit_2(calls, capsys):
+    assert cli(["generate", "--speculator", "ngram", "--temperature", "0.8", "--top-k", "20",
+                "--top-p", "0.9", "--min-p", "0.05"] + IDS) == 0
+    for kw in calls:
+        assert (kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"]) == (0.8, 20, 0.9,
+                                                                              0.05)
+    assert len(calls) == 2
+    assert cli(["generate", "--speculator", "none", "--min-p", "1.5"] + IDS) == 2
+    assert "min_p=1.5 must be in [0, 1]" in capsys.readouterr().err

@@ -81,6 +81,8 @@ def test_top_k_one_is_greedy(tiny_target):
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
+    (dict(min_p=-0.1), "min_p=-0.1"),
+    (dict(min_p=1.5), "min_p=1.5"),
     (dict(prompts=[[1] * 1020]), "exceeds the model's context of 1024"),
     (dict(prompts=["hello"]), "no tokenizer"),
     (dict(prompts=[]), "non-empty"),

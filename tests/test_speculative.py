@@ -138,20 +138,22 @@ def peaked_pair():
 # rejection runs with -m slow (trees' default: by default in test_speculators_heads.py)
 @pytest.mark.parametrize("spec_name,temperature,top_p,verification", [
     ("draft", 1.0, 1.0, None), ("draft", 0.7, 0.9, None), ("ngram", 1.0, 1.0, None),
+    ("draft", 1.0, (1.0, 0.1), None),  # min-p 0.1
     pytest.param("draft", 1.0, 1.0, "rejection", marks=pytest.mark.slow)])
 def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temperature, top_p,
                                                     verification):
+    top_p, min_p = top_p if isinstance(top_p, tuple) else (top_p, 0.0)
     target, draft = peaked_pair
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n_rows = 3000
     # one-token matches: a random model rarely repeats a pair of tokens
     spec = DraftModel.create(draft, k=2) if spec_name == "draft" else NGram(k=2, n_min=1)
     out = specjax.generate(target, [prompt] * n_rows, max_new_tokens=3, ignore_eos=True,
-                           temperature=temperature, top_p=top_p, seed=1, speculator=spec,
-                           adaptive=False, verification=verification)
+                           temperature=temperature, top_p=top_p, min_p=min_p, seed=1,
+                           speculator=spec, adaptive=False, verification=verification)
     assert out.stats.accepted > 0  # speculation really happened
     samples = [tuple(t[:3]) for t in out.tokens]
-    exact = exact_joint(target, prompt, 3, temperature, top_p)
+    exact = exact_joint(target, prompt, 3, temperature, top_p, min_p=min_p)
     assert_same_distribution(samples, exact)
 
 

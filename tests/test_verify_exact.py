@@ -1,7 +1,7 @@
 """Losslessness proved exactly: float64 enumeration of every draft draw and every
 accept/reject outcome on tiny tabulated models (tests/exact_verify.py), for chains,
 i.i.d. sampled trees, top-k point-mass trees and block verification, under temperature,
-top-k and top-p; the realistic wrong variants shown to depart; then specjax's own
+top-k, top-p and min-p; the realistic wrong variants shown to depart; then specjax's own
 `verify` sampled against the exact step distributions, with the power to see the
 smallest of those departures."""
 
@@ -32,7 +32,8 @@ from tests.stat_utils import assert_same_distribution, chi_square_power
 V = 5
 TARGET, DRAFT = Table(0, V), Table(1, V)
 WARPS = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=3),
-         dict(temperature=0.8, top_p=0.8), dict(temperature=0.9, top_k=4, top_p=0.9)]
+         dict(temperature=0.8, top_p=0.8), dict(temperature=0.9, top_k=4, top_p=0.9),
+         dict(temperature=1.0, min_p=0.2), dict(temperature=0.9, top_p=0.9, min_p=0.3)]
 TREE = (((), ()), ((),), ())  # three root children: two, one and no children of their own
 CASES = {  # (shape, draw, method)
     "chain": (chain_shape(3), "sampled", "rejection"),
@@ -179,7 +180,7 @@ def _run_verify(spec, rows, seed):
     depth = np.zeros(len(parents), np.int32)
     for i, par in enumerate(parents):
         depth[i] = 1 if par < 0 else depth[par] + 1
-    s = Sampling.create(spec.temperature, spec.top_k, spec.top_p)
+    s = Sampling.create(*spec.warp_args)
     tile = lambda a: jnp.asarray(np.broadcast_to(a, tokens.shape), jnp.int32)  # noqa: E731
     q = probs(jnp.asarray(draft_logits, jnp.float32), s) if spec.draw == "sampled" else None
     tree = DraftTree(jnp.asarray(tokens, jnp.int32), tile(parents), tile(depth),

@@ -6,6 +6,9 @@ buffers; timing the two apart gives TTFT and TPOT.
 
 generate's arguments:
   prompts: token-id lists (a ragged batch) or strings (needs `model.tokenizer`).
+  temperature, top_k, top_p, min_p: the distribution a sampled row draws from
+    (`specjax.sampling`; 0, 0, 1 and 0 turn each off); a speculator's drafts are
+    verified against that same distribution.
   seed: an int (row r draws from this seed folded with r) or one int per prompt; rows
     draw from keys of their own (`specjax.rng`), so a row given seed s in a list samples
     the same tokens alone or in any batch, plain or with a speculator. With a list and
@@ -101,7 +104,8 @@ LAYOUTS = LayoutCache()  # likewise
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             seed: int | Sequence[int] = 0,
              eos_id: int | Sequence[int] | None = None, ignore_eos: bool = False,
              speculator: Speculator | None = None, verification: str | None = None,
              adaptive: bool = True, cost_ratio: float | None = None,
@@ -117,8 +121,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     """Generates up to `max_new_tokens` per prompt; greedy by default (arguments: this
     module's docstring)."""
     cfg = model.config
-    rows, kv_dtype = _check_inputs(model, prompts, max_new_tokens, temperature, top_k, top_p,
-                                   kv_cache_dtype, page_size, prefill_chunk)
+    rows, kv_dtype = _check_inputs(model, prompts, max_new_tokens,
+                                   (temperature, top_k, top_p, min_p), kv_cache_dtype,
+                                   page_size, prefill_chunk)
     mesh = shard.mesh_of(model.params)  # run where the params live (None: one device)
     speculator = _for_decoding(speculator, cfg, mesh, layer_layout)
     method = _verification(verification, speculator)
@@ -150,7 +155,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
                       page_size, num_pages, mesh, tree_in_cache=loop.commit.write_in_verify)
     prompt = _prompt(cfg, rows, sizes, seed, mesh, kv_dtype)
     sampling, max_new, eos_arr = shard.replicate(
-        (sampling_lib.Sampling.create(temperature, top_k, top_p), jnp.int32(max_new_tokens),
+        (sampling_lib.Sampling.create(temperature, top_k, top_p, min_p),
+         jnp.int32(max_new_tokens),
          jnp.asarray(_stop_tokens(cfg, eos_id, ignore_eos), jnp.int32)), mesh)
     params = Params(target=model.decode_params(layer_layout),
                     speculator=speculator, sampling=sampling, max_new=max_new, eos_ids=eos_arr)
@@ -197,12 +203,12 @@ def expected_gain(model: Model, speculator: Speculator, *, batch: int = 1,
     return prior_gain(speculator, rule, batch, context)
 
 
-def _check_inputs(model: Model, prompts, max_new_tokens, temperature, top_k, top_p,
-                  kv_cache_dtype, page_size, prefill_chunk):
+def _check_inputs(model: Model, prompts, max_new_tokens, sampling: tuple, kv_cache_dtype,
+                  page_size, prefill_chunk):
     """(prompts as token-id lists, the KV cache dtype), every argument checked."""
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    sampling_lib.validate_sampling(temperature, top_k, top_p)
+    sampling_lib.validate_sampling(*sampling)  # temperature, top_k, top_p, min_p
     kv_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
     if page_size < 1 or prefill_chunk < 1:
         raise ValueError(f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1")
