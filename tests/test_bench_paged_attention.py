@@ -11,9 +11,10 @@ from specjax.bench import paged_attention as bench
 SHAPE = dict(layers=2, kv_heads=1, group=2, head=64)
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_forms_compute_the_same_attention(t):
-    a = bench.inputs(t, 20, **SHAPE)
+@pytest.mark.parametrize("t,batch", [(1, 1), (3, 1), (3, 2)])
+def test_forms_compute_the_same_attention(t, batch):
+    a = bench.inputs(t, 20, **SHAPE, batch=batch)
+    assert a["q"].shape[0] == batch and a["table"].shape[0] == batch
     outs = {}
     for form in bench.FORMS:
         fn, args = bench.program(form, a)

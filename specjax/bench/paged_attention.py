@@ -3,16 +3,16 @@ XLA:CPU: the CPU kernel (`specjax.cpu_attention`, what generate runs) beside the
 reference forms it replaced, the new tokens in the pages or beside them (`new_kv`, the
 verify forwards' form).
 
-One program per (form, T) attends T queries per row over `--context` cached tokens in
-every one of `--layers` layers, SmolLM2-135M's shapes by default (3 KV heads of 3
-queries, head dim 64), the pages stacked [L, K, P, Z, H] and the layer index opaque to
-XLA as in the CPU decode layout; random seeded pages and queries; causal mask among the
-T new tokens. Interleaved rounds in a seeded order, medians (`specjax.timing
-.interleaved_medians`).
+One program per (form, T) attends T queries per row (`--batch` rows, each its own pages
+in order) over `--context` cached tokens in every one of `--layers` layers,
+SmolLM2-135M's shapes by default (3 KV heads of 3 queries, head dim 64), the pages
+stacked [L, K, P, Z, H] and the layer index opaque to XLA as in the CPU decode layout;
+random seeded pages and queries; causal mask among the T new tokens. Interleaved rounds
+in a seeded order, medians (`specjax.timing.interleaved_medians`).
 
   python -m specjax.bench.paged_attention [--queries 1,5,17] [--contexts 200,1024]
       [--layers 30] [--kv-heads 3] [--group 3] [--head-dim 64] [--repeats 20]
-      [--kernel-only]
+      [--batch 1] [--kernel-only]
 """
 
 from __future__ import annotations
@@ -35,29 +35,30 @@ PAGE = 16
 
 
 def inputs(t: int, context: int, layers: int, kv_heads: int, group: int, head: int,
-           seed: int = 0) -> dict:
-    """One row: stacked pages holding `context` + t tokens' slots (plus a page), its
-    table, queries, the new tokens' keys/values and lengths, seeded."""
+           seed: int = 0, batch: int = 1) -> dict:
+    """`batch` rows: stacked pages holding each row's `context` + t tokens' slots (plus a
+    page; a row's pages one after another, as a prompt's are allocated), the table,
+    queries, the new tokens' keys/values and lengths, seeded."""
     rng = np.random.default_rng(seed)
-    pages = -(-(context + t) // PAGE) + 1
+    pages = -(-(context + t) // PAGE) + 1  # per row
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape, np.float32))
 
-    return dict(q=normal(1, t, kv_heads * group, head),
-                k_pages=normal(layers, kv_heads, pages, PAGE, head),
-                v_pages=normal(layers, kv_heads, pages, PAGE, head),
-                table=jnp.arange(pages, dtype=jnp.int32)[None],
-                k_new=normal(1, t, kv_heads, head), v_new=normal(1, t, kv_heads, head),
-                kv_lens=jnp.asarray([context + t], jnp.int32),
-                q_lens=jnp.asarray([t], jnp.int32))
+    return dict(q=normal(batch, t, kv_heads * group, head),
+                k_pages=normal(layers, kv_heads, batch * pages, PAGE, head),
+                v_pages=normal(layers, kv_heads, batch * pages, PAGE, head),
+                table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
+                k_new=normal(batch, t, kv_heads, head), v_new=normal(batch, t, kv_heads, head),
+                kv_lens=jnp.full((batch,), context + t, jnp.int32),
+                q_lens=jnp.full((batch,), t, jnp.int32))
 
 
 def program(form: str, a: dict):
     """`form`'s attention over every layer, each layer's output fed to the next one's
     queries (so no layer is dead code), compiled as generate compiles."""
-    t = a["q"].shape[1]
-    mask = None if t == 1 else jnp.tril(jnp.ones((1, t, t), bool))
+    b, t = a["q"].shape[:2]
+    mask = None if t == 1 else jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     scale = a["q"].shape[-1] ** -0.5
     layers = a["k_pages"].shape[0]
 
@@ -122,20 +123,21 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20, help="interleaved timed rounds")
+    ap.add_argument("--batch", type=int, default=1, help="rows, each over --context tokens")
     ap.add_argument("--kernel-only", action="store_true",
                     help="time the kernel's two forms alone: a quicker A/B of kernel "
                          "changes, runs alternating between checkouts")
     args = ap.parse_args(argv)
     queries = tuple(comma_list(ap, "--queries", args.queries, int, minimum=1))
     contexts = tuple(comma_list(ap, "--contexts", args.contexts, int, minimum=1))
-    at_least_one(ap, args, ("layers", "kv_heads", "group", "head_dim", "repeats"))
+    at_least_one(ap, args, ("layers", "kv_heads", "group", "head_dim", "repeats", "batch"))
     if args.head_dim % cpu_attention.HEAD_MULTIPLE:
         ap.error(f"--head-dim={args.head_dim} must be a multiple of "
                  f"{cpu_attention.HEAD_MULTIPLE} (the kernel's)")
     if not cpu_attention.available():
         ap.error("the CPU attention kernel is unavailable (it warned why)")
     shape = dict(layers=args.layers, kv_heads=args.kv_heads, group=args.group,
-                 head=args.head_dim)
+                 head=args.head_dim, batch=args.batch)
     forms = KERNEL_FORMS if args.kernel_only else FORMS
     seconds = measure(queries, contexts, args.repeats, forms=forms, **shape)
     print(markdown(seconds, queries, contexts, forms))

@@ -40,6 +40,7 @@ namespace {
 using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
     specjax::vi;  // vectors.h
 constexpr int kMinQueryBlock = 8;  // the fewest queries a work item split off a head takes
+constexpr int kFetchAheadQueries = 8;  // the most queries an item fetches keys ahead for
 constexpr int kValueGroup = 4;  // queries whose sums share each load of values
 // head-dim columns a value pass holds: kValueGroup x their vectors of accumulators and
 // the vectors of values must fit the registers (4 x 4 + 4 of 32; 4 x 2 + 2 of 16)
@@ -246,6 +247,11 @@ inline float* output(const Args& a, int64_t b, int64_t kh, int64_t q) {
 // q / G, head kh * G + q % G), over the slots of chunk c. A row of one chunk writes its
 // output here, as `merge` would from its one chunk: (0 + sum) / denominator, 0 where a
 // query sees no slot; a longer row's chunks leave their partials for `merge`.
+// kFetchAhead (an item of few queries, whose time is reading the keys, not the
+// arithmetic): the next block's keys are asked for while a block is scored, as the
+// hardware prefetchers did not keep up with the score pass's walk across the slots'
+// rows. An item of many queries does not (there the fetches crowded its cache).
+template <bool kFetchAhead>
 void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
             int64_t q0, int64_t q1) {
   const Shapes& d = a.s;
@@ -276,6 +282,14 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
     for (int64_t i = 0; i < kLanes; ++i)
       krow[i] = s0 + i < c1 ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, row.page_len)
                             : zeros.data();
+    if constexpr (kFetchAhead) {
+      for (int64_t i = 0; i < kLanes && s0 + kLanes + i < c1; ++i) {
+        const char* next = reinterpret_cast<const char*>(
+            slot_row(a, a.kp, a.kn, b, kh, s0 + kLanes + i, row.page_len));
+        for (int64_t at = 0; at < H * int64_t{sizeof(float)}; at += 64)
+          __builtin_prefetch(next + at);
+      }
+    }
     // slots every query sees: the prefix, inside any window
     const bool all_seen = s0 + kLanes <= std::min(start, c1) && a.window == 0;
     for (int64_t r = 0; r < nq; ++r) {
@@ -422,7 +436,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t item = k / per_part, qb = k % per_part, q0 = qb * block;
     const int64_t q1 = std::min(queries, q0 + block), bk = item / chunks, c = item % chunks;
     const int64_t b = bk / s.K, kh = bk % s.K;
-    attend(a, part, b, kh, c, q0, q1);
+    if (q1 - q0 <= kFetchAheadQueries) attend<true>(a, part, b, kh, c, q0, q1);
+    else attend<false>(a, part, b, kh, c, q0, q1);
     const int64_t row_chunks = chunks > 1 ? row_slots(a, b).chunks() : 1;
     if (row_chunks > 1 && c < row_chunks &&
         done[bk * per_part + qb].fetch_add(1, std::memory_order_acq_rel) + 1 == row_chunks)
