@@ -41,6 +41,7 @@ using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
     specjax::vi;  // vectors.h
 constexpr int kMinQueryBlock = 8;  // the fewest queries a work item split off a head takes
 constexpr int kFetchAheadQueries = 8;  // the most queries an item fetches keys ahead for
+constexpr int64_t kCacheLine = 64;  // bytes a prefetch brings in (x86-64)
 constexpr int kValueGroup = 4;  // queries whose sums share each load of values
 // head-dim columns a value pass holds: kValueGroup x their vectors of accumulators and
 // the vectors of values must fit the registers (4 x 4 + 4 of 32; 4 x 2 + 2 of 16)
@@ -286,7 +287,7 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
       for (int64_t i = 0; i < kLanes && s0 + kLanes + i < c1; ++i) {
         const char* next = reinterpret_cast<const char*>(
             slot_row(a, a.kp, a.kn, b, kh, s0 + kLanes + i, row.page_len));
-        for (int64_t at = 0; at < H * int64_t{sizeof(float)}; at += 64)
+        for (int64_t at = 0; at < H * int64_t{sizeof(float)}; at += kCacheLine)
           __builtin_prefetch(next + at);
       }
     }
