@@ -19,9 +19,9 @@ goes through `paged_attention`. Its contract, shared by both backends:
 * With `new_kv=(k, v)` ([B, T, K, H] each) the new tokens are not in the pages: their
   slots `kv_lens - q_lens + t` may hold anything and are never read; the keys/values
   come from `new_kv` (reference backend, off-mesh: how verify forwards skip writing
-  a tree the loop mostly throws away, `reference_attention_with_new`). Beside int8
-  pages they are seen as the cache would hand them back (`kv_quant.fake_quantize`),
-  so the output is that of writing them and attending, as for float pages.
+  a tree the loop mostly throws away, `reference_attention_with_new`). They are seen
+  as the pages would hand them back (`kv_quant.as_cached`: int8 quantized, a narrower
+  float dtype rounded), so the output is that of writing them and attending.
 
 Axis letters and the shape aliases in the signatures: `specjax.typing`.
 """
@@ -141,22 +141,26 @@ def paged_attention(
     .paged_attention` runs it once per shard. With `layer`, the pages are all layers'
     and this attends over that one (the CPU kernel reads it in place)."""
     backend = resolve_backend(backend)
-    if (backend == "reference" and q.shape[1] < BLOCKWISE_MIN_QUERIES
-            and cpu_attention.applies(q, k_pages, k_scales)):
-        if layer is None:
-            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-        return cpu_attention.paged_attention(
-            q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, mask, scale=scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, new_kv=new_kv)
-    if layer is not None:
-        k_pages, v_pages, k_scales, v_scales = one_layer(layer, k_pages, v_pages, k_scales,
-                                                         v_scales)
     if new_kv is not None:
         if backend != "reference":
             raise ValueError("new_kv (keys/values beside the pages) needs the reference "
                              f"backend off-mesh (got backend={backend!r})")
-        if k_scales is not None:  # as a write to int8 pages and a read would see them
-            new_kv = tuple(kv_quant.fake_quantize(x) for x in new_kv)
+        # as a write to the pages and a read would see them
+        new_kv = tuple(kv_quant.as_cached(x, k_pages.dtype) for x in new_kv)
+    if (backend == "reference" and q.shape[1] < BLOCKWISE_MIN_QUERIES
+            and cpu_attention.applies(q, k_pages, k_scales)):
+        if layer is None:
+            k_pages, v_pages, k_scales, v_scales, layer = (
+                *(None if x is None else x[None] for x in (k_pages, v_pages, k_scales,
+                                                           v_scales)), 0)
+        return cpu_attention.paged_attention(
+            q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, mask, scale=scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, new_kv=new_kv,
+            k_scales=k_scales, v_scales=v_scales)
+    if layer is not None:
+        k_pages, v_pages, k_scales, v_scales = one_layer(layer, k_pages, v_pages, k_scales,
+                                                         v_scales)
+    if new_kv is not None:
         return reference_attention_with_new(
             q, *new_kv, q_lens, mask, k_pages, v_pages, page_table, kv_lens - q_lens,
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,

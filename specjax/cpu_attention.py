@@ -5,9 +5,11 @@ The plain-jnp form (`reference_ragged_paged_attention`) gathers every page the t
 names into a fresh copy per layer and softmaxes over all of them; the kernel reads only
 each row's used slots, straight from the stacked cache [L, K, P, Z, H] (the layer is an
 operand, not a slice), with the step's own keys/values either in the pages or beside
-them (`new_kv`). `specjax.attention.paged_attention` sends it the calls it `applies` to
-(decode steps and verify forwards, single device); prefill chunks, int8 pages, other
-dtypes and meshes keep the jnp forms. It is built on first use and falls back to those
+them (`new_kv`). Pages may be float32, bfloat16 or int8 with their scales (widened to
+the float32 values `kv_quant.dequantize` gives, a chunk of slots at a time).
+`specjax.attention.paged_attention` sends it the calls it `applies` to (decode steps
+and verify forwards, single device); prefill chunks, other query dtypes and meshes keep
+the jnp forms. It is built on first use and falls back to those
 where it cannot be (`specjax.cpu_kernels`; `SPECJAX_CPU_ATTENTION=off` turns it off).
 """
 
@@ -17,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax import cpu_kernels, kv_quant
 from specjax.typing import LayerIndex, NewKV, PageTable, Queries, RowLengths, TreeMask
 
 ENV = "SPECJAX_CPU_ATTENTION"
 TARGET = "specjax_paged_attention"
 HEAD_MULTIPLE = 64  # head dims the kernel takes (its value pass works 64 columns at a time)
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "paged_attention.cc", ENV,
                                "CPU paged-attention kernel", "the jnp attention")
 
@@ -33,25 +36,25 @@ def available() -> bool:
 
 
 def takes(head_dim: int | None = None, kv_dtype=None) -> bool:
-    """The kernel takes pages of `head_dim` (a multiple of 64) and `kv_dtype` (float32;
-    None for either: taken to be one it takes), on the CPU backend, where it is
-    available."""
+    """The kernel takes pages of `head_dim` (a multiple of 64) and `kv_dtype` (one of
+    `PAGE_DTYPES`; None for either: taken to be one it takes), on the CPU backend, where
+    it is available."""
     return ((head_dim is None or head_dim % HEAD_MULTIPLE == 0)
-            and (kv_dtype is None or jnp.dtype(kv_dtype) == jnp.float32)
+            and (kv_dtype is None or jnp.dtype(kv_dtype) in PAGE_DTYPES)
             and jax.default_backend() == "cpu" and available())
 
 
 def applies(q: Queries, k_pages: jax.Array, scales) -> bool:
-    """The kernel takes this call: float32 queries and pages (not int8 with `scales`)
-    that it `takes`. (Which calls to offer it is `specjax.attention`'s choice: decode and
-    verify widths.)"""
-    return (q.dtype == jnp.float32 and scales is None
-            and takes(q.shape[-1], k_pages.dtype))
+    """The kernel takes this call: float32 queries, pages it `takes`, and `scales` exactly
+    where the pages are int8. (Which calls to offer it is `specjax.attention`'s choice:
+    decode and verify widths.)"""
+    return (q.dtype == jnp.float32 and (scales is not None) == kv_quant.is_quantized(
+        k_pages.dtype) and takes(q.shape[-1], k_pages.dtype))
 
 
 def paged_attention(
     q: Queries,
-    k_pages: jax.Array,  # [L, K, P, Z, H] float32
+    k_pages: jax.Array,  # [L, K, P, Z, H] float32, bfloat16 or int8
     v_pages: jax.Array,
     layer: LayerIndex,  # which of the L layers
     page_table: PageTable,
@@ -63,10 +66,13 @@ def paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     new_kv: tuple[NewKV, NewKV] | None = None,
+    k_scales: jax.Array | None = None,  # [L, K, P, Z] float32 for int8 pages
+    v_scales: jax.Array | None = None,
 ) -> Queries:
     """`specjax.attention.paged_attention`'s contract (kv_lens counts the new tokens
-    whether they are in the pages or in `new_kv`), on one layer of stacked pages. Call it
-    where `applies` holds (it registers the kernel on first use)."""
+    whether they are in the pages or in `new_kv`, which are float32 as the cache hands
+    them back), on one layer of stacked pages. Call it where `applies` holds (it
+    registers the kernel on first use)."""
     if not available():
         raise RuntimeError(f"specjax's CPU paged-attention kernel is unavailable ({ENV}=off "
                            "or no C++ compiler): call it only where `applies` holds")
@@ -78,9 +84,12 @@ def paged_attention(
         page_lens = start
         k_new, v_new = (x.astype(jnp.float32) for x in new_kv)
     mask = jnp.zeros((0,), bool) if mask is None else mask.astype(bool)
+    if k_scales is None:
+        k_scales = v_scales = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-    return call(q, k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(()),
+    return call(q, k_pages, v_pages, k_scales.astype(jnp.float32),
+                v_scales.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()),
                 page_table.astype(jnp.int32), page_lens, start, q_lens.astype(jnp.int32),
                 mask, k_new, v_new, scale=np.float32(scale),
                 soft_cap=np.float32(soft_cap or 0.0),

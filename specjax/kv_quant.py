@@ -39,6 +39,15 @@ def fake_quantize(x: FloatVectors) -> FloatVectors:
     return dequantize(*quantize(x), x.dtype)
 
 
+def as_cached(x: FloatVectors, page_dtype) -> FloatVectors:
+    """`x` as pages of `page_dtype` hand it back, in x's dtype: int8 quantized and
+    dequantized (`fake_quantize`), a float dtype cast to it and back (bfloat16 pages
+    under float32 keys round them)."""
+    if is_quantized(page_dtype):
+        return fake_quantize(x)
+    return x.astype(page_dtype).astype(x.dtype)
+
+
 def is_quantized(dtype) -> bool:
     """Whether a cache of `dtype` stores int8 with scales ("int8"), not the values as is."""
     return jnp.dtype(dtype) == jnp.int8

@@ -33,6 +33,12 @@ def test_runs_every_dtype_on_a_tiny_model():
     args = argparse.Namespace(batch=2, new_tokens=8, repeats=1, drift_prompts=3)
     text = kv_cache.markdown(rows, args, "python -m specjax.bench.kv_cache", "tiny")
     assert "| 48 | int8 |" in text and "- command: `python -m specjax.bench.kv_cache`" in text
+    rows = kv_cache.run(model, {48: (ids[:1], ids[4:])}, new_tokens=4, repeats=1,
+                        dtypes=("float32", "int8"))
+    assert [r["dtype"] for r in rows] == ["float32", "int8"]
+    with pytest.raises(ValueError, match="must include float32"):
+        kv_cache.run(model, {48: (ids[:1], ids[4:])}, new_tokens=4, repeats=1,
+                     dtypes=("int8",))
 
 
 def test_agreement_counts_equal_tokens_rows_and_the_first_flip():
@@ -47,6 +53,8 @@ def test_agreement_counts_equal_tokens_rows_and_the_first_flip():
     (["--contexts", "64", "--new-tokens", "64"], "--new-tokens=64"),
     (["--repeats", "0"], "--repeats=0"),
     (["--drift-prompts", "0"], "--drift-prompts=0"),
+    (["--kv-cache-dtypes", "int8"], "--kv-cache-dtypes='int8' must include float32"),
+    (["--kv-cache-dtypes", "float32,fp8"], "--kv-cache-dtypes"),
     (["--contexts", "9000"], "9000 exceeds the model's 8192 positions")])
 def test_bad_arguments_exit_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit) as err:

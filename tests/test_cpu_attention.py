@@ -57,7 +57,24 @@ def _reference(c, layer, new, **opts):
 def _kernel(c, layer, new, **opts):
     return cpu_attention.paged_attention(
         c["q"], c["k_pages"], c["v_pages"], jnp.int32(layer), c["page_table"], c["kv_lens"],
-        c["q_lens"], c["mask"], new_kv=(c["k_new"], c["v_new"]) if new else None, **opts)
+        c["q_lens"], c["mask"], new_kv=(c["k_new"], c["v_new"]) if new else None,
+        k_scales=c.get("k_scales"), v_scales=c.get("v_scales"), **opts)
+
+
+def _narrowed(c, dtype):
+    """The case's pages as a cache of `dtype` stores them ("int8": codes and their
+    scales), and the same values widened back to float32 pages."""
+    narrow, wide = dict(c), dict(c)
+    for name in ("k", "v"):
+        pages = c[f"{name}_pages"]
+        if dtype == "int8":
+            codes, scales = kv_quant.quantize(pages)
+            narrow.update({f"{name}_pages": codes, f"{name}_scales": scales})
+            wide[f"{name}_pages"] = kv_quant.dequantize(codes, scales, jnp.float32)
+        else:
+            narrow[f"{name}_pages"] = pages.astype(dtype)
+            wide[f"{name}_pages"] = narrow[f"{name}_pages"].astype(jnp.float32)
+    return narrow, wide
 
 
 @pytest.mark.parametrize("t,group,head", [(1, 3, 64), (5, 3, 64), (17, 3, 64), (40, 1, 64),
@@ -142,6 +159,68 @@ def test_a_querys_output_depends_only_on_the_slots_it_sees(prefix):
                                       chain[:, j])
 
 
+@pytest.mark.parametrize("dtype", ["int8", jnp.bfloat16])
+@pytest.mark.parametrize("t,kv_lens,tree,new", [(1, (40, 23), False, False),
+                                                (5, (45, 28), True, True),
+                                                (17, (617, 40), False, True),
+                                                (3, (700, 530), True, False)])
+def test_narrow_pages_are_attended_as_their_float32_values(dtype, t, kv_lens, tree, new):
+    """int8 pages with their scales, and bfloat16 pages: bit for bit what float32 pages
+    holding their widened values (`kv_quant.dequantize`; bfloat16 exactly) give, over
+    one chunk of slots and several; and the jnp reference's output on the same pages."""
+    c = _case(t + 200, t=t, tree=tree and t > 1, pages=96, kv_lens=kv_lens)
+    narrow, wide = _narrowed(c, dtype)
+    got = np.asarray(_kernel(narrow, 1, new, scale=0.125))
+    np.testing.assert_array_equal(got[_valid(c)],
+                                  np.asarray(_kernel(wide, 1, new, scale=0.125))[_valid(c)])
+    layer = attention.one_layer(1, narrow["k_pages"], narrow["v_pages"],
+                                narrow.get("k_scales"), narrow.get("v_scales"))
+    scales = dict(k_scales=layer[2], v_scales=layer[3]) if dtype == "int8" else {}
+    want = (reference_attention_with_new(
+        c["q"], c["k_new"], c["v_new"], c["q_lens"], c["mask"], *layer[:2],
+        c["page_table"], c["kv_lens"] - c["q_lens"], scale=0.125, **scales) if new else
+        reference_paged_attention(c["q"], *layer[:2], c["page_table"], c["kv_lens"],
+                                  c["q_lens"], c["mask"], scale=0.125, **scales))
+    np.testing.assert_allclose(got[_valid(c)], np.asarray(want)[_valid(c)], rtol=1e-5,
+                               atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["int8", jnp.bfloat16])
+def test_new_keys_beside_narrow_pages_are_seen_as_written(dtype):
+    """`specjax.attention.paged_attention(new_kv=)` over int8 or bfloat16 pages: the new
+    tokens' keys/values are seen as the pages would hand them back, so a 5-token chain
+    verify gives each token the bits of writing the chain into the pages (quantized or
+    rounded) and attending there."""
+    c = _case(13, b=1, t=5, pages=48, kv_lens=(45,), q_lens=[5])
+    narrow, _ = _narrowed(c, dtype)
+    written = dict(narrow)
+    table, prefix = np.asarray(c["page_table"])[0], 40
+    for name in ("k", "v"):
+        pages = np.array(narrow[f"{name}_pages"])
+        scales = np.array(narrow[f"{name}_scales"]) if dtype == "int8" else None
+        new = np.asarray(c[f"{name}_new"])[0]  # [T, K, H]
+        codes, new_scales = (kv_quant.quantize(jnp.asarray(new)) if dtype == "int8"
+                             else (jnp.asarray(new).astype(dtype), None))
+        for j in range(5):
+            s = prefix + j
+            pages[0, :, table[s // PAGE], s % PAGE] = np.asarray(codes)[j]
+            if scales is not None:
+                scales[0, :, table[s // PAGE], s % PAGE] = np.asarray(new_scales)[j]
+        written[f"{name}_pages"] = jnp.asarray(pages)
+        if scales is not None:
+            written[f"{name}_scales"] = jnp.asarray(scales)
+
+    def call(d, new_kv):
+        extra = dict(k_scales=d["k_scales"], v_scales=d["v_scales"]) if dtype == "int8" else {}
+        return np.asarray(attention.paged_attention(
+            d["q"], d["k_pages"], d["v_pages"], d["page_table"], d["kv_lens"], d["q_lens"],
+            scale=0.125, layer=jnp.int32(0), new_kv=new_kv, **extra))
+
+    assert cpu_attention.applies(narrow["q"], narrow["k_pages"], narrow.get("k_scales"))
+    np.testing.assert_array_equal(call(narrow, (c["k_new"], c["v_new"])),
+                                  call(written, None))
+
+
 def _routes_to_kernel(q, k_pages, v_pages, scales=None, **extra) -> bool:
     c = _case(0, t=q.shape[1])
     args = (q, k_pages, v_pages, c["page_table"], c["kv_lens"], c["q_lens"])
@@ -161,7 +240,9 @@ def test_decode_and_verify_calls_take_the_kernel_and_others_the_jnp_forms(monkey
     assert not _routes_to_kernel(long, kp, vp)  # a prefill chunk: the blockwise form
     assert not _routes_to_kernel(q.astype(jnp.bfloat16), kp, vp)
     int8, scales = kv_quant.quantize(kp)
-    assert not _routes_to_kernel(q, int8, kv_quant.quantize(vp)[0], scales)
+    assert _routes_to_kernel(q, int8, kv_quant.quantize(vp)[0], scales)
+    assert _routes_to_kernel(q, kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16))
+    assert not _routes_to_kernel(q, kp.astype(jnp.float16), vp.astype(jnp.float16))
     odd = _case(1, t=5, head=96)
     assert not _routes_to_kernel(odd["q"], odd["k_pages"], odd["v_pages"])
     monkeypatch.setenv(cpu_attention.ENV, "off")

@@ -840,9 +840,10 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
     out = specjax.generate(target, [prompt], max_new_tokens=new, ignore_eos=True,
                            speculator=spec, adaptive=False, kv_commit="compact")
     assert out.tokens == [greedy_reference(target, prompt, new)]
-    # the first step's price: the CPU attention kernel reads the prompt (head dim 64, one
-    # it takes); without it the jnp reference attention reads the whole table, slack
-    # included, and so it does for pages the kernel does not take (int8, head dim 16)
+    # the first step's price: the CPU attention kernel reads the prompt (head dim 64 and
+    # float32 or int8 pages, ones it takes); without it the jnp reference attention reads
+    # the whole table, slack included, and so it does for pages the kernel does not take
+    # (head dim 16)
     seen = []
 
     def priced(spec, rule, batch, context):  # records the price, then stops generate
@@ -863,12 +864,14 @@ def test_pages_take_the_draft_slack_only_where_the_tree_is_written(monkeypatch):
 
     assert [price(wide, k, c) for k in ("on", "off") for c in ("write-kept", "compact")] == [
         len(prompt), len(prompt), 4 * 16, 8 * 16]
-    assert price(wide, "on", "write-kept", kv_cache_dtype="int8") == 4 * 16
+    assert price(wide, "on", "write-kept", kv_cache_dtype="int8") == len(prompt)
+    assert price(wide, "off", "write-kept", kv_cache_dtype="int8") == 4 * 16
     assert price(target, "on", "write-kept") == 4 * 16
     from specjax.attention import reads_used_slots
     assert reads_used_slots("reference", 64, "float32")
+    assert reads_used_slots("reference", 64, "bfloat16")
     assert not reads_used_slots("reference", 96, "float32")
-    assert not reads_used_slots("reference", 64, "bfloat16")
+    assert not reads_used_slots("reference", 64, "float16")
 
 
 def test_speculators_own_caches_take_the_kv_dtype():

@@ -17,6 +17,7 @@ code.
 
   python -m specjax.bench.kv_cache [--target CKPT] [--contexts 256,2048] [--batch 1]
       [--new-tokens 64] [--repeats 3] [--drift-prompts 8]
+      [--kv-cache-dtypes float32,bfloat16,int8]
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ def _agreement(rows: list[list[int]], want: list[list[int]]) -> dict:
 
 
 def run(model, prompts: dict[int, tuple[list[list[int]], list[list[int]]]], new_tokens: int,
-        repeats: int) -> list[dict]:
-    """One row per (context, dtype). prompts: context -> (the timed call's rows, the drift
-    prompts), each prompt context - new_tokens ids long."""
+        repeats: int, dtypes=DTYPES) -> list[dict]:
+    """One row per (context, dtype) of `dtypes` (float32, the yardstick, among them).
+    prompts: context -> (the timed call's rows, the drift prompts), each prompt
+    context - new_tokens ids long."""
+    if "float32" not in dtypes:
+        raise ValueError(f"dtypes={dtypes!r} must include float32, the yardstick")
     import specjax
     from specjax.speculators.ngram import NGram
 
@@ -58,23 +62,23 @@ def run(model, prompts: dict[int, tuple[list[list[int]], list[list[int]]]], new_
             return specjax.generate(model, ids, max_new_tokens=new_tokens, ignore_eos=True,
                                     kv_cache_dtype=dtype)
 
-        for d in DTYPES:  # warm-up: each dtype compiles its own program
+        for d in dtypes:  # warm-up: each dtype compiles its own program
             gen(d)
-        times = {d: [] for d in DTYPES}
-        tpot = {d: [] for d in DTYPES}
+        times = {d: [] for d in dtypes}
+        tpot = {d: [] for d in dtypes}
         for _ in range(repeats):
-            for d in DTYPES:
+            for d in dtypes:
                 t0 = time.perf_counter()
                 out = gen(d)
                 times[d].append(time.perf_counter() - t0)
                 tpot[d].append(out.stats.tpot_s)
-        outs = {d: [t for p in drift for t in gen(d, [p]).tokens] for d in DTYPES}
+        outs = {d: [t for p in drift for t in gen(d, [p]).tokens] for d in dtypes}
         spec = {d: [t for p in drift for t in specjax.generate(
             model, [p], max_new_tokens=new_tokens, ignore_eos=True, kv_cache_dtype=d,
-            speculator=NGram(k=4), adaptive=False).tokens] for d in DTYPES}
+            speculator=NGram(k=4), adaptive=False).tokens] for d in dtypes}
         base = statistics.median(times["float32"])
         base_tpot = statistics.median(tpot["float32"])
-        for d in DTYPES:
+        for d in dtypes:
             plan = specjax.plan_memory(model.config, {"data": 1, "model": 1}, batch=1,
                                        max_len=ctx, page_size=16, kv_cache_dtype=d)
             t, step = statistics.median(times[d]), statistics.median(tpot[d])
@@ -135,8 +139,15 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--drift-prompts", type=int, default=8)
+    parser.add_argument("--kv-cache-dtypes", default=",".join(DTYPES),
+                        help="the caches compared, float32 (the yardstick) among them")
     args = parser.parse_args(argv)
     contexts = comma_list(parser, "--contexts", args.contexts, int, minimum=1)
+    dtypes = tuple(comma_list(parser, "--kv-cache-dtypes", args.kv_cache_dtypes,
+                              choices=DTYPES))
+    if "float32" not in dtypes:
+        parser.error(f"--kv-cache-dtypes={args.kv_cache_dtypes!r} must include float32 "
+                     "(the yardstick)")
     if min(args.batch, args.new_tokens, args.repeats, args.drift_prompts) < 1:
         parser.error(f"--batch={args.batch}, --new-tokens={args.new_tokens}, "
                      f"--repeats={args.repeats} and --drift-prompts={args.drift_prompts} "
@@ -158,7 +169,7 @@ def main(argv=None) -> int:
         ids = heldout_windows(model.tokenizer, model.config.vocab_size, n,
                               ctx - args.new_tokens, seed=0)
         prompts[ctx] = (ids[:args.batch], ids[args.batch:])
-    rows = run(model, prompts, args.new_tokens, args.repeats)
+    rows = run(model, prompts, args.new_tokens, args.repeats, dtypes)
     c = model.config
     model_line = (f"{args.target or 'the packaged SmolLM2-135M-Instruct'}: {c.num_layers} "
                   f"layers, {c.num_kv_heads} KV heads of {c.head_dim} dims, float32 compute")

@@ -1,6 +1,7 @@
 // Paged attention of a few float32 queries per row (a decode step's 1, a verify's 2-63)
-// over a block-paged KV cache, as an XLA FFI handler for the CPU backend
-// (`specjax.cpu_attention` builds and registers it).
+// over a block-paged KV cache of float32, bfloat16 or int8 pages (int8: one float32
+// scale per token and KV head, `specjax.kv_quant`), as an XLA FFI handler for the CPU
+// backend (`specjax.cpu_attention` builds and registers it).
 //
 // Why by hand: XLA:CPU runs the plain-jnp form as a gather of every page the table names
 // (all of them, used or not) into a fresh [B, S, K, H] copy per layer, a slice of the
@@ -21,11 +22,15 @@
 // order) and of h, so a query's output depends only on the slots it sees: not on how
 // many queries share the call, nor on whether its newer slots came from the pages or
 // from beside them (a chain verify's token gets the bits a one-token step gives it).
+// Narrower pages are widened into a float32 copy of the item's slots first (`stage`),
+// the values `kv_quant.dequantize` gives (int8 x scale, one float32 product; bfloat16
+// exactly), and attended as float32 pages holding those values would be, bit for bit.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,6 +44,8 @@ namespace {
 
 using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
     specjax::vi;  // vectors.h
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 constexpr int kMinQueryBlock = 8;  // the fewest queries a work item split off a head takes
 constexpr int kFetchAheadQueries = 8;  // the most queries an item fetches keys ahead for
 constexpr int64_t kCacheLine = 64;  // bytes a prefetch brings in (x86-64)
@@ -90,11 +97,16 @@ struct Shapes {
   bool has_mask, has_new;
 };
 
+enum class PageType { kF32, kBF16, kS8 };
+
 struct Args {
   Shapes s;
   const float* q;       // [B, T, N, H]
-  const float* kp;      // [L, K, P, Z, H]
-  const float* vp;
+  PageType type;
+  const void* kp;       // [L, K, P, Z, H] of `type`
+  const void* vp;
+  const float* ks;      // [L, K, P, Z] int8 pages' scales, else none
+  const float* vs;
   int64_t layer;
   const int32_t* table;  // [B, M]
   const int32_t* page_lens;  // [B] slots read from the pages
@@ -108,17 +120,68 @@ struct Args {
   float* out;      // [B, T, N, H]
 };
 
-// Where slot s of row b, KV head h lives: its page in the table or, past the pages'
-// slots, the new keys/values beside them.
-inline const float* slot_row(const Args& a, const float* pages, const float* fresh,
+// Slot s's entry (of Z x H elements a page, or of one scale a page slot) in the
+// stacked pages of row b, KV head kh; s is one of the slots the pages hold.
+inline int64_t page_slot(const Args& a, int64_t b, int64_t kh, int64_t s) {
+  const Shapes& d = a.s;
+  int64_t page = a.table[b * d.M + s / d.Z];
+  page = std::min<int64_t>(std::max<int64_t>(page, 0), d.P - 1);  // as jnp's gather clamps
+  return ((a.layer * d.K + kh) * d.P + page) * d.Z + s % d.Z;
+}
+
+// Where slot s of row b, KV head kh lives in float32 pages, or, past the pages' slots,
+// in the new keys/values beside them.
+inline const float* slot_row(const Args& a, const void* pages, const float* fresh,
                              int64_t b, int64_t kh, int64_t s, int64_t page_len) {
   const Shapes& d = a.s;
-  if (s < page_len) {
-    int64_t page = a.table[b * d.M + s / d.Z];
-    page = std::min<int64_t>(std::max<int64_t>(page, 0), d.P - 1);  // as jnp's gather clamps
-    return pages + (((a.layer * d.K + kh) * d.P + page) * d.Z + s % d.Z) * d.H;
-  }
+  if (s < page_len) return static_cast<const float*>(pages) + page_slot(a, b, kh, s) * d.H;
   return fresh + ((b * d.T + (s - page_len)) * d.K + kh) * d.H;
+}
+
+// kLanes entries of an int8 page row as float32: each code times its slot's scale, the
+// one product `kv_quant.dequantize` takes (no fused multiply-add: -std=c++17 keeps
+// -ffp-contract off).
+inline vf widen(const int8_t* p, float scale) { return specjax::widen_int8(p) * scale; }
+// kLanes bfloat16 entries as float32 (exact: the 16 bits above 16 zero bits).
+inline vf widen(const uint16_t* p, float) {
+  const vu bits = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
+  vf x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// dst[(s - s0) * H ...] = slots [s0, s1) of row b, KV head kh (all in the pages),
+// widened from pages of E (int8 with `scales`, or bfloat16) to float32.
+template <typename E>
+void stage(const Args& a, const void* pages, const float* scales, int64_t b, int64_t kh,
+           int64_t s0, int64_t s1, float* dst) {
+  const int64_t H = a.s.H;
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t e = page_slot(a, b, kh, s);
+    const E* row = static_cast<const E*>(pages) + e * H;
+    const float scale = scales != nullptr ? scales[e] : 1.0f;
+    float* out = dst + (s - s0) * H;
+    for (int64_t c = 0; c < H; c += kLanes) store(out + c, widen(row + c, scale));
+  }
+}
+
+// rows[s - c0] = where slots [c0, c1) of row b, KV head kh are read as float32: float32
+// pages in place; narrower ones (E) from `staged`, filled here; the new tokens' from
+// beside the pages.
+template <typename E>
+void slot_rows(const Args& a, const void* pages, const float* scales, const float* fresh,
+               int64_t b, int64_t kh, int64_t c0, int64_t c1, int64_t page_len,
+               std::vector<float>& staged, const float** rows) {
+  if constexpr (std::is_same_v<E, float>) {
+    for (int64_t s = c0; s < c1; ++s) rows[s - c0] = slot_row(a, pages, fresh, b, kh, s, page_len);
+  } else {
+    const int64_t H = a.s.H, paged = std::max<int64_t>(std::min(c1, page_len) - c0, 0);
+    staged.resize(paged * H);
+    stage<E>(a, pages, scales, b, kh, c0, c0 + paged, staged.data());
+    for (int64_t s = c0; s < c1; ++s)
+      rows[s - c0] = s < page_len ? staged.data() + (s - c0) * H
+                                  : slot_row(a, pages, fresh, b, kh, s, page_len);
+  }
 }
 
 // Whether query t of row b sees absolute slot s (the module contract of
@@ -252,7 +315,7 @@ inline float* output(const Args& a, int64_t b, int64_t kh, int64_t q) {
 // arithmetic): the next block's keys are asked for while a block is scored, as the
 // hardware prefetchers did not keep up with the score pass's walk across the slots'
 // rows. An item of many queries does not (there the fetches crowded its cache).
-template <bool kFetchAhead>
+template <bool kFetchAhead, typename E>
 void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
             int64_t q0, int64_t q1) {
   const Shapes& d = a.s;
@@ -266,11 +329,24 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
   const int64_t padded = (c1 - c0 + kLanes - 1) / kLanes * kLanes;
   const int64_t nq = q1 - q0;
 
-  thread_local std::vector<float> scratch, zeros;
-  thread_local std::vector<const float*> vrows;
+  thread_local std::vector<float> scratch, zeros, kstaged, vstaged;
+  thread_local std::vector<const float*> krows, vrows;
   scratch.resize(nq * padded);
   zeros.assign(H, 0.0f);
   vrows.resize(c1 - c0);
+  // Where the item reads slot s's key: float32 pages where it lies (looked up as the
+  // blocks are scored: a table of the chunk's rows built up front made a decode step's
+  // items slower), narrower pages from their staged copy.
+  if constexpr (!std::is_same_v<E, float>) {
+    krows.resize(c1 - c0);
+    slot_rows<E>(a, a.kp, a.ks, a.kn, b, kh, c0, c1, row.page_len, kstaged, krows.data());
+  }
+  const auto key_row = [&](int64_t s) {
+    if constexpr (std::is_same_v<E, float>)
+      return slot_row(a, a.kp, a.kn, b, kh, s, row.page_len);
+    else
+      return krows[s - c0];
+  };
   const auto query = [&](int64_t q) {
     return a.q + ((b * d.T + q / G) * d.N + kh * G + q % G) * H;
   };
@@ -279,14 +355,11 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
   thread_local std::vector<vf> maxima;  // per query, lane-wise until the end
   maxima.assign(nq, splat(-INFINITY));
   for (int64_t s0 = c0; s0 < c0 + padded; s0 += kLanes) {
-    const float* krow[kLanes];  // the block's keys where they lie (zeros past the slots)
-    for (int64_t i = 0; i < kLanes; ++i)
-      krow[i] = s0 + i < c1 ? slot_row(a, a.kp, a.kn, b, kh, s0 + i, row.page_len)
-                            : zeros.data();
+    const float* krow[kLanes];  // the block's keys (zeros past the slots)
+    for (int64_t i = 0; i < kLanes; ++i) krow[i] = s0 + i < c1 ? key_row(s0 + i) : zeros.data();
     if constexpr (kFetchAhead) {
       for (int64_t i = 0; i < kLanes && s0 + kLanes + i < c1; ++i) {
-        const char* next = reinterpret_cast<const char*>(
-            slot_row(a, a.kp, a.kn, b, kh, s0 + kLanes + i, row.page_len));
+        const char* next = reinterpret_cast<const char*>(key_row(s0 + kLanes + i));
         for (int64_t at = 0; at < H * int64_t{sizeof(float)}; at += kCacheLine)
           __builtin_prefetch(next + at);
       }
@@ -327,8 +400,7 @@ void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t 
   }
 
   // Pass 3: sum p v over the chunk's slots (in order).
-  for (int64_t s = c0; s < c1; ++s)
-    vrows[s - c0] = slot_row(a, a.vp, a.vn, b, kh, s, row.page_len);
+  slot_rows<E>(a, a.vp, a.vs, a.vn, b, kh, c0, c1, row.page_len, vstaged, vrows.data());
   const float* prow[kValueGroup];
   vf acc[kValueGroup][kValueColumns / kLanes];
   for (int64_t g0 = 0; g0 < nq; g0 += kValueGroup) {
@@ -375,8 +447,26 @@ void merge(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t q
   }
 }
 
+// `attend` for this item's query count (kFetchAheadQueries) and the pages' type.
+void attend_as(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
+               int64_t q0, int64_t q1) {
+  const bool ahead = q1 - q0 <= kFetchAheadQueries;
+  switch (a.type) {
+    case PageType::kF32:
+      return ahead ? attend<true, float>(a, part, b, kh, c, q0, q1)
+                   : attend<false, float>(a, part, b, kh, c, q0, q1);
+    case PageType::kBF16:
+      return ahead ? attend<true, uint16_t>(a, part, b, kh, c, q0, q1)
+                   : attend<false, uint16_t>(a, part, b, kh, c, q0, q1);
+    case PageType::kS8:
+      return ahead ? attend<true, int8_t>(a, part, b, kh, c, q0, q1)
+                   : attend<false, int8_t>(a, part, b, kh, c, q0, q1);
+  }
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                          ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                          ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
                           ffi::Buffer<ffi::S32> page_lens, ffi::Buffer<ffi::S32> new_start,
                           ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::PRED> mask,
@@ -391,6 +481,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (pd[4] != s.H || s.H % kChunk != 0 || s.K == 0 || s.N % s.K != 0 || td[0] != s.B ||
       v_pages.element_count() != k_pages.element_count())
     return ffi::Error::InvalidArgument("pages, queries and table disagree in shape");
+  PageType type;
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32: type = PageType::kF32; break;
+    case ffi::DataType::BF16: type = PageType::kBF16; break;
+    case ffi::DataType::S8: type = PageType::kS8; break;
+    default: return ffi::Error::InvalidArgument("pages must be float32, bfloat16 or int8");
+  }
+  const bool scaled = type == PageType::kS8;
+  const int64_t page_slots = s.L * s.K * s.P * s.Z;
+  if (v_pages.element_type() != k_pages.element_type() ||
+      k_scales.element_count() != (scaled ? page_slots : 0) ||
+      v_scales.element_count() != k_scales.element_count())
+    return ffi::Error::InvalidArgument("keys and values must share the pages' type; int8 "
+                                       "pages need scales [L, K, P, Z], others none");
   s.G = s.N / s.K;
   s.has_mask = mask.element_count() != 0;
   s.has_new = k_new.element_count() != 0;
@@ -401,7 +505,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= s.L) return ffi::Error::InvalidArgument("layer out of range");
 
-  const Args a{s, q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), l,
+  const Args a{s, q.typed_data(), type, k_pages.untyped_data(), v_pages.untyped_data(),
+               scaled ? k_scales.typed_data() : nullptr,
+               scaled ? v_scales.typed_data() : nullptr, l,
                table.typed_data(), page_lens.typed_data(), new_start.typed_data(),
                q_lens.typed_data(), s.has_mask ? mask.typed_data() : nullptr,
                s.has_new ? k_new.typed_data() : nullptr,
@@ -437,8 +543,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t item = k / per_part, qb = k % per_part, q0 = qb * block;
     const int64_t q1 = std::min(queries, q0 + block), bk = item / chunks, c = item % chunks;
     const int64_t b = bk / s.K, kh = bk % s.K;
-    if (q1 - q0 <= kFetchAheadQueries) attend<true>(a, part, b, kh, c, q0, q1);
-    else attend<false>(a, part, b, kh, c, q0, q1);
+    attend_as(a, part, b, kh, c, q0, q1);
     const int64_t row_chunks = chunks > 1 ? row_slots(a, b).chunks() : 1;
     if (row_chunks > 1 && c < row_chunks &&
         done[bk * per_part + qb].fetch_add(1, std::memory_order_acq_rel) + 1 == row_chunks)
@@ -453,8 +558,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_paged_attention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_pages
+                                  .Arg<ffi::AnyBuffer>()          // k_pages
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page table
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_lens

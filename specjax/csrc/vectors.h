@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #elif defined(__aarch64__)
 #include <arm_neon.h>
@@ -58,6 +58,22 @@ inline vf fma(vf a, vf b, vf c) {
   return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
 #else  // no fused multiply-add instruction: nothing to contract into
   return a * b + c;
+#endif
+}
+
+// kLanes int8 values as float32 (exact). By intrinsics: GCC 12 lowers a
+// __builtin_convertvector from int8 lanes to float32 ones one lane at a time.
+inline vf widen_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__) && SPECJAX_VECTOR_BYTES == 32
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf x;
+  for (int64_t i = 0; i < kLanes; ++i) x[i] = p[i];
+  return x;
 #endif
 }
 
