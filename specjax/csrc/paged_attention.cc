@@ -447,20 +447,19 @@ void merge(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t q
   }
 }
 
-// `attend` for this item's query count (kFetchAheadQueries) and the pages' type.
+// `attend` for the pages' type and, over float32 pages, this item's query count
+// (kFetchAheadQueries). Narrower pages never fetch ahead: the keys an item scores are
+// its own widened copy, written just before and still in cache.
 void attend_as(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
                int64_t q0, int64_t q1) {
-  const bool ahead = q1 - q0 <= kFetchAheadQueries;
   switch (a.type) {
     case PageType::kF32:
-      return ahead ? attend<true, float>(a, part, b, kh, c, q0, q1)
-                   : attend<false, float>(a, part, b, kh, c, q0, q1);
+      return q1 - q0 <= kFetchAheadQueries ? attend<true, float>(a, part, b, kh, c, q0, q1)
+                                           : attend<false, float>(a, part, b, kh, c, q0, q1);
     case PageType::kBF16:
-      return ahead ? attend<true, uint16_t>(a, part, b, kh, c, q0, q1)
-                   : attend<false, uint16_t>(a, part, b, kh, c, q0, q1);
+      return attend<false, uint16_t>(a, part, b, kh, c, q0, q1);
     case PageType::kS8:
-      return ahead ? attend<true, int8_t>(a, part, b, kh, c, q0, q1)
-                   : attend<false, int8_t>(a, part, b, kh, c, q0, q1);
+      return attend<false, int8_t>(a, part, b, kh, c, q0, q1);
   }
 }
 
