@@ -76,6 +76,13 @@ def paged_attention(
     if not available():
         raise RuntimeError(f"specjax's CPU paged-attention kernel is unavailable ({ENV}=off "
                            "or no C++ compiler): call it only where `applies` holds")
+    if (k_pages.dtype not in PAGE_DTYPES or v_pages.dtype != k_pages.dtype
+            or (k_scales is None) != (v_scales is None)
+            or (k_scales is not None) != kv_quant.is_quantized(k_pages.dtype)):
+        raise ValueError(
+            f"pages of {k_pages.dtype} (keys) and {v_pages.dtype} (values) with"
+            f"{'out' if k_scales is None else ''} scales: the kernel takes keys and values "
+            f"of one of {[str(d) for d in PAGE_DTYPES]}, with scales exactly where int8")
     start = (kv_lens - q_lens).astype(jnp.int32)
     if new_kv is None:
         page_lens = kv_lens.astype(jnp.int32)

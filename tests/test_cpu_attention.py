@@ -261,6 +261,19 @@ def test_the_routed_call_equals_the_jnp_form_on_a_sliced_layer():
                                rtol=1e-5, atol=2e-6)
 
 
+def test_pages_it_does_not_take_raise_naming_their_dtype():
+    c = _case(6, t=2)
+    int8, scales = kv_quant.quantize(c["k_pages"])
+    bad = [dict(k_pages=int8, v_pages=int8),  # int8 without scales
+           dict(k_scales=scales, v_scales=scales),  # float32 with scales
+           dict(k_pages=c["k_pages"].astype(jnp.float16),
+                v_pages=c["v_pages"].astype(jnp.float16)),
+           dict(v_pages=c["v_pages"].astype(jnp.bfloat16))]  # keys and values differ
+    for fix in bad:
+        with pytest.raises(ValueError, match=r"pages of \w+ \(keys\) and \w+ \(values\)"):
+            _kernel(dict(c, **fix), 0, False, scale=0.125)
+
+
 def test_without_a_compiler_it_warns_once_and_the_jnp_form_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_attention.KERNEL, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
