@@ -149,10 +149,10 @@ def paged_attention(
         new_kv = tuple(kv_quant.as_cached(x, k_pages.dtype) for x in new_kv)
     if (backend == "reference" and q.shape[1] < BLOCKWISE_MIN_QUERIES
             and cpu_attention.applies(q, k_pages, k_scales)):
-        if layer is None:
-            k_pages, v_pages, k_scales, v_scales, layer = (
-                *(None if x is None else x[None] for x in (k_pages, v_pages, k_scales,
-                                                           v_scales)), 0)
+        if layer is None:  # one layer's pages: a stack of one
+            k_pages, v_pages, k_scales, v_scales = (
+                None if x is None else x[None] for x in (k_pages, v_pages, k_scales, v_scales))
+            layer = 0
         return cpu_attention.paged_attention(
             q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, mask, scale=scale,
             soft_cap=soft_cap, sliding_window=sliding_window, new_kv=new_kv,

@@ -44,12 +44,17 @@ def takes(head_dim: int | None = None, kv_dtype=None) -> bool:
             and jax.default_backend() == "cpu" and available())
 
 
+def _scaled_as_stored(pages: jax.Array, scales) -> bool:
+    """Scales come with the pages exactly where they are int8 (`kv_quant`)."""
+    return (scales is not None) == kv_quant.is_quantized(pages.dtype)
+
+
 def applies(q: Queries, k_pages: jax.Array, scales) -> bool:
     """The kernel takes this call: float32 queries, pages it `takes`, and `scales` exactly
     where the pages are int8. (Which calls to offer it is `specjax.attention`'s choice:
     decode and verify widths.)"""
-    return (q.dtype == jnp.float32 and (scales is not None) == kv_quant.is_quantized(
-        k_pages.dtype) and takes(q.shape[-1], k_pages.dtype))
+    return (q.dtype == jnp.float32 and _scaled_as_stored(k_pages, scales)
+            and takes(q.shape[-1], k_pages.dtype))
 
 
 def paged_attention(
@@ -77,8 +82,8 @@ def paged_attention(
         raise RuntimeError(f"specjax's CPU paged-attention kernel is unavailable ({ENV}=off "
                            "or no C++ compiler): call it only where `applies` holds")
     if (k_pages.dtype not in PAGE_DTYPES or v_pages.dtype != k_pages.dtype
-            or (k_scales is None) != (v_scales is None)
-            or (k_scales is not None) != kv_quant.is_quantized(k_pages.dtype)):
+            or not _scaled_as_stored(k_pages, k_scales)
+            or not _scaled_as_stored(v_pages, v_scales)):
         raise ValueError(
             f"pages of {k_pages.dtype} (keys) and {v_pages.dtype} (values) with"
             f"{'out' if k_scales is None else ''} scales: the kernel takes keys and values "

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import attention, cpu_attention, kv_quant
+from specjax import attention, cache, cpu_attention, kv_quant
 from specjax.attention import reference_attention_with_new, reference_paged_attention
 
 PAGE = 16
@@ -45,13 +45,16 @@ def _valid(c):  # [B, T] the queries whose output the contract defines
 
 
 def _reference(c, layer, new, **opts):
+    kp, vp, ks, vs = attention.one_layer(layer, c["k_pages"], c["v_pages"], c.get("k_scales"),
+                                         c.get("v_scales"))
+    if ks is not None:
+        opts.update(k_scales=ks, v_scales=vs)
     if new:
         return reference_attention_with_new(
-            c["q"], c["k_new"], c["v_new"], c["q_lens"], c["mask"], c["k_pages"][layer],
-            c["v_pages"][layer], c["page_table"], c["kv_lens"] - c["q_lens"], **opts)
-    return reference_paged_attention(c["q"], c["k_pages"][layer], c["v_pages"][layer],
-                                     c["page_table"], c["kv_lens"], c["q_lens"], c["mask"],
-                                     **opts)
+            c["q"], c["k_new"], c["v_new"], c["q_lens"], c["mask"], kp, vp,
+            c["page_table"], c["kv_lens"] - c["q_lens"], **opts)
+    return reference_paged_attention(c["q"], kp, vp, c["page_table"], c["kv_lens"],
+                                     c["q_lens"], c["mask"], **opts)
 
 
 def _kernel(c, layer, new, **opts):
@@ -173,16 +176,8 @@ def test_narrow_pages_are_attended_as_their_float32_values(dtype, t, kv_lens, tr
     got = np.asarray(_kernel(narrow, 1, new, scale=0.125))
     np.testing.assert_array_equal(got[_valid(c)],
                                   np.asarray(_kernel(wide, 1, new, scale=0.125))[_valid(c)])
-    layer = attention.one_layer(1, narrow["k_pages"], narrow["v_pages"],
-                                narrow.get("k_scales"), narrow.get("v_scales"))
-    scales = dict(k_scales=layer[2], v_scales=layer[3]) if dtype == "int8" else {}
-    want = (reference_attention_with_new(
-        c["q"], c["k_new"], c["v_new"], c["q_lens"], c["mask"], *layer[:2],
-        c["page_table"], c["kv_lens"] - c["q_lens"], scale=0.125, **scales) if new else
-        reference_paged_attention(c["q"], *layer[:2], c["page_table"], c["kv_lens"],
-                                  c["q_lens"], c["mask"], scale=0.125, **scales))
-    np.testing.assert_allclose(got[_valid(c)], np.asarray(want)[_valid(c)], rtol=1e-5,
-                               atol=2e-6)
+    want = np.asarray(_reference(narrow, 1, new, scale=0.125))
+    np.testing.assert_allclose(got[_valid(c)], want[_valid(c)], rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", ["int8", jnp.bfloat16])
@@ -193,22 +188,13 @@ def test_new_keys_beside_narrow_pages_are_seen_as_written(dtype):
     rounded) and attending there."""
     c = _case(13, b=1, t=5, pages=48, kv_lens=(45,), q_lens=[5])
     narrow, _ = _narrowed(c, dtype)
-    written = dict(narrow)
-    table, prefix = np.asarray(c["page_table"])[0], 40
-    for name in ("k", "v"):
-        pages = np.array(narrow[f"{name}_pages"])
-        scales = np.array(narrow[f"{name}_scales"]) if dtype == "int8" else None
-        new = np.asarray(c[f"{name}_new"])[0]  # [T, K, H]
-        codes, new_scales = (kv_quant.quantize(jnp.asarray(new)) if dtype == "int8"
-                             else (jnp.asarray(new).astype(dtype), None))
-        for j in range(5):
-            s = prefix + j
-            pages[0, :, table[s // PAGE], s % PAGE] = np.asarray(codes)[j]
-            if scales is not None:
-                scales[0, :, table[s // PAGE], s % PAGE] = np.asarray(new_scales)[j]
-        written[f"{name}_pages"] = jnp.asarray(pages)
-        if scales is not None:
-            written[f"{name}_scales"] = jnp.asarray(scales)
+    slots = 40 + np.arange(5)[None]  # [B, T]: the chain after its 40-token prefix
+    page = jnp.asarray(np.asarray(c["page_table"])[0][slots // PAGE], jnp.int32)
+    kv = (narrow["k_pages"], narrow["v_pages"], narrow.get("k_scales"), narrow.get("v_scales"))
+    written = dict(narrow, **dict(zip(("k_pages", "v_pages", "k_scales", "v_scales"),
+                                      cache.write_layer_kv(kv, jnp.int32(0), c["k_new"],
+                                                           c["v_new"], page,
+                                                           jnp.asarray(slots % PAGE)))))
 
     def call(d, new_kv):
         extra = dict(k_scales=d["k_scales"], v_scales=d["v_scales"]) if dtype == "int8" else {}

@@ -75,15 +75,13 @@ def program(form: str, a: dict):
     def run(q, kp, vp, kn, vn, ks, vs):
         for i in range(layers):
             layer = jax.lax.optimization_barrier(jnp.int32(i))
+            scales = {} if ks is None else dict(k_scales=ks[layer], v_scales=vs[layer])
             if form.startswith("kernel"):
                 new = (kn, vn) if form.endswith("beside") else None
                 out = cpu_attention.paged_attention(q, kp, vp, layer, a["table"], a["kv_lens"],
                                                     a["q_lens"], mask, scale=scale, new_kv=new,
                                                     k_scales=ks, v_scales=vs)
-                q = q + 1e-3 * out
-                continue
-            scales = {} if ks is None else dict(k_scales=ks[layer], v_scales=vs[layer])
-            if form.endswith("beside"):
+            elif form.endswith("beside"):
                 out = reference_attention_with_new(q, kn, vn, a["q_lens"], mask, kp[layer],
                                                    vp[layer], a["table"],
                                                    a["kv_lens"] - a["q_lens"], scale=scale,
@@ -119,15 +117,15 @@ def measure(queries, contexts, repeats: int, forms=FORMS, kv_dtypes=("float32",)
 def markdown(seconds: dict, queries, contexts, forms=FORMS, kv_dtypes=("float32",)) -> str:
     """One row per (context, T, KV cache dtype): ms per form; when the jnp forms ran,
     their time over the kernel's, new tokens in the pages and beside them; and beside
-    other dtypes, the kernel's time over its time on float32 pages."""
+    other dtypes than float32, the kernel's time over its time on float32 pages."""
     ratios = ((("in pages", FORMS[0], FORMS[2]), ("beside", FORMS[1], FORMS[3]))
               if set(FORMS) <= set(forms) else ())
-    vs_f32 = [f for f in KERNEL_FORMS if f in forms] if len(kv_dtypes) > 1 else []
-    head = ("| context | T | KV cache | " + " | ".join(f"{f}, ms" for f in forms) + " | "
-            + " | ".join(f"jnp / kernel, {name}" for name, _, _ in ratios)
-            + "".join(f" | {f} / float32 pages'" for f in vs_f32) + " |")
-    width = len(forms) + len(ratios) + len(vs_f32)
-    lines = [head.replace("|  |", "|"), "|---:|---:|:---|" + "---:|" * width]
+    vs_f32 = ([f for f in KERNEL_FORMS if f in forms]
+              if "float32" in kv_dtypes and len(kv_dtypes) > 1 else [])
+    columns = [*(f"{f}, ms" for f in forms), *(f"jnp / kernel, {n}" for n, _, _ in ratios),
+               *(f"{f} / float32 pages'" for f in vs_f32)]
+    lines = ["| context | T | KV cache | " + " | ".join(columns) + " |",
+             "|---:|---:|:---|" + "---:|" * len(columns)]
     for c in contexts:
         for t in queries:
             for dt in kv_dtypes:
@@ -135,7 +133,7 @@ def markdown(seconds: dict, queries, contexts, forms=FORMS, kv_dtypes=("float32"
                 cells += [f"{seconds[a, dt, c, t] / seconds[b, dt, c, t]:.2f}"
                           for _, a, b in ratios]
                 cells += [f"{seconds[f, dt, c, t] / seconds[f, 'float32', c, t]:.2f}"
-                          if "float32" in kv_dtypes else "–" for f in vs_f32]
+                          for f in vs_f32]
                 lines.append(f"| {c} | {t} | {dt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

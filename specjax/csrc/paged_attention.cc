@@ -318,6 +318,7 @@ inline float* output(const Args& a, int64_t b, int64_t kh, int64_t q) {
 template <bool kFetchAhead, typename E>
 void attend(const Args& a, const Partials& part, int64_t b, int64_t kh, int64_t c,
             int64_t q0, int64_t q1) {
+  static_assert(!kFetchAhead || std::is_same_v<E, float>, "narrower pages' keys are staged");
   const Shapes& d = a.s;
   const int64_t H = d.H, G = d.G;
   const RowSlots row = row_slots(a, b);
