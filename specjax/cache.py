@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import kv_quant
+from specjax import cpu_slot_write, kv_quant
 from specjax.config import ModelConfig
 from specjax.typing import LayerIndex, NewKV, PageTable, RowLengths, SlotIndex, SlotValid
 
@@ -126,7 +126,10 @@ def write_kv(
     page: jax.Array,  # [B, T] int32 (>= P = drop)
     offset: jax.Array,  # [B, T] int32
 ) -> jax.Array:
-    """Writes `new` into layer `layer` at (page, offset); out-of-range pages are dropped."""
+    """Writes `new` into layer `layer` at (page, offset); out-of-range pages are dropped.
+    2-byte float pages on CPU are written in place by `specjax.cpu_slot_write`."""
+    if cpu_slot_write.applies(pages):
+        return cpu_slot_write.write(pages, layer, new, page, offset)
     return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
 
 
@@ -170,6 +173,8 @@ def write_kv_layers(
     """`write_kv` for every layer at once (keys or values a forward returned, see
     `write_slots`). Single-device only, as the forwards that leave their write to the
     caller are; meshes write inside the layers (`specjax.sharding.per_shard.write_kv`)."""
+    if cpu_slot_write.applies(pages):
+        return cpu_slot_write.write(pages, None, new, page, offset)
     vals = jnp.moveaxis(new, 3, 1).astype(pages.dtype)  # [L, K, B, T, H] (or [L, K, B, T])
     return pages.at[:, :, page, offset].set(vals, mode="drop")
 
@@ -227,6 +232,8 @@ def move_slot_arrays(page_table, src, dst, valid, *arrays) -> tuple:
     sp = jnp.minimum(sp, p - 1)
 
     def move(pages):  # [L, K, P, Z, H] pages or [L, K, P, Z] scales
+        if cpu_slot_write.applies(pages):
+            return cpu_slot_write.move(pages, sp, so, dp, do)
         vals = pages[:, :, sp, so]  # [L, K, B, T, H] or [L, K, B, T]
         return pages.at[:, :, dp, do].set(vals, mode="drop")
 
