@@ -8,7 +8,7 @@ compilation cache directory when that is on (`specjax.compile_cache`), else into
 temporary directory for this process; the library's name keys on the source, the
 headers beside it (`csrc/*.h`), compiler, jaxlib and CPU. Where it cannot be built, or
 with its environment switch set to `off`, XLA's own ops run instead (a warning, once).
-Users: `specjax.rows_matmul`, `specjax.cpu_attention`.
+Users: `specjax.rows_matmul`, `specjax.cpu_attention`, `specjax.cpu_slot_write`.
 """
 
 from __future__ import annotations
