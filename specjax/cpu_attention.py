@@ -1,4 +1,4 @@
-"""Paged attention of a few float32 queries per row on XLA:CPU through a small C++
+"""Paged attention of a few float32 (or bfloat16) queries per row on XLA:CPU through a small C++
 kernel (an XLA FFI handler, `specjax/csrc/paged_attention.cc`).
 
 The plain-jnp form (`reference_ragged_paged_attention`) gathers every page the table
@@ -26,6 +26,8 @@ ENV = "SPECJAX_CPU_ATTENTION"
 TARGET = "specjax_paged_attention"
 HEAD_MULTIPLE = 64  # head dims the kernel takes (its value pass works 64 columns at a time)
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+# queries it takes: bfloat16 ones (a bfloat16 model's) are widened, their output rounded
+QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "paged_attention.cc", ENV,
                                "CPU paged-attention kernel", "the jnp attention")
 
@@ -50,10 +52,10 @@ def _scaled_as_stored(pages: jax.Array, scales) -> bool:
 
 
 def applies(q: Queries, k_pages: jax.Array, scales) -> bool:
-    """The kernel takes this call: float32 queries, pages it `takes`, and `scales` exactly
-    where the pages are int8. (Which calls to offer it is `specjax.attention`'s choice:
-    decode and verify widths.)"""
-    return (q.dtype == jnp.float32 and _scaled_as_stored(k_pages, scales)
+    """The kernel takes this call: float32 or bfloat16 queries, pages it `takes`, and
+    `scales` exactly where the pages are int8. (Which calls to offer it is
+    `specjax.attention`'s choice: decode and verify widths.)"""
+    return (q.dtype in QUERY_DTYPES and _scaled_as_stored(k_pages, scales)
             and takes(q.shape[-1], k_pages.dtype))
 
 
@@ -76,8 +78,9 @@ def paged_attention(
 ) -> Queries:
     """`specjax.attention.paged_attention`'s contract (kv_lens counts the new tokens
     whether they are in the pages or in `new_kv`, which are float32 as the cache hands
-    them back), on one layer of stacked pages. Call it where `applies` holds (it
-    registers the kernel on first use)."""
+    them back), on one layer of stacked pages, in float32 (bfloat16 queries widened, the
+    output rounded to their dtype). Call it where `applies` holds (it registers the
+    kernel on first use)."""
     if not available():
         raise RuntimeError(f"specjax's CPU paged-attention kernel is unavailable ({ENV}=off "
                            "or no C++ compiler): call it only where `applies` holds")
@@ -100,9 +103,9 @@ def paged_attention(
         k_scales = v_scales = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-    return call(q, k_pages, v_pages, k_scales.astype(jnp.float32),
+    return call(q.astype(jnp.float32), k_pages, v_pages, k_scales.astype(jnp.float32),
                 v_scales.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()),
                 page_table.astype(jnp.int32), page_lens, start, q_lens.astype(jnp.int32),
                 mask, k_new, v_new, scale=np.float32(scale),
                 soft_cap=np.float32(soft_cap or 0.0),
-                window=int(sliding_window or 0))
+                window=int(sliding_window or 0)).astype(q.dtype)

@@ -97,11 +97,12 @@ def fuse_qkv(attn: dict) -> dict:
 
 def _cpu_decode_layout(config: ModelConfig, params: Any, layout: str) -> Any:
     """The layers stacked ("in_place") or unrolled ("unrolled"), with q/k/v fused
-    (`fuse_qkv`), and in float32 each dense weight whose shape the transposed-weight
-    kernel wins here stored transposed (`KERNEL_T`, [O, I]; `rows_matmul.transposed_wins`):
-    it reads each thread's outputs' weights as one contiguous stream, where the [I, O]
-    kernel reads short pieces of every weight row. The tied LM head then multiplies by
-    the embedding itself ([V, D]: no copy), else through it transposed to [D, V]
+    (`fuse_qkv`), and in float32 or bfloat16 each dense weight whose shape the
+    transposed-weight kernel wins here stored transposed (`KERNEL_T`, [O, I];
+    `rows_matmul.transposed_wins`): it reads each thread's outputs' weights as one
+    contiguous stream, where the [I, O] kernel reads short pieces of every weight row.
+    The tied LM head then multiplies by the embedding itself ([V, D]: no copy), else
+    through it transposed to [D, V]
     (`TIED_HEAD_T`): XLA:CPU runs the [V, D]-contracting matmul of 2-5 verify rows ~15x
     slower than the same matmul on a [D, V] array; one extra V x D copy."""
     out = unstack_layers(params) if layout == "unrolled" else dict(params)
@@ -115,7 +116,7 @@ def _cpu_decode_layout(config: ModelConfig, params: Any, layout: str) -> Any:
                for k, v in out.items()}
     if config.tie_word_embeddings and "embed_tokens" in out:
         table = out["embed_tokens"]["embedding"]  # [V, D]
-        if not (transposed and rows_matmul.transposed_wins(table.T.shape)):
+        if not (transposed and rows_matmul.transposed_wins(table.T.shape, table.dtype)):
             out = dict(out, **{TIED_HEAD_T: table.T})
     return out
 
@@ -128,7 +129,7 @@ def transposed_denses(tree: Any) -> Any:
         return tree
     kernel = tree.get("kernel")
     if (kernel is not None and kernel.ndim in (2, 3)
-            and rows_matmul.transposed_wins(kernel.shape[-2:])):
+            and rows_matmul.transposed_wins(kernel.shape[-2:], kernel.dtype)):
         return dict({k: v for k, v in tree.items() if k != "kernel"},
                     **{KERNEL_T: jnp.swapaxes(kernel, -1, -2)})
     return {k: transposed_denses(v) for k, v in tree.items()}
@@ -141,7 +142,7 @@ DECODE_LAYOUTS = ("in_place", "unrolled")
 
 def decode_params(config: ModelConfig, params: Any, layout: str = "auto") -> Any:
     """`params` in the layer layout to decode with. "auto": on CPU off-mesh, "in_place"
-    for float32 where `specjax.rows_matmul`'s kernels can be built (the layers stacked
+    for float32 and bfloat16 where `specjax.rows_matmul`'s kernels can be built (the layers stacked
     and scanned, each read in place by the kernels: one layer's program to compile),
     else "unrolled" (see `unstack_layers`); elsewhere the stored, scanned layout. "scan",
     "in_place" and "unrolled" force one (the last two not on a mesh). A new copy per
@@ -164,22 +165,25 @@ def _resolved_layout(params: Any, layout: str, config: ModelConfig) -> str:
     if layout == "auto":
         if jax.default_backend() != "cpu" or on_mesh:
             return "scan"
-        in_place = (_stores_transposed(config)
-                    and (rows_matmul.available_t() or rows_matmul.available()))
+        in_place = _stores_transposed(config) and (
+            rows_matmul.available_t()
+            or (config.dtype == "float32" and rows_matmul.available()))
         return "in_place" if in_place else "unrolled"
     return layout
 
 
 def _stores_transposed(config: ModelConfig) -> bool:
     """Whether the CPU decode layouts of a model of `config` store its dense weights
-    transposed where the transposed-weight kernel wins: float32, on CPU."""
-    return config.dtype == "float32" and jax.default_backend() == "cpu"
+    transposed where the transposed-weight kernel wins: float32 or bfloat16 (the
+    kernel's weights, `rows_matmul.WEIGHT_DTYPES_T`), on CPU."""
+    return (jnp.dtype(config.dtype) in rows_matmul.WEIGHT_DTYPES_T
+            and jax.default_backend() == "cpu")
 
 
 def transposes_denses(config: ModelConfig, params: Any, layout: str = "auto") -> bool:
     """Whether a model of `config` decoded in `layout` stores its dense weights transposed
     where the transposed-weight kernel wins (`_cpu_decode_layout`): a CPU decode layout,
-    float32, on CPU. Weights beside such a target (an EAGLE head's, a draft's trimmed LM
+    float32 or bfloat16, on CPU. Weights beside such a target (an EAGLE head's, a draft's trimmed LM
     head) are then laid out the same way."""
     return (_resolved_layout(params, layout, config) in DECODE_LAYOUTS
             and _stores_transposed(config))

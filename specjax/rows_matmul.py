@@ -56,6 +56,9 @@ KERNEL_T = cpu_kernels.FfiKernel(TARGET_T, cpu_kernels.CSRC / "rows_matmul_t.cc"
 # depend on how many rows share the call (a verify's token = a decode step's).
 RACE_ROWS, RACE_BYTES, RACE_ROUNDS = (1, 5, 17), 64 << 20, 5
 RACE_FORM = "unrolled"  # how `race_times` lays the copies out: part of a verdict's key
+# weights the transposed-weight kernel takes: bfloat16 ones are widened as they stream
+# (half the bytes; XLA:CPU's bfloat16 matmul converts the whole weight to float32 first)
+WEIGHT_DTYPES_T = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _log = logging.getLogger(__name__)
 _wins: dict[tuple[str, str], bool] = {}  # (kernel target, `_key`) -> whether it won
 _race_lock = threading.Lock()
@@ -93,15 +96,18 @@ def kernel_wins(shape: tuple[int, int]) -> bool:
     return _raced(shape, transposed=False)
 
 
-def transposed_wins(shape: tuple[int, int]) -> bool:
+def transposed_wins(shape: tuple[int, int], dtype="float32") -> bool:
     """Whether the transposed-weight kernel (`matmul_t` on the [O, I] copy of an [I, O]
-    weight of `shape`) beats what the [I, O] weight would otherwise get here (`rival`):
-    the CPU decode layout stores such weights transposed (`specjax.model.decode_params`).
-    Raced once per process, shape and rival (`race(transposed=True)`), False where that
-    kernel is not available, True with `SPECJAX_CPU_MATMUL=on`."""
-    if not available_t():
+    weight of `shape` and `dtype`) beats what the [I, O] weight would otherwise get here
+    (`rival`; for bfloat16 weights XLA's matmul): the CPU decode layout stores such
+    weights transposed (`specjax.model.decode_params`). Raced once per process, shape,
+    dtype and rival (`race(transposed=True)`), False where that kernel is not available
+    or does not take `dtype`, True with `SPECJAX_CPU_MATMUL=on`."""
+    dtype = jnp.dtype(dtype)
+    if not available_t() or dtype not in WEIGHT_DTYPES_T:
         return False
-    return _raced(shape, transposed=True, rival=rival(shape))
+    return _raced(shape, transposed=True,
+                  rival=rival(shape) if dtype == jnp.float32 else "xla", dtype=dtype)
 
 
 def rival(shape: tuple[int, int]) -> str:
@@ -111,25 +117,28 @@ def rival(shape: tuple[int, int]) -> str:
     return "kernel" if available() and kernel_wins(shape) else "xla"
 
 
-def _raced(shape: tuple[int, int], transposed: bool, rival: str = "xla") -> bool:
-    """`kernel_wins` / `transposed_wins` (against `rival`): the verdict kept from an
-    earlier race on this machine (`verdicts_file`), else a race now."""
+def _raced(shape: tuple[int, int], transposed: bool, rival: str = "xla",
+           dtype=jnp.float32) -> bool:
+    """`kernel_wins` / `transposed_wins` (against `rival`, on weights of `dtype`): the
+    verdict kept from an earlier race on this machine (`verdicts_file`), else a race
+    now."""
     if os.environ.get(ENV, "").strip().lower() in ON:
         return True
     kernel = KERNEL_T if transposed else KERNEL
-    name = _key(shape, rival if transposed else None)
+    name = _key(shape, rival if transposed else None, dtype)
     key = (kernel.target, name)
     with _race_lock:
         if key not in _wins:
             kept = verdicts_file(kernel)
             earlier = _read_verdicts(kept).get(name) if kept else None
-            _wins[key] = (_race_in_thread(shape, transposed, rival) if earlier is None
-                          else earlier)
+            _wins[key] = (_race_in_thread(shape, transposed, rival, dtype)
+                          if earlier is None else earlier)
             if kept and earlier is None:
                 _write_verdict(kept, name, _wins[key])
-            _log.info("few-row CPU matmul kernel%s on %s weights: %s%s",
+            _log.info("few-row CPU matmul kernel%s on %s %s weights: %s%s",
                       f" (transposed weights, against {RIVALS[rival][0]})" if transposed
-                      else "", shape, "faster, used" if _wins[key] else "slower, not used",
+                      else "", shape, jnp.dtype(dtype).name,
+                      "faster, used" if _wins[key] else "slower, not used",
                       "" if earlier is None else f" (raced earlier: {kept})")
         return _wins[key]
 
@@ -144,11 +153,14 @@ def verdicts_file(kernel: cpu_kernels.FfiKernel = KERNEL) -> Path | None:
     return lib.with_suffix(".race.json")
 
 
-def _key(shape: tuple[int, int], rival: str | None = None) -> str:
+def _key(shape: tuple[int, int], rival: str | None = None, dtype=jnp.float32) -> str:
     """A verdict's key: the shape and what the race timed, the rival included for the
-    transposed kernel's (a changed race races again)."""
+    transposed kernel's and the weights' dtype where not float32 (a changed race races
+    again)."""
+    dtype = jnp.dtype(dtype)
     return (f"{shape[0]}x{shape[1]} rows {','.join(map(str, RACE_ROWS))} bytes {RACE_BYTES}"
-            f" {RACE_FORM}" + ("" if rival is None else f" vs {rival}"))
+            f" {RACE_FORM}" + ("" if rival is None else f" vs {rival}")
+            + ("" if dtype == jnp.float32 else f" {dtype.name}"))
 
 
 def _read_verdicts(path: Path) -> dict[str, bool]:
@@ -177,25 +189,26 @@ def serving(config) -> str | None:
     """Which kernel a decode step of a model of `config` (a `ModelConfig`) multiplies
     through here, judged on its MLP's down projection ([intermediate, hidden], the most
     common shape of its weights): "transposed" (the decode layout stores the weights
-    [O, I]), "kernel" (the [I, O] kernel), or None (XLA's matmul: not float32, not on
-    CPU, or neither kernel won)."""
+    [O, I]; float32 or bfloat16), "kernel" (the [I, O] kernel; float32), or None (XLA's
+    matmul: another dtype, not on CPU, or neither kernel won)."""
     shape = (config.intermediate_size, config.hidden_size)
-    if config.dtype != "float32" or jax.default_backend() != "cpu":
+    if jnp.dtype(config.dtype) not in WEIGHT_DTYPES_T or jax.default_backend() != "cpu":
         return None
-    if transposed_wins(shape):
+    if transposed_wins(shape, config.dtype):
         return "transposed"
-    return "kernel" if available() and kernel_wins(shape) else None
+    return ("kernel" if config.dtype == "float32" and available() and kernel_wins(shape)
+            else None)
 
 
 def _race_in_thread(shape: tuple[int, int], transposed: bool = False,
-                    rival: str = "xla") -> bool:
+                    rival: str = "xla", dtype=jnp.float32) -> bool:
     """`race` in a thread of its own: `applies` runs while a program is traced, and jax
     would stage the race's calls into that program rather than run them."""
     out: list = []
 
     def run():
         try:
-            out.append(race(shape, transposed=transposed, rival=rival))
+            out.append(race(shape, transposed=transposed, rival=rival, dtype=dtype))
         except Exception as e:  # re-raised in the caller's thread, not lost with this one
             out.append(e)
 
@@ -209,18 +222,20 @@ def _race_in_thread(shape: tuple[int, int], transposed: bool = False,
 
 def race(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
          rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES, transposed: bool = False,
-         rival: str = "xla") -> bool:
+         rival: str = "xla", dtype=jnp.float32) -> bool:
     """Whether the kernel's products of each of `rows` rows with copies of a `shape`
     weight (at least `nbytes` in all) take less time in sum than XLA's (`race_times`);
     `transposed`: the transposed-weight kernel's, on the copies stored [O, I], against
-    `rival`'s on the [I, O] copies ("xla" or the [I, O] "kernel", `RIVALS`). False
-    where that kernel is not available."""
+    `rival`'s on the [I, O] copies ("xla" or the [I, O] "kernel", `RIVALS`), the
+    weights and rows of `dtype` (bfloat16: the transposed kernel's only). False where
+    that kernel is not available."""
     if not (available_t() if transposed else available()):
         return False
     if not transposed:
         return verdict(race_times(shape, rows, rounds, nbytes))
     forms = {"transposed": transposed_product, rival: RIVALS[rival][1]}
-    return verdict(race_times(shape, rows, rounds, nbytes, forms), "transposed", rival)
+    return verdict(race_times(shape, rows, rounds, nbytes, forms, dtype), "transposed",
+                   rival)
 
 
 def verdict(times: dict, ours: str = "kernel", theirs: str = "xla") -> bool:
@@ -231,26 +246,27 @@ def verdict(times: dict, ours: str = "kernel", theirs: str = "xla") -> bool:
 
 def race_times(shape: tuple[int, int], rows: tuple[int, ...] = RACE_ROWS,
                rounds: int = RACE_ROUNDS, nbytes: int = RACE_BYTES,
-               forms: dict | None = None) -> dict:
+               forms: dict | None = None, dtype=jnp.float32) -> dict:
     """{rows: {"kernel" | "xla": median seconds}} of products of that many rows with
     copies of a `shape` weight, one after another in one program (`race_program`), each
     copy its own buffer as a model's layers are (at least `nbytes` of weights, so both
     read them from memory): medians over `rounds` interleaved calls
     (`timing.interleaved_medians`). Seeded inputs; needs the kernel (`available`).
     forms: {name: product (x, w) -> x @ w} to time instead of the kernel and XLA's; a
-    `Transposed` form multiplies by the copies stored [O, I]."""
+    `Transposed` form multiplies by the copies stored [O, I]. dtype: the weights' and
+    the rows'."""
     forms = forms or {"kernel": _rows, "xla": jnp.matmul}
     rng = np.random.default_rng(0)
     # Separate buffers, one product each, unrolled: a loop over stacked copies
     # (`lax.map`) slices each weight into a new buffer first (XLA:CPU's dynamic slice is
     # a copy), so both forms read it from the last-level cache rather than from memory
-    ws = tuple(jnp.asarray(rng.standard_normal(shape, np.float32))
-               for _ in range(race_copies(shape, nbytes)))
+    ws = tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+               for _ in range(race_copies(shape, nbytes, dtype)))
     wts = (tuple(jnp.asarray(np.asarray(w).T) for w in ws)  # each its own [O, I] buffer
            if any(isinstance(form, Transposed) for form in forms.values()) else ())
     out = {}
     for r in rows:
-        x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32))
+        x = jnp.asarray(rng.standard_normal((r, shape[0]), np.float32), dtype)
         calls = {name: (race_program(form), (x, wts if isinstance(form, Transposed) else ws))
                  for name, form in forms.items()}
         out[r] = timing.interleaved_medians(calls, rounds)
@@ -275,9 +291,10 @@ def race_program(form):
     return jax.jit(lambda x, ws: jnp.stack([form(x, w) for w in ws]))
 
 
-def race_copies(shape: tuple[int, int], nbytes: int = RACE_BYTES) -> int:
-    """Copies of a float32 `shape` weight the race multiplies: at least `nbytes`, 1-64."""
-    return max(1, min(64, -(-nbytes // (4 * shape[0] * shape[1]))))
+def race_copies(shape: tuple[int, int], nbytes: int = RACE_BYTES, dtype=jnp.float32) -> int:
+    """Copies of a `shape` weight of `dtype` the race multiplies: at least `nbytes`, 1-64."""
+    size = jnp.dtype(dtype).itemsize * shape[0] * shape[1]
+    return max(1, min(64, -(-nbytes // size)))
 
 
 # How the kernel multiplies 2..FEW_ROWS rows (its `form` attribute, FEW_ROWS its
@@ -364,11 +381,11 @@ def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
 
 
 def _kernel_t(x: jax.Array, wt: jax.Array, layer=None) -> jax.Array:
-    """[R, I] @ wt [O, I]^T (or layer `layer` of wt [L, O, I]) by the transposed-weight
-    kernel."""
+    """[R, I] @ wt [O, I]^T (or layer `layer` of wt [L, O, I], float32 or bfloat16) by
+    the transposed-weight kernel, in float32 (bfloat16 rows widened)."""
     out = jax.ShapeDtypeStruct((x.shape[0], wt.shape[-2]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_T, out, vmap_method="sequential")(
-        x, wt, _layer_operand(layer))
+        x.astype(jnp.float32), wt, _layer_operand(layer))
 
 
 @jax.custom_jvp
@@ -393,14 +410,25 @@ def _xla_t(x: jax.Array, wt: jax.Array, preferred_element_type=None) -> jax.Arra
 def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
              max_rows: int = MAX_ROWS, layer=None) -> jax.Array:
     """x [..., I] @ wt [O, I]^T -> [..., O] for a weight the decode layout stores
-    transposed (`transposed_wins`): the transposed-weight kernel for float32 products of
-    at most `max_rows` rows, else XLA's (prefill's many rows, where its GEMM on either
-    layout is as fast). layer: wt is a stack [L, O, I] and the product is by its layer
-    `layer`, read in place by the kernel (XLA's product takes a slice: a copy)."""
+    transposed (`transposed_wins`): the transposed-weight kernel for products of at most
+    `max_rows` rows of float32 or bfloat16 operands (summed in float32, as XLA:CPU's
+    bfloat16 matmul does, and rounded to their dtype), else XLA's (prefill's many rows,
+    where its GEMM on either layout is as fast). layer: wt is a stack [L, O, I] and the
+    product is by its layer `layer`, read in place by the kernel (XLA's product takes a
+    slice: a copy)."""
     _check_stacked(wt, layer)
-    if _few_float32_rows(x, wt, max_rows) and available_t():
-        return _rows_t(x, wt, _layer_operand(layer))
+    if _few_rows_t(x, wt, max_rows) and available_t():
+        out = jnp.dtype(preferred_element_type or jnp.result_type(x, wt))
+        return _rows_t(x, wt, _layer_operand(layer)).astype(out)
     return _xla_t(x, layer_of(wt, layer), preferred_element_type)
+
+
+def _few_rows_t(x: jax.Array, wt: jax.Array, max_rows: int) -> bool:
+    """What the transposed-weight kernel takes: float32 or bfloat16 rows and weights
+    (`WEIGHT_DTYPES_T`), 1 to `max_rows` rows, the CPU backend."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    return (x.dtype in WEIGHT_DTYPES_T and wt.dtype in WEIGHT_DTYPES_T
+            and 1 <= rows <= max_rows and jax.default_backend() == "cpu")
 
 
 transposed_product = Transposed(_kernel_t)  # the race's form; needs `available_t`

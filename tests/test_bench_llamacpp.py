@@ -100,6 +100,14 @@ def test_first_difference_and_agreement():
     assert lc.context_size([[0] * 200, [0] * 10], 64, 4) == 512
 
 
+def test_dtype_picks_the_gguf_type_of_the_same_precision(capsys):
+    assert lc._parse([]).dtype == "float32"
+    assert lc.GGUF_TYPES[lc._parse(["--dtype", "bfloat16"]).dtype] == "BF16"
+    with pytest.raises(SystemExit) as e:
+        lc._parse(["--dtype", "float16"])
+    assert e.value.code == 2 and "--dtype" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # specjax.calibrate's priors run by default in tests/test_bench_suite.py
 def test_ngram_prior_measures_full_depth_acceptance():
     """The n-gram prior is its acceptance per depth drafting at full depth: a prompt that

@@ -224,7 +224,8 @@ def test_decode_and_verify_calls_take_the_kernel_and_others_the_jnp_forms(monkey
     assert _routes_to_kernel(q, kp, vp, new_kv=(c["k_new"], c["v_new"]))
     long = jnp.zeros((2, attention.BLOCKWISE_MIN_QUERIES, 6, 64), jnp.float32)
     assert not _routes_to_kernel(long, kp, vp)  # a prefill chunk: the blockwise form
-    assert not _routes_to_kernel(q.astype(jnp.bfloat16), kp, vp)
+    assert _routes_to_kernel(q.astype(jnp.bfloat16), kp, vp)  # a bfloat16 model's
+    assert not _routes_to_kernel(q.astype(jnp.float16), kp, vp)
     int8, scales = kv_quant.quantize(kp)
     assert _routes_to_kernel(q, int8, kv_quant.quantize(vp)[0], scales)
     assert _routes_to_kernel(q, kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16))
@@ -245,6 +246,22 @@ def test_the_routed_call_equals_the_jnp_form_on_a_sliced_layer():
     np.testing.assert_allclose(np.asarray(got)[_valid(c)],
                                np.asarray(_reference(c, 2, False, scale=0.125))[_valid(c)],
                                rtol=1e-5, atol=2e-6)
+
+
+def test_bfloat16_queries_are_attended_as_their_float32_values():
+    """A bfloat16 model's queries: widened (exactly), attended in float32 over bfloat16
+    pages, the output rounded to bfloat16; bit for bit the float32 queries' output
+    rounded."""
+    c = _case(7, t=3, tree=True)
+    kp, vp = (c[k].astype(jnp.bfloat16) for k in ("k_pages", "v_pages"))
+    q = c["q"].astype(jnp.bfloat16)
+    args = (kp, vp, c["page_table"], c["kv_lens"], c["q_lens"], c["mask"])
+    got = attention.paged_attention(q, *args, scale=0.125, layer=jnp.int32(1))
+    want = attention.paged_attention(q.astype(jnp.float32), *args, scale=0.125,
+                                     layer=jnp.int32(1))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got)[_valid(c)],
+                                  np.asarray(want.astype(jnp.bfloat16))[_valid(c)])
 
 
 def test_pages_it_does_not_take_raise_naming_their_dtype():

@@ -10,6 +10,7 @@ import random
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
@@ -126,6 +127,23 @@ def test_f32_round_trip_is_exact(tmp_path, case):
         not model.config.tie_word_embeddings)
 
 
+def test_bf16_holds_a_bfloat16_models_weights_exactly(tmp_path):
+    """A bfloat16 model written BF16 loads back with the same weights, bit for bit (its
+    norms F32, exactly its bfloat16 values)."""
+    model = tiny_model("llama")
+    model = specjax.Model(model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                     model.params), model.tokenizer)
+    back = specjax.load(gguf_write.save_gguf(model, tmp_path / "m.gguf", dtype="BF16"),
+                        dtype="bfloat16")
+    ours, theirs = params_to_hf(model.config, model.params), params_to_hf(back.config,
+                                                                          back.params)
+    for name, x in ours.items():
+        np.testing.assert_array_equal(np.asarray(theirs[name], np.float32),
+                                      np.asarray(x, np.float32), err_msg=name)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.attn_norm.weight"] == "F32"
+
+
 def test_f16_rounds_weights_and_keeps_norms(tmp_path):
     model = tiny_model("qwen2")
     back = specjax.load(gguf_write.save_gguf(model, tmp_path / "m.gguf", dtype="F16"))
@@ -190,7 +208,7 @@ def test_pre_tokenizer_names_invert_the_readers_table():
 
 def test_bad_dtype_and_unmappable_tokenizers_are_clear_errors(tmp_path):
     model = tiny_model()
-    with pytest.raises(ValueError, match="dtype='Q4_K' must be one of F32, F16, Q8_0"):
+    with pytest.raises(ValueError, match="dtype='Q4_K' must be one of F32, F16, BF16, Q8_0"):
         gguf_write.save_gguf(model, tmp_path / "m.gguf", dtype="Q4_K")
     odd = train_tokenizer()
     odd.pre_tokenizer = pre_tokenizers.Whitespace()

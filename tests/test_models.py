@@ -189,6 +189,38 @@ def test_decode_layouts_match_scanned(layout):
     assert decode_params(cfg, flat, "auto") is flat  # laid out already
 
 
+def test_bfloat16_models_decode_in_place_through_the_kernels():
+    """A bfloat16 model's CPU decode layout is the in-place one, its dense weights stored
+    transposed in bfloat16 (the transposed-weight kernel widens them as they stream) and
+    its attention through the CPU kernel, computing what the stored scan computes up to
+    bfloat16's rounding of the sums XLA orders otherwise."""
+    from specjax import cpu_attention, rows_matmul
+    from specjax.cache import PagedKVCache
+    from specjax.model import decode_params
+    from specjax.models.transformer import KERNEL_T, layout_of
+
+    cfg = specjax.config.tiny_llama(num_layers=3, hidden_size=128, num_heads=2,
+                                    num_kv_heads=1, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), specjax.init_params(cfg, 1))
+    dec = decode_params(cfg, params)
+    assert layout_of(dec) == "in_place"
+    assert dec["layers"]["mlp"]["down_proj"][KERNEL_T].dtype == jnp.bfloat16
+    cache = PagedKVCache.create(cfg, jnp.array([[2, 0], [1, 3]]), num_pages=4, page_size=8,
+                                lengths=jnp.array([3, 9]))
+    assert cache.k_pages.dtype == jnp.bfloat16
+    tokens = jax.random.randint(jax.random.key(0), (2, 2), 0, cfg.vocab_size)
+    positions = cache.lengths[:, None] + jnp.arange(2)[None]
+    step = jax.jit(specjax.step, static_argnums=0)
+    hlo = step.lower(cfg, dec, cache, tokens, positions).as_text()
+    assert rows_matmul.TARGET_T in hlo and cpu_attention.TARGET in hlo
+    (la, _, ca), (lb, _, cb) = (step(cfg, p, cache, tokens, positions) for p in (params, dec))
+    # |logits| and |keys| are below 1 here: a bfloat16 rounding step is under 0.008
+    np.testing.assert_allclose(np.asarray(la, np.float32), np.asarray(lb, np.float32),
+                               atol=0.01, rtol=0.01)
+    np.testing.assert_allclose(np.asarray(ca.k_pages, np.float32),
+                               np.asarray(cb.k_pages, np.float32), atol=0.01, rtol=0.01)
+
+
 def test_in_place_layout_compiles_one_layer():
     """The in-place layout scans its layers: a decode step's program holds one layer's
     kernel calls whatever the depth, and each takes the whole stack [L, O, I] and the
@@ -231,7 +263,7 @@ def test_tied_decode_layout_carries_the_head_each_kernel_reads(transposed, layou
     from specjax.model import decode_params
     from specjax.models.transformer import KERNEL_T, TIED_HEAD_T
 
-    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: transposed)
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, dtype=None: transposed)
     cfg = specjax.config.tiny_llama(num_layers=2, tie_word_embeddings=True)
     params = specjax.init_params(cfg, 2)
     dec = decode_params(cfg, params, layout)

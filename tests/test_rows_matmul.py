@@ -129,8 +129,32 @@ def test_transposed_kernel_rows_do_not_depend_on_the_rows_beside_them():
             np.testing.assert_array_equal(together, alone[:rows], err_msg=f"{out=} {rows=}")
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, rows_matmul.MAX_ROWS])
+@pytest.mark.parametrize("inner, out", [(37, 53), (64, 200), (21, 1603), (576, 259)])
+def test_bfloat16_weights_give_the_bits_of_their_float32_values(rows, inner, out):
+    """bfloat16 weights are widened as they stream: the product is, bit for bit, the
+    float32 kernel's on float32 weights holding the same values; bfloat16 rows are
+    widened too, and the result is rounded to bfloat16 (as XLA's bfloat16 matmul rounds
+    its float32 sums)."""
+    x, w = _data((rows, inner), (inner, out), seed=rows + inner)
+    wt = jnp.asarray(np.ascontiguousarray(w.T), jnp.bfloat16)
+    assert _calls_kernel_t(rows_matmul.matmul_t, x, wt)
+    y = np.asarray(jax.jit(rows_matmul.matmul_t)(x, wt))
+    assert y.dtype == np.float32
+    want = np.asarray(jax.jit(rows_matmul.matmul_t)(x, wt.astype(jnp.float32)))
+    np.testing.assert_array_equal(y, want)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    yb = jax.jit(rows_matmul.matmul_t)(xb, wt)
+    assert yb.dtype == jnp.bfloat16
+    exact = np.asarray(jax.jit(rows_matmul.matmul_t)(xb.astype(jnp.float32),
+                                                      wt.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(yb), exact.astype(jnp.bfloat16))
+    np.testing.assert_allclose(exact, np.asarray(xb, np.float64) @ np.asarray(wt, np.float64).T,
+                               rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),
-                                            ((2, 32), jnp.bfloat16)])
+                                            ((2, 32), jnp.float16)])
 def test_transposed_products_past_the_kernel_run_xlas(x_shape, dtype):
     x, w = _data(x_shape, (32, 48))
     x, wt = jnp.asarray(x, dtype), jnp.asarray(np.ascontiguousarray(w.T), dtype)
@@ -158,7 +182,7 @@ def test_transposed_kernel_gradients_equal_xlas_matmuls():
 
 
 @pytest.mark.parametrize("x_shape, dtype", [((rows_matmul.MAX_ROWS + 1, 32), jnp.float32),
-                                            ((2, 32), jnp.bfloat16)])
+                                            ((2, 32), jnp.float16)])
 def test_more_rows_or_other_dtypes_run_xlas_matmul(x_shape, dtype):
     x, w = _data(x_shape, (32, 48))
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
@@ -276,7 +300,7 @@ def test_the_kernel_takes_only_the_weight_shapes_it_wins_here(monkeypatch):
     shape for every row count or for none; a real race returns a verdict."""
     raced = []
 
-    def fake_race(shape, transposed=False, rival="xla"):
+    def fake_race(shape, transposed=False, rival="xla", dtype=jnp.float32):
         raced.append(shape)
         return shape[1] == 8  # the kernel "wins" on [12, 8] weights only
 
@@ -335,7 +359,7 @@ def test_verdicts_are_kept_beside_the_kernel_for_later_processes(monkeypatch, tm
                         path if kernel is rows_matmul.KERNEL else path_t)
     raced = []
 
-    def fake_race(shape, transposed=False, rival="xla"):
+    def fake_race(shape, transposed=False, rival="xla", dtype=jnp.float32):
         raced.append((shape, transposed))
         return shape == ((12, 24) if transposed else (12, 8))
 
@@ -376,7 +400,7 @@ def test_the_transposed_kernel_races_what_the_weight_would_otherwise_get(monkeyp
     takes the same lock); each rival its own verdict."""
     raced = []
 
-    def fake_race(shape, transposed=False, rival="xla"):
+    def fake_race(shape, transposed=False, rival="xla", dtype=jnp.float32):
         raced.append((shape, transposed, rival))
         if not transposed:
             return shape == (12, 8)  # the [I, O] kernel beats XLA on [12, 8] only
@@ -461,7 +485,7 @@ def test_an_eagle3_head_for_decoding_stores_its_weights_as_the_target_does(monke
     from specjax.models.transformer import FUSED_QKV, KERNEL_T
     from specjax.speculators.eagle import Eagle
 
-    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: wins)
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, dtype=None: wins)
     config = tiny_llama(vocab_size=128)
     target = Model(config, init_params(config, 0))
     spec = Eagle.random(target, version=3, seed=1, draft_vocab_size=32)
@@ -507,7 +531,7 @@ def test_a_trimmed_draft_head_for_decoding_is_transposed_where_that_kernel_wins(
     from specjax.model import Model
     from specjax.speculators import DraftModel
 
-    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: wins)
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, dtype=None: wins)
     config = tiny_llama(vocab_size=128)
     spec = DraftModel.create(Model(config, init_params(config, 2)), k=2,
                              vocab=np.arange(0, 128, 3))
@@ -526,14 +550,17 @@ def test_a_trimmed_draft_head_for_decoding_is_transposed_where_that_kernel_wins(
 def test_a_float32_model_is_served_by_the_kernel_that_won(monkeypatch):
     """`serving` (which verify-cost table prices a step) names the kernel the down
     projection's shape goes to: the transposed-weight one where it won, else the [I, O]
-    one where that won, else none; in float32 only."""
+    one where that won, else none; a bfloat16 model's only the transposed one (the
+    [I, O] kernel is float32 only); a float16 model's none."""
     config = tiny_llama()
     for t, k, want in ((True, False, "transposed"), (True, True, "transposed"),
                        (False, True, "kernel"), (False, False, None)):
-        monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, t=t: t)
+        monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, dtype=None, t=t: t)
         monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape, k=k: k)
         assert rows_matmul.serving(config) == want
-        assert rows_matmul.serving(config.replace(dtype="bfloat16")) is None
+        assert rows_matmul.serving(config.replace(dtype="bfloat16")) == (
+            "transposed" if t else None)
+        assert rows_matmul.serving(config.replace(dtype="float16")) is None
 
 
 def test_a_kernel_s_first_build_starts_the_other_kernels_builds_beside_it(monkeypatch,

@@ -55,6 +55,25 @@ def test_target_as_its_own_draft_accepts_everything(tiny_target):
     assert out.stats.draft_calls == 4 * out.stats.target_calls
 
 
+@pytest.mark.parametrize("kv_commit", ["write-kept", "compact"])
+def test_a_bfloat16_target_drafting_for_itself_emits_plain_decodings_tokens(kv_commit):
+    """A bfloat16 model decodes in the in-place layout through the CPU kernels (bfloat16
+    weights widened as they stream, bfloat16 queries and pages); speculation over it,
+    both commit paths, emits plain decoding's tokens."""
+    from specjax.models.transformer import layout_of
+
+    cfg = tiny_llama(vocab_size=128, hidden_size=128, num_heads=2, dtype="bfloat16")
+    model = specjax.init_model(cfg, seed=3)
+    model = specjax.Model(cfg, jax.tree.map(lambda x: x.astype("bfloat16"), model.params))
+    assert layout_of(model.decode_params()) == "in_place"
+    plain = specjax.generate(model, PROMPTS, max_new_tokens=24, ignore_eos=True)
+    out = specjax.generate(model, PROMPTS, max_new_tokens=24, ignore_eos=True,
+                           speculator=DraftModel.create(model, k=4), adaptive=False,
+                           kv_commit=kv_commit)
+    assert out.tokens == plain.tokens
+    assert out.stats.accepted > out.stats.target_calls  # verifies took drafts
+
+
 def test_ngram_on_repetitive_input_accepts_long_runs(tiny_target):
     # The tiny model falls into a loop on this prompt; n-gram then drafts from the loop.
     prompt = [10] * 20
@@ -1141,11 +1160,13 @@ def test_the_default_verify_cost_follows_the_matmuls_the_model_runs(tiny_target,
     assert len({id(VERIFY_COST[k]) for k in ("cpu", "cpu-rows", "cpu-xla")}) == 3
     assert default_verify_cost() is VERIFY_COST["cpu"]
     assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the tests take the kernels
-    assert default_verify_cost(dataclasses.replace(cfg, dtype="bfloat16")) is VERIFY_COST[
+    # bfloat16 weights stream through the transposed kernel too; float16 ones through XLA's
+    assert default_verify_cost(dataclasses.replace(cfg, dtype="bfloat16")) is VERIFY_COST["cpu"]
+    assert default_verify_cost(dataclasses.replace(cfg, dtype="float16")) is VERIFY_COST[
         "cpu-xla"]
     monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: False)
     assert default_verify_cost(cfg) is VERIFY_COST["cpu"]  # the transposed kernel still wins
-    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape: False)
+    monkeypatch.setattr(rows_matmul, "transposed_wins", lambda shape, dtype=None: False)
     assert default_verify_cost(cfg) is VERIFY_COST["cpu-xla"]
     monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: True)
     assert default_verify_cost(cfg) is VERIFY_COST["cpu-rows"]

@@ -2,10 +2,11 @@
 
   python -m specjax.bench.llamacpp [--target CKPT] [--draft CKPT] [--prompts 4]
       [--new 64] [--repeats 3] [--k 4] [--calibrate 4] [--transformers] [--threads 2]
-      [--json FILE]
+      [--dtype float32] [--json FILE]
 
-The target (and draft) are written as F32 GGUF files with `specjax.save_gguf`, so llama.cpp
-runs exactly the weights specjax runs. Methods: `plain` (llama.cpp's decoding), `prompt_lookup`
+The target (and draft) are loaded in `--dtype` and written as GGUF files of that precision
+(F32, or BF16 for bfloat16) with `specjax.save_gguf`, so llama.cpp runs exactly the weights
+specjax runs. Methods: `plain` (llama.cpp's decoding), `prompt_lookup`
 (llama-cpp-python's `LlamaPromptLookupDecoding(num_pred_tokens=k)` as `Llama(draft_model=)`)
 and `draft`: a second `Llama` on the draft's GGUF that greedily drafts k tokens per step behind
 llama-cpp-python's `LlamaDraftModel` interface (`GreedyLlamaDraft`). llama-cpp-python exposes
@@ -268,14 +269,21 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 # --- CLI: llama.cpp vs specjax on HumanEval prompts --------------------------------------------
 
 
+# --dtype -> the GGUF type llama.cpp runs the same weights as
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
 def _parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m specjax.bench.llamacpp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="anything specjax.load reads (default: "
                     "the packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="a draft checkpoint: also time `draft`")
-    ap.add_argument("--workdir", default=None, help="where the F32 GGUF files go (default: a "
+    ap.add_argument("--workdir", default=None, help="where the GGUF files go (default: a "
                     "temporary directory)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
+                    help="the weights and compute of specjax's model (and transformers'), "
+                    "written for llama.cpp as the GGUF type of the same precision")
     ap.add_argument("--prompts", type=int, default=4, help="HumanEval prompts")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
@@ -303,8 +311,9 @@ def main(argv=None) -> int:
     if args.target is None:
         from specjax.checkpoint.packaged import smollm2
         args.target = str(smollm2())
-    target = specjax.load(args.target, dtype="float32")
-    draft = specjax.load(args.draft, dtype="float32") if args.draft else None
+    target = specjax.load(args.target, dtype=args.dtype)
+    draft = specjax.load(args.draft, dtype=args.dtype) if args.draft else None
+    gguf_type = GGUF_TYPES[args.dtype]
     if args.calibrate < 0:
         raise SystemExit(f"--calibrate={args.calibrate} must be >= 0")
     pool = [p.ids for p in build_prompts("humaneval", (), target.tokenizer,
@@ -313,8 +322,9 @@ def main(argv=None) -> int:
     prompts, calibration = pool[:args.prompts], pool[args.prompts:]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
-        path = specjax.save_gguf(target, work / "target-f32.gguf")
-        draft_path = specjax.save_gguf(draft, work / "draft-f32.gguf") if draft else None
+        path = specjax.save_gguf(target, work / f"target-{gguf_type}.gguf", dtype=gguf_type)
+        draft_path = (specjax.save_gguf(draft, work / f"draft-{gguf_type}.gguf", dtype=gguf_type)
+                      if draft else None)
         n_ctx = context_size(prompts, args.new, args.k)
         runners = {m: Runner(path, m, k=args.k, draft=draft_path, n_ctx=n_ctx,
                              threads=args.threads, seed=args.seed)
@@ -322,6 +332,7 @@ def main(argv=None) -> int:
         result = _compare(target, runners, prompts, args, calibration)
     print(f"{len(prompts)} HumanEval prompts ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens), {args.new} new tokens, batch 1, greedy, "
+          f"{args.dtype} weights (llama.cpp: {gguf_type} GGUF), "
           f"median of {args.repeats} interleaved rounds, {args.threads} llama.cpp threads")
     for name, r in result["methods"].items():
         print(f"  {name:<24} {statistics.median(r['ms_per_token']):7.2f} ms/token "

@@ -121,14 +121,15 @@ def run_specjax(target, prompts, new, speculators: dict, repeats: int,
 
 def load_hf(model: specjax.Model):
     """`model`'s weights in transformers' class for its architecture (`LlamaForCausalLM`,
-    `Qwen3ForCausalLM`, ...; float32), exported with `specjax.save_hf`; it generates
-    exactly `max_new_tokens` (no stop at EOS, as specjax's `ignore_eos=True`)."""
+    `Qwen3ForCausalLM`, ...; in the model's dtype), exported with `specjax.save_hf`; it
+    generates exactly `max_new_tokens` (no stop at EOS, as specjax's `ignore_eos=True`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         specjax.save_hf(model, tmp)
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=getattr(torch, model.config.dtype)).eval()
     hf.generation_config.eos_token_id = None
     return hf
 

@@ -24,7 +24,7 @@ from specjax.model import Model
 
 __all__ = ["DTYPES", "save_gguf", "gguf_architecture", "pre_tokenizer_name"]
 
-DTYPES = ("F32", "F16", "Q8_0")
+DTYPES = ("F32", "F16", "BF16", "Q8_0")
 # specjax model_type -> general.architecture (llama.cpp's converter writes Mistral as llama).
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TO_GGUF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
@@ -57,8 +57,8 @@ def gguf_architecture(config: ModelConfig) -> str:
 
 
 def save_gguf(model: Model, path: str | os.PathLike, *, dtype: str = "F32") -> Path:
-    """Writes `model` to the GGUF file `path` (2-D weights as `dtype`: "F32", "F16" or "Q8_0";
-    norms and biases F32) with its tokenizer and chat template; returns the path.
+    """Writes `model` to the GGUF file `path` (2-D weights as `dtype`: "F32", "F16", "BF16"
+    or "Q8_0"; norms and biases F32) with its tokenizer and chat template; returns the path.
 
     Q8_0 quantizes with `gguf.quants.quantize`; a weight whose rows are not a whole number of
     32-wide blocks is written F16, as llama.cpp's converter does."""
@@ -72,6 +72,7 @@ def save_gguf(model: Model, path: str | os.PathLike, *, dtype: str = "F32") -> P
     arch = gguf_architecture(config)
     qtype = gguf.GGMLQuantizationType[dtype]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                 "BF16": gguf.LlamaFileType.MOSTLY_BF16,
                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
     # the tokenizer is checked before anything is written

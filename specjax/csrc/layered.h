@@ -13,16 +13,19 @@
 
 namespace specjax {
 
-struct Matrix {
-  const float* data;  // the layer's [a, b] matrix
+// The layer's matrix [a, b] of elements T.
+template <typename T>
+struct MatrixOf {
+  const T* data;
   int64_t a, b;
 };
+using Matrix = MatrixOf<float>;
 
-// The layer's matrix of w ([A, B], or [L, A, B] with 0 <= layer < L); an error naming
-// what is wrong otherwise.
-inline xla::ffi::Error layer_matrix(xla::ffi::Buffer<xla::ffi::F32> w,
-                                    xla::ffi::Buffer<xla::ffi::S32> layer, Matrix* m) {
-  const auto d = w.dimensions();
+// The layer's matrix of a weight of dimensions `d` ([A, B], or [L, A, B] with
+// 0 <= layer < L) whose elements start at `base`; an error naming what is wrong otherwise.
+template <typename T, typename Dims>
+xla::ffi::Error layer_matrix(const Dims& d, const T* base,
+                             xla::ffi::Buffer<xla::ffi::S32> layer, MatrixOf<T>* m) {
   if (d.size() != 2 && d.size() != 3)
     return xla::ffi::Error::InvalidArgument("the weight must be [A, B] or [L, A, B]");
   if (layer.element_count() != 1)
@@ -32,8 +35,14 @@ inline xla::ffi::Error layer_matrix(xla::ffi::Buffer<xla::ffi::F32> w,
   if (l < 0 || l >= stack) return xla::ffi::Error::InvalidArgument("layer out of range");
   m->a = d[d.size() - 2];
   m->b = d[d.size() - 1];
-  m->data = w.typed_data() + l * m->a * m->b;
+  m->data = base + l * m->a * m->b;
   return xla::ffi::Error::Success();
+}
+
+// The same for a float32 weight buffer.
+inline xla::ffi::Error layer_matrix(xla::ffi::Buffer<xla::ffi::F32> w,
+                                    xla::ffi::Buffer<xla::ffi::S32> layer, Matrix* m) {
+  return layer_matrix(w.dimensions(), w.typed_data(), layer, m);
 }
 
 }  // namespace specjax

@@ -44,8 +44,6 @@ namespace {
 
 using specjax::kLanes, specjax::load, specjax::store, specjax::vf,
     specjax::vi;  // vectors.h
-typedef uint16_t vh __attribute__((vector_size(2 * kLanes), aligned(2), may_alias));
-typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 constexpr int kMinQueryBlock = 8;  // the fewest queries a work item split off a head takes
 constexpr int kFetchAheadQueries = 8;  // the most queries an item fetches keys ahead for
 constexpr int64_t kCacheLine = 64;  // bytes a prefetch brings in (x86-64)
@@ -142,13 +140,8 @@ inline const float* slot_row(const Args& a, const void* pages, const float* fres
 // one product `kv_quant.dequantize` takes (no fused multiply-add: -std=c++17 keeps
 // -ffp-contract off).
 inline vf widen(const int8_t* p, float scale) { return specjax::widen_int8(p) * scale; }
-// kLanes bfloat16 entries as float32 (exact: the 16 bits above 16 zero bits).
-inline vf widen(const uint16_t* p, float) {
-  const vu bits = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
-  vf x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
+// kLanes bfloat16 entries as float32 (exact).
+inline vf widen(const uint16_t* p, float) { return specjax::widen_bf16(p); }
 
 // dst[(s - s0) * H ...] = slots [s0, s1) of row b, KV head kh (all in the pages),
 // widened from pages of E (int8 with `scales`, or bfloat16) to float32.

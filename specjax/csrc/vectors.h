@@ -15,6 +15,7 @@
 #define SPECJAX_CSRC_VECTORS_H_
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
@@ -75,6 +76,24 @@ inline vf widen_int8(const int8_t* p) {
   for (int64_t i = 0; i < kLanes; ++i) x[i] = p[i];
   return x;
 #endif
+}
+
+// kLanes bfloat16 values (their bits) as float32: exact, the 16 bits above 16 zero bits.
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+inline vf widen_bf16(const uint16_t* p) {
+  const vu bits = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
+  vf x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// One bfloat16 value (its bits) as float32.
+inline float widen_bf16(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
 }
 
 }  // namespace specjax

@@ -132,7 +132,7 @@ class DraftModel(Speculator):
         head = self.vocab_head
         if (head is None or self.vocab_head_t
                 or not transposes_denses(self.config, self.params, layout)
-                or not rows_matmul.transposed_wins(head.shape)):
+                or not rows_matmul.transposed_wins(head.shape, head.dtype)):
             return out
         return out.replace(vocab_head=jax.jit(jnp.transpose)(head), vocab_head_t=True)
 
