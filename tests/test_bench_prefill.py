@@ -68,6 +68,7 @@ def test_beside_llama_cpp(tmp_path):
     (["--tokens", "a,b"], "comma-separated integers"),
     (["--repeats", "0"], "--repeats=0 must be >= 1"),
     (["--batch", "0"], "--batch=0 must be >= 1"),
+    (["--dtype", "float16"], "--dtype: invalid choice: 'float16'"),
 ])
 def test_bad_flags_name_themselves(argv, message, capsys):
     with pytest.raises(SystemExit):

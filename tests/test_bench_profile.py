@@ -148,7 +148,7 @@ def test_breakdown_sums_per_step_and_leaves_out_containers():
 @pytest.mark.parametrize("args", [["--batch", "0"], ["--new", "1"], ["--speculator", "x"],
                                   ["--repeats", "0"], ["--llamacpp", "x.gguf", "--batch", "2"],
                                   ["--top", "-1"], ["--temperature", "-1"],
-                                  ["--speculator", "eagle"]])
+                                  ["--speculator", "eagle"], ["--dtype", "float16"]])
 def test_bad_arguments_exit_with_a_message(args, capsys):
     with pytest.raises(SystemExit) as e:
         profile.main(args)

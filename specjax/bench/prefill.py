@@ -5,13 +5,15 @@ specjax: `generate(..., max_new_tokens=1).stats.ttft_s`, the prefill program alo
 (compiled in a warm-up call first), over `--batch` copies of the prompt; with `--ngram`
 also the prefill of a speculative call (`NGram(k=4)`, `adaptive=False`), which carries
 the speculator's state through the prompt. llama.cpp (with `--llamacpp`): llama-cpp-python's
-`Llama.eval(prompt)` from an empty KV cache, on an F32 GGUF of the same weights (`write`:
-one written with `specjax.save_gguf` into a temporary directory), `--threads` threads and
+`Llama.eval(prompt)` from an empty KV cache, on a GGUF of the same weights (`write`: one
+written with `specjax.save_gguf` into a temporary directory, F32, or BF16 with `--dtype
+bfloat16`), `--threads` threads and
 a batch of 512 tokens. Interleaved rounds (`timing.side_by_side`), medians. Prompts: the
 first N tokens of the standard library's `argparse.py` (`bench.prompts.source_ids`).
 
   python -m specjax.bench.prefill [--target CKPT] [--tokens 128,512,2048] [--repeats 3]
-      [--batch 1] [--ngram] [--llamacpp GGUF|write] [--threads 2] [--json FILE]
+      [--batch 1] [--ngram] [--llamacpp GGUF|write] [--threads 2] [--dtype float32]
+      [--json FILE]
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--llamacpp", default=None, metavar="GGUF|write",
                     help="also time llama.cpp on this F32 GGUF of the same weights")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the target's weights and compute")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)
     at_least_one(ap, args, ("repeats", "threads", "batch"))
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     from specjax.speculators.ngram import NGram
 
     args = _parse(argv)
-    model = load_target(args.target)
+    model = load_target(args.target, args.dtype)
     limit = model.config.max_position_embeddings
     if max(args.tokens) + 1 > limit:
         raise SystemExit(f"--tokens: {max(args.tokens)} tokens and one new one exceed the "
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
         if args.llamacpp is not None:
             from specjax.bench import llamacpp as lc
 
-            gguf = (specjax.save_gguf(model, Path(tmp) / "target-f32.gguf")
+            kind = {"float32": "F32", "bfloat16": "BF16"}[args.dtype]
+            gguf = (specjax.save_gguf(model, Path(tmp) / f"target-{kind}.gguf", dtype=kind)
                     if args.llamacpp == "write" else Path(args.llamacpp))
             llm = lc.open_llama(gguf, n_ctx=lc.context_size(list(prompts.values()), new=1),
                                 threads=args.threads, n_batch=512, seed=0)

@@ -232,7 +232,9 @@ def markdown(result: dict, config, batch: int) -> str:
     """The per-part table: ms per step, share of the op time and, for matmuls, GB/s (a
     speculative step's phases only where the loop has them)."""
     total = sum(result["ms"].values())
-    wb = weight_bytes(config)
+    import jax.numpy as jnp
+
+    wb = weight_bytes(config, jnp.dtype(config.dtype).itemsize)  # the weights as stored
     lines = ["| part | ms / step | share | weights read, GB/s |", "|---|---:|---:|---:|"]
     for p in PARTS:
         ms = result["ms"][p]
@@ -251,6 +253,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None,
                     help="checkpoint (anything specjax.load reads; default: packaged SmolLM2)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the target's weights and compute (with --llamacpp, a GGUF of the "
+                    "same precision: `specjax.save_gguf(..., dtype=\"BF16\")`)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new", type=int, default=64, help="new tokens per row")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -306,7 +311,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_compilation_cache", False)  # a cache hit dumps nothing
     from specjax.bench.target import load_target
 
-    model = load_target(args.target or paths.get("target"))
+    model = load_target(args.target or paths.get("target"), args.dtype)
     prompts = [p.ids for p in build_prompts("humaneval", [], model.tokenizer,
                                             max(args.batch, 4), args.prompt_tokens, 0)]
     spec = None
