@@ -106,12 +106,13 @@ _builders = concurrent.futures.ThreadPoolExecutor(max(os.cpu_count() or 1, 1),
 
 def build_with_the_others(kernel: FfiKernel, compiler: str) -> Path:
     """`build(kernel.source, compiler)`, started together with the builds of every other
-    kernel that is on and not yet tried: the compiler runs on one core per source and a
-    first decode call needs all of them (its matmuls and its attention), so it waits
-    for the slowest builds rather than for their sum. Each other build's result waits
+    kernel that is on, not yet tried and built `with_others`: the compiler runs on one
+    core per source and a first decode call needs all of them (its matmuls and its
+    attention), so it waits for the slowest builds rather than for their sum. Each other build's result waits
     for that kernel's first `available()`."""
     with _builds_lock:
-        others = [k for k in KERNELS if k is not kernel and k.is_on() and not k.tried()]
+        others = [k for k in KERNELS if k is not kernel and k.is_on() and not k.tried()
+                  and k.with_others]
         for k in [kernel, *others]:
             if (k.source, compiler) not in _builds:
                 _builds[k.source, compiler] = _builders.submit(build, k.source, compiler)
@@ -121,11 +122,15 @@ def build_with_the_others(kernel: FfiKernel, compiler: str) -> Path:
 
 class FfiKernel:
     """One kernel: `target` is both its FFI handler's symbol in `source` and the name
-    XLA:CPU knows it by; `env` set to `off` (or 0, false, none) turns it off."""
+    XLA:CPU knows it by; `env` set to `off` (or 0, false, none) turns it off.
+    with_others: its build starts beside another kernel's first build (every decode call
+    needs it); False: only at its own first use (only some models need it)."""
 
-    def __init__(self, target: str, source: Path, env: str, what: str, fallback: str):
+    def __init__(self, target: str, source: Path, env: str, what: str, fallback: str,
+                 with_others: bool = True):
         self.target, self.source, self.env = target, source, env
         self.what, self.fallback = what, fallback
+        self.with_others = with_others
         self._lock = threading.Lock()
         # "ok": bool once tried; "lib": the library (kept referenced); "path": its file
         self._state: dict = {}

@@ -21,8 +21,9 @@ from specjax.typing import SlotIndex
 
 ENV = "SPECJAX_CPU_SLOT_WRITE"
 TARGET = "specjax_write_slots"
+# built at its first use only: float32 and int8 caches never write through it
 KERNEL = cpu_kernels.FfiKernel(TARGET, cpu_kernels.CSRC / "slot_write.cc", ENV,
-                               "CPU KV-slot write kernel", "XLA's scatter")
+                               "CPU KV-slot write kernel", "XLA's scatter", with_others=False)
 # the page dtypes XLA:CPU writes through float32 (and the kernel writes as they are)
 NORMALIZED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -566,9 +566,10 @@ def test_a_float32_model_is_served_by_the_kernel_that_won(monkeypatch):
 def test_a_kernel_s_first_build_starts_the_other_kernels_builds_beside_it(monkeypatch,
                                                                           tmp_path):
     """`build_with_the_others`: the first kernel asked for starts every other kernel's
-    build that is on and not yet tried, and they run at once (each fake build returns
-    only once two run together); a kernel turned off is not built, and another
-    kernel's first call collects the build already started for it."""
+    build that is on, not yet tried and built with the others, and they run at once
+    (each fake build returns only once two run together); a kernel turned off or built
+    at its own first use only is not built, and another kernel's first call collects the
+    build already started for it."""
     import threading
 
     monkeypatch.setattr(cpu_kernels, "KERNELS", [])
@@ -583,7 +584,8 @@ def test_a_kernel_s_first_build_starts_the_other_kernels_builds_beside_it(monkey
 
     monkeypatch.setattr(cpu_kernels, "build", fake_build)
     kernels = [cpu_kernels.FfiKernel(f"k{i}", tmp_path / f"k{i}.cc", f"SPECJAX_TEST_K{i}",
-                                     "a test kernel", "XLA") for i in range(3)]
+                                     "a test kernel", "XLA", with_others=i != 3)
+               for i in range(4)]
     monkeypatch.setenv("SPECJAX_TEST_K2", "off")
     kernels[0]._state["ok"] = False  # tried, as `available` marks it before building
     assert cpu_kernels.build_with_the_others(kernels[0], "c++") == tmp_path / "k0.so"
