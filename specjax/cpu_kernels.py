@@ -108,8 +108,8 @@ def build_with_the_others(kernel: FfiKernel, compiler: str) -> Path:
     """`build(kernel.source, compiler)`, started together with the builds of every other
     kernel that is on, not yet tried and built `with_others`: the compiler runs on one
     core per source and a first decode call needs all of them (its matmuls and its
-    attention), so it waits for the slowest builds rather than for their sum. Each other build's result waits
-    for that kernel's first `available()`."""
+    attention), so it waits for the slowest builds rather than for their sum. Each other
+    build's result waits for that kernel's first `available()`."""
     with _builds_lock:
         others = [k for k in KERNELS if k is not kernel and k.is_on() and not k.tried()
                   and k.with_others]
