@@ -221,6 +221,27 @@ def test_bfloat16_models_decode_in_place_through_the_kernels():
                                np.asarray(cb.k_pages, np.float32), atol=0.01, rtol=0.01)
 
 
+@pytest.mark.parametrize("table_dtype", ["bfloat16", "float16", "float32"])
+def test_embedding_rows_are_nn_embeds_and_a_2_byte_table_is_not_widened(table_dtype):
+    """`take_rows` gives `nn.Embed`'s rows bit for bit, and over a bfloat16 or float16
+    table its compiled gather converts no [V, D] table to float32 (XLA:CPU's gather of
+    2-byte floats would, at every call)."""
+    import flax.linen as nn
+
+    from specjax.models.transformer import take_rows
+
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((300, 64)), table_dtype)
+    ids = jnp.asarray([[0, 7, 299], [5, 5, 1]], jnp.int32)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        want = nn.Embed(300, 64, dtype=dtype).apply({"params": {"embedding": table}}, ids)
+        got = take_rows(table, ids, dtype)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    hlo = jax.jit(lambda t, i: take_rows(t, i, jnp.float32)).lower(table, ids).compile().as_text()
+    assert ("f32[300,64]" in hlo) == (table_dtype == "float32")
+
+
 def test_in_place_layout_compiles_one_layer():
     """The in-place layout scans its layers: a decode step's program holds one layer's
     kernel calls whatever the depth, and each takes the whole stack [L, O, I] and the

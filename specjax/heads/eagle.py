@@ -54,6 +54,7 @@ from specjax.models.transformer import (
     dense_layer,
     is_decode_layout,
     step_context,
+    take_rows,
 )
 from specjax.sharding.per_shard import MESH_OPS
 
@@ -255,7 +256,7 @@ def embed_tokens(target_config: ModelConfig, params, target_params, tokens):
     else the target's (frozen)."""
     if OWN_EMBEDDING in params:
         table = params[OWN_EMBEDDING]["embedding"]
-        return jnp.take(table, tokens, axis=0).astype(jnp.dtype(target_config.dtype))
+        return take_rows(table, tokens, jnp.dtype(target_config.dtype))
     return module_for(target_config).apply({"params": target_params}, tokens,
                                            method=Transformer.embed)
 

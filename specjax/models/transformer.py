@@ -90,6 +90,17 @@ class StepContext:
     seen: tuple = ()
 
 
+def take_rows(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """table[ids] (rows of an embedding table [V, D]) in `dtype`, as `nn.Embed` gives
+    them. A bfloat16 or float16 table's rows are gathered as their bits: XLA:CPU's float
+    normalization runs a 2-byte float gather in float32, converting the whole table at
+    every call to fetch a few rows."""
+    if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
+        bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+        return jax.lax.bitcast_convert_type(bits, table.dtype).astype(dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
 def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
                  mask: jax.Array | None, cache: PagedKVCache | None,
                  backend: str | None = None, ops: CacheOps = SINGLE_DEVICE,
@@ -337,7 +348,7 @@ class Transformer(nn.Module):
                                        rows_kernel=self.rows_kernel)
 
     def embed(self, tokens):
-        return self.embed_tokens(tokens)
+        return take_rows(self.embed_tokens.embedding, tokens, jnp.dtype(self.config.dtype))
 
     def logits(self, h):
         """Final-normed hidden [..., D] -> float32 logits [..., V]."""
