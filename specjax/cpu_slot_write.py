@@ -57,16 +57,12 @@ def write(
 ) -> jax.Array:
     """`pages` with `new` written at (page, offset) of `layer` (or of every layer), as
     `pages.at[layer, :, page, offset].set(new, mode="drop")` writes them."""
-    lead = 0 if layer is not None else 1  # new's layer axis, if it has one
-    b, t, k = new.shape[lead:lead + 3]
-    rows = new.astype(pages.dtype).reshape(new.shape[:lead] + (b * t, k) + new.shape[lead + 3:])
-    rows = jnp.moveaxis(rows, lead + 1, lead)  # [(L,) K, B*T, H...]
-    if layer is None:
-        layer = 0
-    else:
-        rows = rows[None]
+    stacked = new if layer is None else new[None]  # [Lw, B, T, K(, H)]
+    lw, b, t = stacked.shape[:3]
+    rows = jnp.moveaxis(stacked.reshape(lw, b * t, *stacked.shape[3:]), 1, 2)  # [Lw, K, B*T(, H)]
     none = jnp.zeros((0,), jnp.int32)
-    return _call(pages, rows, layer, page, offset, none, none)
+    return _call(pages, rows.astype(pages.dtype), 0 if layer is None else layer, page, offset,
+                 none, none)
 
 
 def move(

@@ -78,14 +78,15 @@ def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS, race: bool = T
     """x [..., I] @ w [I, O] goes to the kernel: float32 both, at most `max_rows` rows,
     on the CPU backend, with the kernel available and, with `race`, faster than XLA's
     matmul for this weight shape on this machine (`kernel_wins`)."""
-    return (_few_float32_rows(x, w, max_rows) and w.ndim == 2 and x.shape[-1] == w.shape[0]
+    return (_few_rows(x, w, max_rows) and w.ndim == 2 and x.shape[-1] == w.shape[0]
             and available() and (not race or kernel_wins(tuple(w.shape))))
 
 
-def _few_float32_rows(x: jax.Array, w: jax.Array, max_rows: int) -> bool:
-    """What both kernels take: float32 operands, 1 to `max_rows` rows, the CPU backend."""
+def _few_rows(x: jax.Array, w: jax.Array, max_rows: int, dtypes=(jnp.float32,)) -> bool:
+    """What the kernels take: operands of `dtypes`, 1 to `max_rows` rows, the CPU backend.
+    Both take float32; the transposed-weight kernel also bfloat16 (`WEIGHT_DTYPES_T`)."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 1 <= rows <= max_rows
+    return (x.dtype in dtypes and w.dtype in dtypes and 1 <= rows <= max_rows
             and jax.default_backend() == "cpu")
 
 
@@ -372,7 +373,7 @@ def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
     alternative would slice, i.e. copy, the layer first), else XLA's on the slice."""
     _check_stacked(w, layer)
     if layer is not None and w.ndim == 3:
-        if _few_float32_rows(x, w, max_rows) and available():
+        if _few_rows(x, w, max_rows) and available():
             return _rows(x, w, layer=layer)
         return jnp.matmul(x, layer_of(w, layer), preferred_element_type=preferred_element_type)
     if not applies(x, w, max_rows, race):
@@ -417,18 +418,11 @@ def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
     product is by its layer `layer`, read in place by the kernel (XLA's product takes a
     slice: a copy)."""
     _check_stacked(wt, layer)
-    if _few_rows_t(x, wt, max_rows) and available_t():
+    if _few_rows(x, wt, max_rows, WEIGHT_DTYPES_T) and available_t():
         out = jnp.dtype(preferred_element_type or jnp.result_type(x, wt))
         return _rows_t(x, wt, _layer_operand(layer)).astype(out)
     return _xla_t(x, layer_of(wt, layer), preferred_element_type)
 
-
-def _few_rows_t(x: jax.Array, wt: jax.Array, max_rows: int) -> bool:
-    """What the transposed-weight kernel takes: float32 or bfloat16 rows and weights
-    (`WEIGHT_DTYPES_T`), 1 to `max_rows` rows, the CPU backend."""
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    return (x.dtype in WEIGHT_DTYPES_T and wt.dtype in WEIGHT_DTYPES_T
-            and 1 <= rows <= max_rows and jax.default_backend() == "cpu")
 
 
 transposed_product = Transposed(_kernel_t)  # the race's form; needs `available_t`

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.bench.prompts import BENCH_INSTALL
+from specjax.bench.target import GGUF_TYPES
 
 METHODS = ("plain", "prompt_lookup", "draft")
 
@@ -267,10 +268,6 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 
 
 # --- CLI: llama.cpp vs specjax on HumanEval prompts --------------------------------------------
-
-
-# --dtype -> the GGUF type llama.cpp runs the same weights as
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 
 def _parse(argv) -> argparse.Namespace:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from specjax.bench.target import GGUF_TYPES
 from specjax.cli_args import at_least_one, comma_list
 
 
@@ -98,7 +99,7 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--llamacpp", default=None, metavar="GGUF|write",
                     help="also time llama.cpp on this F32 GGUF of the same weights")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
                     help="the target's weights and compute")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
         if args.llamacpp is not None:
             from specjax.bench import llamacpp as lc
 
-            kind = {"float32": "F32", "bfloat16": "BF16"}[args.dtype]
+            kind = GGUF_TYPES[args.dtype]
             gguf = (specjax.save_gguf(model, Path(tmp) / f"target-{kind}.gguf", dtype=kind)
                     if args.llamacpp == "write" else Path(args.llamacpp))
             llm = lc.open_llama(gguf, n_ctx=lc.context_size(list(prompts.values()), new=1),

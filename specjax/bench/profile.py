@@ -34,6 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specjax.bench.target import GGUF_TYPES
 from specjax.decoding.speculate import SCOPE_ACCEPT, SCOPE_COMMIT, SCOPE_DECIDE, SCOPE_PROPOSE
 
 LOOP_MODULE = "jit_run"  # the decode loop's program (`DecodeLoop.run`)
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None,
                     help="checkpoint (anything specjax.load reads; default: packaged SmolLM2)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
                     help="the target's weights and compute (with --llamacpp, a GGUF of the "
                     "same precision: `specjax.save_gguf(..., dtype=\"BF16\")`)")
     ap.add_argument("--batch", type=int, default=1)

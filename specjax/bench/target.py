@@ -3,6 +3,9 @@ default the packaged SmolLM2-135M-Instruct, in float32 (XLA:CPU's fast dtype).""
 
 from __future__ import annotations
 
+# the benchmarks' --dtype values -> the GGUF type that holds the same weights for llama.cpp
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+
 
 def load_target(target: str | None = None, dtype: str = "float32"):
     """`specjax.load(target)`, or the packaged SmolLM2 when `target` is None (its install
