@@ -174,3 +174,15 @@ class FfiKernel:
         """The loaded library's file (its name keys on source, compiler, jaxlib and CPU),
         or None where the kernel is not available."""
         return self._state.get("path") if self.available() else None
+
+
+def layer_operand(layer) -> jax.Array:
+    """The matmul kernels' layer operand (`csrc/layered.h`): an int32 scalar (0 for a
+    single matrix)."""
+    return jax.numpy.asarray(0 if layer is None else layer, jax.numpy.int32).reshape(())
+
+
+def layer_of(w: jax.Array, layer) -> jax.Array:
+    """Layer `layer` of a stacked weight [L, A, B] (`w` itself when 2-D): a slice, so on
+    XLA:CPU a copy; the kernels read the layer in place instead."""
+    return w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)

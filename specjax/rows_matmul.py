@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels, timing
+from specjax import bf16_gemm, cpu_kernels, timing
+from specjax.cpu_kernels import layer_of, layer_operand
 
 ENV = "SPECJAX_CPU_MATMUL"  # "off" (or 0, false, none): XLA's matmul everywhere; "on": the
 ON = frozenset({"on", "1", "true", "yes"})  # kernel wherever it applies, without a race
@@ -315,21 +316,10 @@ def sweeps(rows: int, out: int) -> bool:
     return 2 <= rows <= FEW_ROWS and (out >= VERY_WIDE or (out >= WIDE and rows <= WIDE_ROWS))
 
 
-def _layer_operand(layer) -> jax.Array:
-    """The kernels' layer operand: an int32 scalar (0 for a single matrix)."""
-    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-
-
 def _check_stacked(w: jax.Array, layer) -> None:
     """A stacked weight [L, A, B] needs the layer to multiply by."""
     if layer is None and w.ndim == 3:
         raise ValueError(f"a stacked weight {w.shape} needs the layer to multiply by")
-
-
-def layer_of(w: jax.Array, layer) -> jax.Array:
-    """Layer `layer` of a stacked weight [L, A, B] (`w` itself when 2-D): a slice, so on
-    XLA:CPU a copy; the kernels read the layer in place instead."""
-    return w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -360,7 +350,7 @@ def _rows(x: jax.Array, w: jax.Array, form: int | None = None, layer=None) -> ja
     rows = x.reshape(-1, x.shape[-1])
     if form is None:
         form = FORMS["sweep" if sweeps(rows.shape[0], w.shape[-1]) else "register blocks"]
-    return _kernel(rows, w, _layer_operand(layer), form).reshape(*x.shape[:-1], w.shape[-1])
+    return _kernel(rows, w, layer_operand(layer), form).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def matmul(x: jax.Array, w: jax.Array, preferred_element_type=None,
@@ -386,7 +376,7 @@ def _kernel_t(x: jax.Array, wt: jax.Array, layer=None) -> jax.Array:
     the transposed-weight kernel, in float32 (bfloat16 rows widened)."""
     out = jax.ShapeDtypeStruct((x.shape[0], wt.shape[-2]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_T, out, vmap_method="sequential")(
-        x.astype(jnp.float32), wt, _layer_operand(layer))
+        x.astype(jnp.float32), wt, layer_operand(layer))
 
 
 @jax.custom_jvp
@@ -413,14 +403,17 @@ def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
     """x [..., I] @ wt [O, I]^T -> [..., O] for a weight the decode layout stores
     transposed (`transposed_wins`): the transposed-weight kernel for products of at most
     `max_rows` rows of float32 or bfloat16 operands (summed in float32, as XLA:CPU's
-    bfloat16 matmul does, and rounded to their dtype), else XLA's (prefill's many rows,
-    where its GEMM on either layout is as fast). layer: wt is a stack [L, O, I] and the
-    product is by its layer `layer`, read in place by the kernel (XLA's product takes a
-    slice: a copy)."""
+    bfloat16 matmul does, and rounded to their dtype); more bfloat16 rows (a prefill's)
+    by the bfloat16 GEMM kernel where it `applies` (`specjax.bf16_gemm`); else XLA's
+    (float32 prefill's many rows, where its GEMM on either layout is as fast).
+    layer: wt is a stack [L, O, I] and the product is by its layer `layer`, read in
+    place by the kernels (XLA's product takes a slice: a copy)."""
     _check_stacked(wt, layer)
+    out = jnp.dtype(preferred_element_type or jnp.result_type(x, wt))
     if _few_rows(x, wt, max_rows, WEIGHT_DTYPES_T) and available_t():
-        out = jnp.dtype(preferred_element_type or jnp.result_type(x, wt))
-        return _rows_t(x, wt, _layer_operand(layer)).astype(out)
+        return _rows_t(x, wt, layer_operand(layer)).astype(out)
+    if bf16_gemm.applies(x, wt, max_rows + 1):
+        return bf16_gemm.product(x, wt, layer).astype(out)
     return _xla_t(x, layer_of(wt, layer), preferred_element_type)
 
 

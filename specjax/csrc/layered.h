@@ -1,6 +1,6 @@
 // One layer's matrix of a weight that is either one matrix [A, B] or a stack of them
 // [L, A, B], picked by a layer index operand, for specjax's few-row matmul kernels
-// (rows_matmul.cc, rows_matmul_t.cc). The stacked form lets the CPU decode layout run
+// (rows_matmul.cc, rows_matmul_t.cc, bf16_gemm_t.cc). The stacked form lets the CPU decode layout run
 // its layers in a scan that hands every layer the whole stack and its index: the kernel
 // reads the layer where it lies, where a slice of the stack would be a copy per layer
 // and step on XLA:CPU.
@@ -8,6 +8,7 @@
 #define SPECJAX_CSRC_LAYERED_H_
 
 #include <cstdint>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -43,6 +44,31 @@ xla::ffi::Error layer_matrix(const Dims& d, const T* base,
 inline xla::ffi::Error layer_matrix(xla::ffi::Buffer<xla::ffi::F32> w,
                                     xla::ffi::Buffer<xla::ffi::S32> layer, Matrix* m) {
   return layer_matrix(w.dimensions(), w.typed_data(), layer, m);
+}
+
+// The rows of x (x_count elements of `in` inputs each) for a product into y (y_count
+// elements of `out` outputs each); an error otherwise, naming the weight's input
+// dimension as `in_dim` says (e.g. "wt's second").
+inline xla::ffi::Error product_rows(int64_t x_count, int64_t in, int64_t out,
+                                    int64_t y_count, const char* in_dim, int64_t* rows) {
+  if (in == 0 || x_count % in != 0)
+    return xla::ffi::Error::InvalidArgument(
+        std::string("x's last dimension must equal ") + in_dim);
+  *rows = x_count / in;
+  if (y_count != *rows * out) return xla::ffi::Error::InvalidArgument("y must be [rows, out]");
+  return xla::ffi::Error::Success();
+}
+
+// Layer `layer` of a transposed weight wt [out, in] (or [L, out, in]) of elements T, and
+// the rows of x for its product into y (rows_matmul_t.cc, bf16_gemm_t.cc).
+template <typename T>
+xla::ffi::Error transposed_operands(xla::ffi::AnyBuffer wt,
+                                    xla::ffi::Buffer<xla::ffi::S32> layer, int64_t x_count,
+                                    int64_t y_count, MatrixOf<T>* m, int64_t* rows) {
+  const T* base = static_cast<const T*>(wt.untyped_data());
+  if (xla::ffi::Error e = layer_matrix(wt.dimensions(), base, layer, m); e.failure())
+    return e;
+  return product_rows(x_count, m->b, m->a, y_count, "wt's second", rows);
 }
 
 }  // namespace specjax

@@ -46,6 +46,19 @@ inline void parallel_items(xla::ffi::ThreadPool& pool, int64_t items, int64_t th
   }
 }
 
+// run(c0, c1) over [0, n) in contiguous ranges, one per thread (the matmul kernels'
+// outputs): up to the pool's threads, each range at least `min_per` long (a small n runs
+// on one) and starting at a multiple of `multiple` (whole register blocks).
+inline void parallel_ranges(xla::ffi::ThreadPool& pool, int64_t n, int64_t min_per,
+                            int64_t multiple, std::function<void(int64_t, int64_t)> run) {
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / min_per));
+  const int64_t per = ((n + threads - 1) / threads + multiple - 1) / multiple * multiple;
+  parallel_items(pool, (n + per - 1) / per, threads, [=](int64_t k) {
+    run(k * per, std::min(n, (k + 1) * per));
+  });
+}
+
 }  // namespace specjax
 
 #endif  // SPECJAX_CSRC_PARALLEL_ITEMS_H_

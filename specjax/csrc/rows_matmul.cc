@@ -202,23 +202,17 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   specjax::Matrix m;  // w [in, out], or layer `layer` of [L, in, out] (layered.h)
   if (ffi::Error e = specjax::layer_matrix(w, layer, &m); e.failure()) return e;
   const int64_t in = m.a, out = m.b;
-  if (in == 0 || x.element_count() % in != 0)
-    return ffi::Error::InvalidArgument("x's last dimension must equal w's first");
-  const int64_t rows = x.element_count() / in;
-  if (y->element_count() != rows * out)
-    return ffi::Error::InvalidArgument("y must be [rows, out]");
-  // One chunk of columns per thread, whole column blocks; small matrices run on one.
-  const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
-  const int64_t per =
-      ((out + threads - 1) / threads + kColumnBlock - 1) / kColumnBlock * kColumnBlock;
-  // Column chunks, one per thread (`parallel_items.h`).
+  int64_t rows;
+  if (ffi::Error e = specjax::product_rows(x.element_count(), in, out, y->element_count(),
+                                           "w's first", &rows);
+      e.failure())
+    return e;
   const float* xs = x.typed_data();
   const float* ws = m.data;
   float* ys = y->typed_data();
-  specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
-    const int64_t c0 = k * per;
-    columns(xs, ws, ys, rows, in, out, c0, std::min(out, c0 + per), form);
+  // One chunk of columns per thread, whole column blocks; small matrices run on one.
+  specjax::parallel_ranges(pool, out, 128, kColumnBlock, [=](int64_t c0, int64_t c1) {
+    columns(xs, ws, ys, rows, in, out, c0, c1, form);
   });
   return ffi::Error::Success();
 }

@@ -123,26 +123,18 @@ template <typename W>
 ffi::Error Product(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wt,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32>& y) {
   specjax::MatrixOf<W> m;  // wt [out, in], or layer `layer` of [L, out, in] (layered.h)
-  if (ffi::Error e = specjax::layer_matrix(wt.dimensions(),
-                                           static_cast<const W*>(wt.untyped_data()), layer, &m);
+  int64_t rows;
+  if (ffi::Error e = specjax::transposed_operands(wt, layer, x.element_count(),
+                                                  y->element_count(), &m, &rows);
       e.failure())
     return e;
   const int64_t out = m.a, in = m.b;
-  if (in == 0 || x.element_count() % in != 0)
-    return ffi::Error::InvalidArgument("x's last dimension must equal wt's second");
-  const int64_t rows = x.element_count() / in;
-  if (y->element_count() != rows * out)
-    return ffi::Error::InvalidArgument("y must be [rows, out]");
-  // One contiguous range of outputs per thread; small matrices run on one.
-  const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 128));
-  const int64_t per = (out + threads - 1) / threads;
   const float* xs = x.typed_data();
   const W* ws = m.data;
   float* ys = y->typed_data();
-  specjax::parallel_items(pool, (out + per - 1) / per, threads, [=](int64_t k) {
-    const int64_t c0 = k * per;
-    columns(xs, ws, ys, rows, in, out, c0, std::min(out, c0 + per));
+  // One contiguous range of outputs per thread; small matrices run on one.
+  specjax::parallel_ranges(pool, out, 128, 1, [=](int64_t c0, int64_t c1) {
+    columns(xs, ws, ys, rows, in, out, c0, c1);
   });
   return ffi::Error::Success();
 }
