@@ -173,3 +173,37 @@ def test_the_build_uses_the_instruction_where_the_cpu_has_it():
     from specjax import cpu_kernels
 
     assert bf16_gemm.native() == ("avx512_bf16" in cpu_kernels._cpu_flags().split())
+
+
+@pytest.mark.parametrize("kv_commit", ["write-kept", "compact"])
+def test_speculation_over_a_bfloat16_model_through_it_emits_plain_decodings_tokens(
+        monkeypatch, kv_commit):
+    """A bfloat16 target drafting for itself at batch 8 runs its prompts' products and its
+    verifies (8 rows x 5 tokens) through the kernel, and emits plain decoding's tokens."""
+    from specjax.decoding.generate import PROGRAMS
+    from specjax.speculators import DraftModel
+
+    monkeypatch.setattr(bf16_gemm, "native", lambda: True)
+    PROGRAMS.clear()  # traced anew: the products counted below are this test's
+    jax.clear_caches()
+    rows, product = [], bf16_gemm.product
+
+    def counted(x, wt, layer=None, portable=False):
+        rows.append(int(np.prod(x.shape[:-1])))
+        return product(x, wt, layer, portable)
+
+    monkeypatch.setattr(bf16_gemm, "product", counted)
+    cfg = specjax.config.tiny_llama(vocab_size=96, hidden_size=128, num_heads=2,
+                                    num_kv_heads=1, num_layers=3, dtype="bfloat16")
+    model = specjax.init_model(cfg, seed=5)
+    model = specjax.Model(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params))
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(1, 96, 40)] for _ in range(8)]
+    plain = specjax.generate(model, prompts, max_new_tokens=12, ignore_eos=True)
+    out = specjax.generate(model, prompts, max_new_tokens=12, ignore_eos=True,
+                           speculator=DraftModel.create(model, k=4), adaptive=False,
+                           kv_commit=kv_commit)
+    assert out.tokens == plain.tokens
+    assert out.stats.accepted > out.stats.target_calls  # verifies took drafts
+    assert 8 * 5 in rows and max(rows) >= 8 * 40  # a verify's rows; the prompts'
+    PROGRAMS.clear()
