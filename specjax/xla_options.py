@@ -1,9 +1,14 @@
 """XLA compiler options for the decode programs (generate's prefill and loop).
 
-Per backend, options generate compiles its programs with, for where XLA's defaults
-are slower at decode shapes. None are set now: on a real checkpoint XLA:CPU's defaults
-are as fast or faster (`python -m specjax.bench.verify_cost`, docs/benchmarks.md), so
-the CPU entry is empty; the mechanism stays for the next exception.
+Per backend, options generate compiles its programs with. On CPU: YNNPACK for individual
+dots only, without its reduction and elementwise fusions. A YNNPACK reduction sums a row
+in an order that depends on how many rows it reduces together (an RMS norm over 10 or
+more rows gave some rows other bits than the same row alone), so a verify's rows did
+not get a decode step's bits, and speculation over a bfloat16 model and cache at batch > 1
+could part from plain decoding's greedy tokens (float32 hides it: a last-bit difference
+rarely moves an argmax). `tests/test_xla_options.py` holds every row's reduction to its
+one-row bits under these options; exactness comes before the little time XLA's own
+reductions cost over YNNPACK's.
 
 Options are per compilation (`Lowered.compile(compiler_options=...)`), not the
 process-wide `XLA_FLAGS`, so training and user code keep XLA's defaults, and generate's
@@ -20,7 +25,8 @@ import jax
 
 # Per backend platform; edit (or set to {}) to change what generate compiles with.
 DECODE_OPTIONS: dict[str, dict[str, Any]] = {
-    "cpu": {},  # e.g. {"xla_cpu_experimental_ynn_fusion_type": ""}: no YNNPACK fusions
+    # YNNPACK's dots stay (prefill's GEMMs); its row-count-dependent reductions go
+    "cpu": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
 }
 _UNSUPPORTED: set[str] = set()  # platforms whose XLA refused the options once
 

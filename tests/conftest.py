@@ -169,7 +169,8 @@ def real_decode_options():
 
     defaults = {name: default for name, (_, default) in _COMPILE_OPTIONS.items()}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(xla_options.DECODE_OPTIONS, "cpu", defaults)
+        mp.setitem(xla_options.DECODE_OPTIONS, "cpu",
+                   {**xla_options.DECODE_OPTIONS["cpu"], **defaults})
         yield
 
 

@@ -19,9 +19,10 @@ def _lowered():
 
 def test_decode_options_reach_xla_with_numerics_unchanged(monkeypatch):
     """An option set for a backend (here: no YNNPACK fusions on CPU) is what its decode
-    programs compile with; CPU sets none by default (XLA's defaults measure as fast or
-    faster on a real checkpoint), nor does TPU."""
-    assert xla_options.decode_options("cpu") == {}
+    programs compile with; CPU keeps YNNPACK's dots only by default
+    (`test_a_rows_reduction_does_not_depend_on_the_rows_beside_it`), TPU sets none."""
+    assert xla_options.decode_options("cpu") == {
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
     assert xla_options.decode_options("tpu") == {}
     monkeypatch.setitem(xla_options.DECODE_OPTIONS, "cpu",
                         {"xla_cpu_experimental_ynn_fusion_type": ""})
@@ -65,3 +66,20 @@ def test_generates_program_cache_recompiles_when_an_option_changes(monkeypatch):
                         {"xla_cpu_experimental_ynn_fusion_type": ""})
     cache.get("double", fn, 2.0, (x,), {})
     assert len(compiled) == 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_rows_reduction_does_not_depend_on_the_rows_beside_it(dtype):
+    """Under the CPU decode options, an RMS norm's mean of squares over 10-30 rows (a
+    verify's, batch x tokens) gives each row the bits it gets alone (a decode step's):
+    XLA:CPU's YNNPACK reduction fusion, on by default, summed some rows otherwise, so a
+    verify's logits could part from plain decoding's by a rounding step."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((30, 576)) * 3, dtype)
+
+    def mean_square(rows):
+        lowered = jax.jit(lambda r: jnp.mean(jnp.square(r.astype(jnp.float32)), -1)).lower(rows)
+        return np.asarray(xla_options.compile_decode(lowered, "cpu")(rows))
+
+    for n in (10, 15, 30):
+        alone = np.concatenate([mean_square(x[i:i + 1]) for i in range(n)])
+        np.testing.assert_array_equal(mean_square(x[:n]), alone)
