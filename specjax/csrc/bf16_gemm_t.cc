@@ -19,7 +19,6 @@
 // by the generic path: the two paths agree bit for bit on normal values only.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -27,6 +26,7 @@
 
 #include "layered.h"
 #include "parallel_items.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -38,12 +38,7 @@ constexpr int64_t kChunk = 2 * kPairs;   // values of I per step (one 64-byte ve
 constexpr int64_t kTile = 4;             // rows and outputs per register tile
 constexpr int64_t kRowBytes = 256 << 10;  // rows' bytes per pass over a thread's weights
 
-inline float widen(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
+using specjax::widen_bf16;  // vectors.h: one value's bits as float32, exactly
 
 // The lanes summed by halves, then I's tail [whole, in) in order: one output element.
 inline float finish(float* s, const uint16_t* x, const uint16_t* w, int64_t whole,
@@ -51,7 +46,8 @@ inline float finish(float* s, const uint16_t* x, const uint16_t* w, int64_t whol
   for (int64_t h = kPairs / 2; h >= 1; h /= 2)
     for (int64_t l = 0; l < h; ++l) s[l] += s[l + h];
   float sum = s[0];
-  for (int64_t i = whole; i < in; ++i) sum = __builtin_fmaf(widen(x[i]), widen(w[i]), sum);
+  for (int64_t i = whole; i < in; ++i)
+    sum = __builtin_fmaf(widen_bf16(x[i]), widen_bf16(w[i]), sum);
   return sum;
 }
 
@@ -62,8 +58,8 @@ float dot_generic(const uint16_t* x, const uint16_t* w, int64_t in) {
   float acc[kPairs] = {};
   for (int64_t i = 0; i < whole; i += kChunk)
     for (int64_t l = 0; l < kPairs; ++l) {
-      acc[l] = __builtin_fmaf(widen(x[i + 2 * l + 1]), widen(w[i + 2 * l + 1]), acc[l]);
-      acc[l] = __builtin_fmaf(widen(x[i + 2 * l]), widen(w[i + 2 * l]), acc[l]);
+      acc[l] = __builtin_fmaf(widen_bf16(x[i + 2 * l + 1]), widen_bf16(w[i + 2 * l + 1]), acc[l]);
+      acc[l] = __builtin_fmaf(widen_bf16(x[i + 2 * l]), widen_bf16(w[i + 2 * l]), acc[l]);
     }
   return finish(acc, x, w, whole, in);
 }
@@ -118,7 +114,7 @@ void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t in, int64_t ou
     for (int64_t g = 0; g < kTile; ++g) {
       float sum = s[4 * g + r];
       for (int64_t i = whole; i < in; ++i)
-        sum = __builtin_fmaf(widen(x[r * in + i]), widen(w[g * in + i]), sum);
+        sum = __builtin_fmaf(widen_bf16(x[r * in + i]), widen_bf16(w[g * in + i]), sum);
       y[r * out + g] = sum;
     }
 }

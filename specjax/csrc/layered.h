@@ -1,9 +1,9 @@
 // One layer's matrix of a weight that is either one matrix [A, B] or a stack of them
-// [L, A, B], picked by a layer index operand, for specjax's few-row matmul kernels
-// (rows_matmul.cc, rows_matmul_t.cc, bf16_gemm_t.cc). The stacked form lets the CPU decode layout run
-// its layers in a scan that hands every layer the whole stack and its index: the kernel
-// reads the layer where it lies, where a slice of the stack would be a copy per layer
-// and step on XLA:CPU.
+// [L, A, B], picked by a layer index operand, for specjax's matmul kernels
+// (rows_matmul.cc, rows_matmul_t.cc, bf16_gemm_t.cc). The stacked form lets the CPU
+// decode layout run its layers in a scan that hands every layer the whole stack and its
+// index: the kernel reads the layer where it lies, where a slice of the stack would be a
+// copy per layer and step on XLA:CPU.
 #ifndef SPECJAX_CSRC_LAYERED_H_
 #define SPECJAX_CSRC_LAYERED_H_
 
