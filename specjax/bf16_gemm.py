@@ -40,7 +40,7 @@ def native() -> bool:
     """Whether the kernel is available and its build multiplies by the AVX512-BF16
     instruction. Asked of the built library; a CPU that does not list the instruction
     is answered without building it."""
-    if "avx512_bf16" not in cpu_kernels._cpu_flags().split():
+    if "avx512_bf16" not in cpu_kernels.cpu_flags().split():
         return False
     return available() and _built_native()
 

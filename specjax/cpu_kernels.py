@@ -40,7 +40,7 @@ def cxx() -> str | None:
     return shutil.which(os.environ.get("CXX") or "c++")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (-march=native builds for them), for the library's key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -77,7 +77,7 @@ def build(source: Path, compiler: str, directory: Path | None = None) -> Path:
                              check=True).stdout
     headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what sources include
     parts = [source.read_text(), *headers, version, importlib.metadata.version("jaxlib"),
-             _cpu_flags(), *FLAGS]
+             cpu_flags(), *FLAGS]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     directory = library_dir() if directory is None else directory
     lib = directory / f"{source.stem}-{key}.so"

@@ -174,7 +174,7 @@ def test_the_build_uses_the_instruction_where_the_cpu_has_it():
     from specjax import cpu_kernels
 
     assert bf16_gemm.available()
-    assert bf16_gemm._built_native() == ("avx512_bf16" in cpu_kernels._cpu_flags().split())
+    assert bf16_gemm._built_native() == ("avx512_bf16" in cpu_kernels.cpu_flags().split())
 
 
 @pytest.mark.parametrize("kv_commit", ["write-kept", "compact"])
