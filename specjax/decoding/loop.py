@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax import rng, sampling as sampling_lib
+from specjax import rng, rows_matmul, sampling as sampling_lib
 from specjax.config import ModelConfig
 from specjax.decoding import commit as commit_lib
 from specjax.decoding.policy import Decision, decide, initial_probes, verify_buckets
@@ -126,14 +126,17 @@ class DecodeLoop:
     @functools.partial(jax.jit, static_argnames=("self",), donate_argnames=("state",))
     def run(self, params: Params, state: LoopState) -> LoopState:
         """Steps until every row is done or the budget of new tokens is spent; the rows'
-        first probes wait the rule's gap (`Rule.probe_gap`: prefill reads no rule)."""
+        first probes wait the rule's gap (`Rule.probe_gap`: prefill reads no rule). Its
+        products take the few-row kernels at any row count (`rows_matmul.any_rows`): a
+        verify's rows get a plain step's bits at every batch and tree size."""
         state = state.replace(probes=initial_probes(state.lengths.shape[0],
                                                     params.rule.probe_gap))
 
         def cond(st):
             return jnp.any(~st.done) & (st.steps < params.max_new)
 
-        return jax.lax.while_loop(cond, functools.partial(self.step, params), state)
+        with rows_matmul.any_rows():
+            return jax.lax.while_loop(cond, functools.partial(self.step, params), state)
 
     def step(self, params: Params, st: LoopState) -> LoopState:
         """One loop iteration: a plain step, or (with a speculator) the rule's decision,
