@@ -717,12 +717,16 @@ def test_the_least_calibrated_upkeep_keeps_a_probe_in_the_noise_plain(tiny_targe
     """With the least upkeep calibration reports (`MIN_IDLE`) rather than a noisy 0, a
     peeking n-gram whose first drafts are rarely accepted (the docstring prompts' T = 1
     corpus n-gram of docs/benchmarks.md: α₁ 0.21, a draft at 54 % of steps) runs plain
-    decoding's programs: its probes were worth less than 0.001 of a step."""
+    decoding's programs: its probes were worth less than 0.001 of a step. Priced with
+    the batch-1 verify table of the host that measured those priors (pinned: the
+    default table is re-measured per host)."""
     from specjax.decoding.generate import expected_gain
 
     spec = NGram(k=4).with_corpus([[1, 2, 3, 4, 5]])
     kw = dict(acceptance_prior=[0.21, 0.12, 1.0, 0.67], proposal_prior=0.54,
-              step_overhead=[0.054, 0.038, 0.022, 0.005], cost_ratio=0.0)
+              step_overhead=[0.054, 0.038, 0.022, 0.005], cost_ratio=0.0,
+              verify_cost=VerifyCost.from_table({1: 1.0, 2: 1.14, 3: 1.18, 5: 1.35, 9: 1.58,
+                                                 17: 2.32, 33: 4.67}))
     out = {idle: specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=4, speculator=spec,
                                   idle_overhead=idle, **kw) for idle in (0.0, MIN_IDLE)}
     assert out[0.0].stats.speculative_calls == 1 and out[MIN_IDLE].stats.speculative_calls == 0

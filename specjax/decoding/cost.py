@@ -315,27 +315,29 @@ class VerifyCost:
 # verify runs it (new keys/values beside the pages), after 128 and 1,024 cached tokens
 # (what that attention reads), one table per matmul the decode step runs
 # (`specjax.rows_matmul.serving`): "cpu", the transposed-weight kernel (measured on the
-# AVX2 EPYC host); "cpu-rows", the [I, O] kernel (the AVX-512 Xeon host); "cpu-xla", XLA's
-# matmuls (`SPECJAX_CPU_MATMUL=off`, the Xeon host). Branch 0: on SmolLM2 the verify
+# AVX-512 Zen 4 EPYC host, every row count on the kernel as generate's loop runs it,
+# `rows_matmul.any_rows`); "cpu-rows", the [I, O] kernel (the AVX-512 Xeon host, before
+# `any_rows`: past 32 rows it priced XLA's GEMM); "cpu-xla", XLA's matmuls
+# (`SPECJAX_CPU_MATMUL=off`, the Xeon host). Branch 0: on SmolLM2 the verify
 # switch around a forward that defers its KV write costs nothing measurable with any of
 # the three matmul paths (`python -m specjax.bench.branching`, docs/benchmarks.md,
 # "Control flow around a decode step"). GPU/TPU: not measured yet; set to the
 # memory-bound regime the Pallas kernels aim for.
 VERIFY_COST = {"cpu": VerifyCost.from_table(
-                   {1: 1.0, 2: 1.14, 3: 1.18, 5: 1.35, 9: 1.58, 17: 2.32, 33: 4.67, 65: 7.45,
-                    129: 13.08},
+                   {1: 1.0, 2: 1.05, 3: 1.04, 5: 1.35, 9: 2.01, 17: 3.20, 33: 5.36, 65: 11.47,
+                    129: 22.44},
                    branch=0.0,
-                   by_rows={4: {1: 1.0, 2: 1.22, 3: 1.52, 5: 1.91, 9: 3.71, 17: 5.44,
-                                33: 10.04, 65: 24.74, 129: 38.95},
-                            16: {1: 1.0, 2: 1.72, 3: 2.52, 5: 3.22, 9: 5.15, 17: 8.53,
-                                 33: 15.03, 65: 51.19, 129: 86.14}},
+                   by_rows={4: {1: 1.0, 2: 1.50, 3: 2.13, 5: 3.03, 9: 4.85, 17: 9.11,
+                                33: 16.96, 65: 40.75, 129: 76.30},
+                            16: {1: 1.0, 2: 1.81, 3: 2.53, 5: 4.14, 9: 7.44, 17: 13.44,
+                                 33: 25.80, 65: 56.08, 129: 117.32}},
                    contexts=(128, 1024),
-                   far={1: {1: 1.26, 2: 1.27, 3: 1.34, 5: 1.61, 9: 2.16, 17: 2.86, 33: 5.63,
-                            65: 10.36, 129: 18.80},
-                        4: {1: 1.53, 2: 1.61, 3: 2.39, 5: 2.80, 9: 5.11, 17: 7.46, 33: 12.21,
-                            65: 32.75, 129: 65.61},
-                        16: {1: 2.03, 2: 2.72, 3: 3.74, 5: 4.95, 9: 8.14, 17: 13.96,
-                             33: 22.74, 65: 65.08, 129: 124.94}}),
+                   far={1: {1: 1.12, 2: 1.18, 3: 1.14, 5: 1.46, 9: 2.25, 17: 3.73, 33: 6.34,
+                            65: 14.10, 129: 26.83},
+                        4: {1: 1.33, 2: 1.85, 3: 2.74, 5: 3.78, 9: 6.28, 17: 11.59, 33: 20.81,
+                            65: 49.51, 129: 99.06},
+                        16: {1: 1.55, 2: 2.26, 3: 3.26, 5: 5.04, 9: 9.81, 17: 16.85,
+                             33: 30.27, 65: 72.05, 129: 148.52}}),
                "cpu-rows": VerifyCost.from_table(
                    {1: 1.0, 2: 1.20, 3: 1.33, 5: 1.32, 9: 1.47, 17: 2.03, 33: 4.13, 65: 6.32,
                     129: 10.45},
