@@ -107,7 +107,7 @@ def _few_rows(x: jax.Array, w: jax.Array, max_rows: int, dtypes=(jnp.float32,)) 
     also bfloat16 (`WEIGHT_DTYPES_T`)."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     return (x.dtype in dtypes and w.dtype in dtypes
-            and 1 <= rows <= (rows if _ANY_ROWS.get() else max_rows)
+            and rows >= 1 and (rows <= max_rows or _ANY_ROWS.get())
             and jax.default_backend() == "cpu")
 
 
@@ -422,10 +422,11 @@ def matmul_t(x: jax.Array, wt: jax.Array, preferred_element_type=None,
              max_rows: int = MAX_ROWS, layer=None) -> jax.Array:
     """x [..., I] @ wt [O, I]^T -> [..., O] for a weight the decode layout stores
     transposed (`transposed_wins`): the transposed-weight kernel for products of at most
-    `max_rows` rows of float32 or bfloat16 operands (summed in float32, as XLA:CPU's
-    bfloat16 matmul does, and rounded to their dtype); more bfloat16 rows (a prefill's)
-    by the bfloat16 GEMM kernel where it `applies` (`specjax.bf16_gemm`); else XLA's
-    (float32 prefill's many rows, where its GEMM on either layout is as fast).
+    `max_rows` rows (any number within `any_rows`) of float32 or bfloat16 operands
+    (summed in float32, as XLA:CPU's bfloat16 matmul does, and rounded to their dtype);
+    more bfloat16 rows (a prefill's) by the bfloat16 GEMM kernel where it `applies`
+    (`specjax.bf16_gemm`); else XLA's (float32 prefill's many rows, where its GEMM on
+    either layout is as fast).
     layer: wt is a stack [L, O, I] and the product is by its layer `layer`, read in
     place by the kernels (XLA's product takes a slice: a copy)."""
     _check_stacked(wt, layer)

@@ -119,6 +119,27 @@ def tiny_draft():
                               seed=1)
 
 
+def bfloat16_model(config, seed: int):
+    """`init_model(config, seed)` with every param cast to bfloat16."""
+    import jax
+
+    model = specjax.init_model(config, seed=seed)
+    return specjax.Model(config, jax.tree.map(lambda a: a.astype("bfloat16"), model.params))
+
+
+def self_drafting_emits_plain(model, prompts, new_tokens: int, **kwargs):
+    """`model` drafting for itself (`DraftModel`, k = 4, every step at full depth) emits
+    plain decoding's tokens, and its verifies took drafts; returns the speculative run."""
+    from specjax.speculators import DraftModel
+
+    plain = specjax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    out = specjax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                           speculator=DraftModel.create(model, k=4), adaptive=False, **kwargs)
+    assert out.tokens == plain.tokens
+    assert out.stats.accepted > out.stats.target_calls  # verifies took drafts
+    return out
+
+
 def greedy_reference(model, prompt, n):
     """Target-only greedy continuation by repeated full forwards (no cache, no loop)."""
     seq = list(prompt)

@@ -11,6 +11,7 @@ import pytest
 
 import specjax
 from specjax import bf16_gemm, rows_matmul
+from tests.conftest import bfloat16_model, self_drafting_emits_plain
 
 
 def _operands(rows, inner, out, seed=0, layers=None):
@@ -185,7 +186,6 @@ def test_speculation_over_a_bfloat16_model_through_it_emits_plain_decodings_toke
     `MAX_ROWS`) through the few-row kernel, whose sums a plain step's rows get
     (`rows_matmul.any_rows`), and emits plain decoding's tokens."""
     from specjax.decoding.generate import PROGRAMS
-    from specjax.speculators import DraftModel
 
     monkeypatch.setattr(bf16_gemm, "native", lambda: True)
     PROGRAMS.clear()  # traced anew: the products counted below are this test's
@@ -206,16 +206,10 @@ def test_speculation_over_a_bfloat16_model_through_it_emits_plain_decodings_toke
     monkeypatch.setattr(rows_matmul, "_rows_t", counted_few)
     cfg = specjax.config.tiny_llama(vocab_size=96, hidden_size=128, num_heads=2,
                                     num_kv_heads=1, num_layers=3, dtype="bfloat16")
-    model = specjax.init_model(cfg, seed=5)
-    model = specjax.Model(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params))
+    model = bfloat16_model(cfg, seed=5)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(1, 96, 40)] for _ in range(8)]
-    plain = specjax.generate(model, prompts, max_new_tokens=12, ignore_eos=True)
-    out = specjax.generate(model, prompts, max_new_tokens=12, ignore_eos=True,
-                           speculator=DraftModel.create(model, k=4), adaptive=False,
-                           kv_commit=kv_commit)
-    assert out.tokens == plain.tokens
-    assert out.stats.accepted > out.stats.target_calls  # verifies took drafts
+    self_drafting_emits_plain(model, prompts, 12, kv_commit=kv_commit)
     assert 8 * 5 in few and 8 * 5 not in rows  # a verify's rows: the few-row kernel's
     assert min(rows) >= 8 * 40  # the prompts' rows: the GEMM's
     PROGRAMS.clear()

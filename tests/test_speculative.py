@@ -12,7 +12,12 @@ from specjax.config import tiny_llama
 from specjax.decoding.cost import VerifyCost
 from specjax.speculators import DraftModel, NGram
 from specjax.stats import merge_stats
-from tests.conftest import PROMPTS, flat_verify_cost
+from tests.conftest import (
+    PROMPTS,
+    bfloat16_model,
+    flat_verify_cost,
+    self_drafting_emits_plain,
+)
 from tests.stat_utils import assert_same_distribution, exact_joint
 
 
@@ -63,15 +68,9 @@ def test_a_bfloat16_target_drafting_for_itself_emits_plain_decodings_tokens(kv_c
     from specjax.models.transformer import layout_of
 
     cfg = tiny_llama(vocab_size=128, hidden_size=128, num_heads=2, dtype="bfloat16")
-    model = specjax.init_model(cfg, seed=3)
-    model = specjax.Model(cfg, jax.tree.map(lambda x: x.astype("bfloat16"), model.params))
+    model = bfloat16_model(cfg, seed=3)
     assert layout_of(model.decode_params()) == "in_place"
-    plain = specjax.generate(model, PROMPTS, max_new_tokens=24, ignore_eos=True)
-    out = specjax.generate(model, PROMPTS, max_new_tokens=24, ignore_eos=True,
-                           speculator=DraftModel.create(model, k=4), adaptive=False,
-                           kv_commit=kv_commit)
-    assert out.tokens == plain.tokens
-    assert out.stats.accepted > out.stats.target_calls  # verifies took drafts
+    self_drafting_emits_plain(model, PROMPTS, 24, kv_commit=kv_commit)
 
 
 def test_ngram_on_repetitive_input_accepts_long_runs(tiny_target):
