@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import rows_matmul
+from specjax import huge_pages, rows_matmul
 from specjax.cache import PagedKVCache, StepKV, commit_step
 from specjax.config import ModelConfig
 from specjax.models.transformer import (
@@ -57,10 +57,13 @@ class Model:
 
     def decode_params(self, layout: str = "auto") -> Any:
         """`decode_params(self.config, self.params, layout)`, converted once per params
-        object: repeated `generate` calls on one model reuse the copy."""
+        object: repeated `generate` calls on one model reuse the copy, backed with huge
+        pages where the host allows (`specjax.huge_pages`)."""
         hit = self._decoded.get(layout)
         if hit is None or hit[0] is not self.params:
-            hit = (self.params, decode_params(self.config, self.params, layout))
+            decoded = decode_params(self.config, self.params, layout)
+            huge_pages.advise(decoded)
+            hit = (self.params, decoded)
             self._decoded[layout] = hit
         return hit[1]
 

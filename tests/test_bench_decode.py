@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
 from specjax.bench import decode
 
 RESULT = {"params": 134_515_008, "threads": 2, "model": "SmolLM2-135M-Instruct", "rows": [
-    dict(batch=1, specjax_ms=10.0, scan_ms=15.0, hf_ms=40.0, hf1_ms=20.0, speedup=2.0,
-         ttft_ms=50.0, tpot_ms=9.0, same=True)]}
+    dict(batch=1, specjax_ms=10.0, scan_ms=15.0, small_pages_ms=10.5, hf_ms=40.0, hf1_ms=20.0,
+         speedup=2.0, ttft_ms=50.0, tpot_ms=9.0, same=True)]}
 ARGS = argparse.Namespace(new_tokens=64, prompt_len=128, repeats=3)
 
 
@@ -22,7 +23,7 @@ def test_write_section_replaces_only_its_own_section(tmp_path):
     decode.write_section(doc, decode.markdown(again, ARGS, "python -m specjax.bench.decode"))
     text = doc.read_text()
     assert text.count(decode.START) == 1 and text.count(decode.END) == 1
-    assert "keep me" in text and "| 1 | 5.00 | 15.00 | 40.00 | 20.00 | 4.00x |" in text
+    assert "keep me" in text and "| 1 | 5.00 | 15.00 | 10.50 | 40.00 | 20.00 | 4.00x |" in text
     for needle in ("- date: ", "- machine: ", "- versions: jax ", "torch ", "transformers ",
                    "- command: `python -m specjax.bench.decode`",
                    "- model: SmolLM2-135M-Instruct, 134,515,008 params",
@@ -54,6 +55,7 @@ def test_run_on_a_tiny_model_matches_transformers(capsys):
     result = decode.run(model, new_tokens=3, batch_sizes=[2], prompt_len=8, repeats=1)
     row, = result["rows"]
     assert row["batch"] == 2 and row["same"] and row["specjax_ms"] > 0 and row["hf1_ms"] > 0
+    assert row["small_pages_ms"] > 0 and row["scan_ms"] > 0
     assert result["params"] == model.num_params()
 
 
@@ -85,3 +87,36 @@ def test_transformers_peer_runs_the_targets_own_architecture(family):
     assert max_diff(hf_logits(hf, tokens).logits, specjax.forward(model, tokens)) \
         <= PARITY_ATOL["float32"]
     assert hf.generation_config.eos_token_id is None
+
+
+def test_the_small_pages_twin_decodes_the_same_params_unadvised(monkeypatch):
+    """`on_small_pages`: a second model on the same params whose decode layout is made with
+    huge pages off, the switch restored after."""
+    import specjax
+    from specjax import huge_pages
+    from specjax.config import tiny_llama
+
+    model = specjax.init_model(tiny_llama(vocab_size=64), seed=0)
+    monkeypatch.setenv(huge_pages.ENV, "on")
+    seen = []
+    real = huge_pages.advise
+    monkeypatch.setattr(huge_pages, "advise", lambda tree: seen.append(huge_pages.is_on())
+                        or real(tree))
+    twin = decode.on_small_pages(model)
+    assert twin is not model and twin.params is model.params and seen == [False]
+    assert twin.decode_params() is not model.decode_params() and seen == [False, True]
+    assert huge_pages.is_on() == (huge_pages.thp_mode() not in (None, "never"))
+
+
+def test_timed_rounds_vary_the_order():
+    """No variant runs first (after the previous round's last) in every round."""
+    order = []
+    ours = lambda variant: order.append(variant) or SimpleNamespace(  # noqa: E731
+        stats=SimpleNamespace(ttft_s=0.1, tpot_s=0.01))
+    theirs = lambda threads: order.append(threads) or f"torch, {threads} thread(s)"  # noqa: E731
+    times, _, _, out, hf_out = decode._timed_rounds(ours, theirs, 2, repeats=5)
+    assert isinstance(out, SimpleNamespace) and hf_out.startswith("torch")
+    assert all(len(v) == 5 for v in times.values()) and len(order) == 25
+    rounds = [order[i:i + 5] for i in range(0, 25, 5)]
+    assert all(sorted(map(str, r)) == sorted(map(str, rounds[0])) for r in rounds)
+    assert len({r[0] for r in rounds}) == 5

@@ -19,6 +19,7 @@ goes into docs/benchmarks.md between markers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -39,15 +40,20 @@ START, END = "<!-- bench:decode:start -->", "<!-- bench:decode:end -->"
 
 
 def _timed_rounds(ours, theirs, default_threads: int, repeats: int) -> tuple:
-    """Interleaved rounds, so both libraries see the same load on a shared machine: the wall
-    times per variant, specjax's TTFT and TPOT, and each library's last output."""
-    times = {"specjax": [], "scan": [], default_threads: [], 1: []}
+    """Interleaved rounds, so both libraries see the same load on a shared machine, each
+    in its own order (`timing.balanced_order`: the one after torch's runs pays for its
+    spinning threads): the wall times per variant, specjax's TTFT and TPOT, and each
+    library's last output."""
+    from specjax.timing import balanced_order
+
+    times = {"specjax": [], "scan": [], "small_pages": [], default_threads: [], 1: []}
+    names = list(times)
     ttft, tpot = [], []
-    for _ in range(repeats):
-        for name in times:
+    for r in range(repeats):
+        for name in (names[i] for i in balanced_order(len(names), r)):
             t0 = time.perf_counter()
-            if name in ("specjax", "scan"):
-                got = ours("auto" if name == "specjax" else "scan")
+            if isinstance(name, str):
+                got = ours(name)
             else:
                 got = theirs(name)
             times[name].append(time.perf_counter() - t0)
@@ -55,7 +61,7 @@ def _timed_rounds(ours, theirs, default_threads: int, repeats: int) -> tuple:
                 out = got
                 ttft.append(got.stats.ttft_s)
                 tpot.append(got.stats.tpot_s)
-            else:
+            elif not isinstance(name, str):  # transformers' (a thread count)
                 hf_out = got
     return times, ttft, tpot, out, hf_out
 
@@ -66,15 +72,16 @@ def _batch_row(b: int, times: dict, ttft: list, tpot: list, same: bool, new_toke
     setting), printed as it is made."""
     t_ours = statistics.median(times["specjax"])
     t_scan = statistics.median(times.pop("scan"))
+    t_small = statistics.median(times.pop("small_pages"))
     t_hf = {k: statistics.median(v) for k, v in times.items() if k != "specjax"}
     row = dict(batch=b, specjax_ms=1e3 * t_ours / new_tokens,
-               scan_ms=1e3 * t_scan / new_tokens,
+               scan_ms=1e3 * t_scan / new_tokens, small_pages_ms=1e3 * t_small / new_tokens,
                hf_ms=1e3 * t_hf[default_threads] / new_tokens,
                hf1_ms=1e3 * t_hf[1] / new_tokens, ttft_ms=1e3 * statistics.median(ttft),
                tpot_ms=1e3 * statistics.median(tpot), same=same)
     row["speedup"] = min(row["hf_ms"], row["hf1_ms"]) / row["specjax_ms"]
     print(f"batch {b}: specjax {row['specjax_ms']:.2f} ms/token ({row['scan_ms']:.2f} with "
-          f"the scanned layer layout; TTFT "
+          f"the scanned layer layout, {row['small_pages_ms']:.2f} on 4 KB pages; TTFT "
           f"{row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms) | transformers "
           f"{row['hf_ms']:.2f} ms/token ({default_threads} threads), {row['hf1_ms']:.2f} "
           f"(1 thread) | best transformers / specjax = {row['speedup']:.2f}x | "
@@ -94,14 +101,16 @@ def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
     print(f"model: {n_params:,} params")
     hf = load_hf(model)
     default_threads = torch.get_num_threads()
+    small = on_small_pages(model)
     rows = []
     for b in batch_sizes:
         prompts = heldout_windows(model.tokenizer, model.config.vocab_size, b, prompt_len)
         ids = torch.tensor(prompts)
 
-        def ours(layout="auto"):
-            return specjax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
-                                    layer_layout=layout)
+        def ours(variant="specjax"):
+            return specjax.generate(small if variant == "small_pages" else model, prompts,
+                                    max_new_tokens=new_tokens, ignore_eos=True,
+                                    layer_layout="scan" if variant == "scan" else "auto")
 
         def theirs(threads, n=new_tokens):
             torch.set_num_threads(threads)
@@ -111,6 +120,7 @@ def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
 
         ours()  # warm-up: specjax compiles here; torch warms its allocator and threads
         ours("scan")
+        ours("small_pages")
         for threads in (default_threads, 1):
             theirs(threads, n=2)
         times, ttft, tpot, out, hf_out = _timed_rounds(ours, theirs, default_threads, repeats)
@@ -118,6 +128,24 @@ def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
         same = out.tokens == hf_out[:, prompt_len:].tolist()
         rows.append(_batch_row(b, times, ttft, tpot, same, new_tokens, default_threads))
     return dict(params=n_params, rows=rows, threads=default_threads)
+
+
+def on_small_pages(model):
+    """A second `Model` on `model`'s params whose decode layout stays on the kernel's base
+    pages (`specjax.huge_pages` off while it is made): the A/B of huge pages in one run."""
+    from specjax import huge_pages
+
+    twin = dataclasses.replace(model)
+    before = os.environ.get(huge_pages.ENV)
+    os.environ[huge_pages.ENV] = "off"
+    try:
+        twin.decode_params()
+    finally:
+        if before is None:
+            del os.environ[huge_pages.ENV]
+        else:
+            os.environ[huge_pages.ENV] = before
+    return twin
 
 
 def _versions() -> str:
@@ -154,19 +182,21 @@ def markdown(result: dict, args, command: str) -> str:
         "- specjax decodes with `layer_layout='auto'` (on CPU the layers scanned with each "
         "layer's weights read in place by its kernels); the scan column is the same run with "
         "`layer_layout='scan'`, the stored layout (XLA:CPU copies each layer's weights out of "
-        "the stack every step, docs/design.md)",
+        "the stack every step, docs/design.md); the 4 KB column is the decode layout left "
+        "on the kernel's base pages (`SPECJAX_HUGE_PAGES=off` while it is made, "
+        "docs/design.md: \"Huge pages for the decode weights\")",
         f"- transformers timed with torch's default {result['threads']} thread(s) and with 1; "
         "the ratio uses the faster",
         "",
-        "| batch | specjax ms/token | specjax, scan layout "
+        "| batch | specjax ms/token | specjax, scan layout | specjax, 4 KB pages "
         f"| transformers ms/token ({result['threads']} thr) "
         "| transformers ms/token (1 thr) | best transformers / specjax "
         "| specjax TTFT ms | specjax TPOT ms | same tokens |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for r in result["rows"]:
         lines.append(f"| {r['batch']} | {r['specjax_ms']:.2f} | {r['scan_ms']:.2f} | "
-                     f"{r['hf_ms']:.2f} | "
+                     f"{r['small_pages_ms']:.2f} | {r['hf_ms']:.2f} | "
                      f"{r['hf1_ms']:.2f} | {r['speedup']:.2f}x | {r['ttft_ms']:.1f} | "
                      f"{r['tpot_ms']:.2f} | {'yes' if r['same'] else 'no'} |")
     lines.append(END)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 
+from specjax import huge_pages
 from specjax.sharding import rules as shard
 from specjax.xla_options import compile_decode, decode_options
 
@@ -86,10 +87,17 @@ class LayoutCache:
     def get(self, speculator, layout: str):
         return self._laid_out.get(
             (id(speculator), layout), lambda hit: hit is not None and hit[0] is speculator,
-            lambda: (speculator, speculator.for_decoding(layout)))[1]
+            lambda: (speculator, _advised(speculator.for_decoding(layout))))[1]
 
     def clear(self) -> None:
         self._laid_out.clear()
+
+
+def _advised(laid_out):
+    """`laid_out`, its weights backed with huge pages where the host allows, as the
+    target's are (`specjax.huge_pages`)."""
+    huge_pages.advise(laid_out)
+    return laid_out
 
 
 class _Lru:
