@@ -223,9 +223,10 @@ def test_bfloat16_models_decode_in_place_through_the_kernels():
 
 @pytest.mark.parametrize("table_dtype", ["bfloat16", "float16", "float32"])
 def test_embedding_rows_are_nn_embeds_and_a_2_byte_table_is_not_widened(table_dtype):
-    """`take_rows` gives `nn.Embed`'s rows bit for bit, and over a bfloat16 or float16
-    table its compiled gather converts no [V, D] table to float32 (XLA:CPU's gather of
-    2-byte floats would, at every call)."""
+    """`take_rows` gives `nn.Embed`'s rows bit for bit and a float gather's gradients (a
+    2-byte table's gather of bits had none), and over a bfloat16 or float16 table its
+    compiled gather converts no [V, D] table to float32 (XLA:CPU's gather of 2-byte
+    floats would, at every call)."""
     import flax.linen as nn
 
     from specjax.models.transformer import take_rows
@@ -238,8 +239,51 @@ def test_embedding_rows_are_nn_embeds_and_a_2_byte_table_is_not_widened(table_dt
         got = take_rows(table, ids, dtype)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        weights = jnp.asarray(rng.standard_normal(want.shape), jnp.float32)
+        grads = [jax.grad(lambda t, f=f: (f(t).astype(jnp.float32) * weights).sum())(table)
+                 for f in (lambda t: take_rows(t, ids, dtype),
+                           lambda t: jnp.take(t, ids, axis=0).astype(dtype))]
+        assert grads[0].dtype == grads[1].dtype == table.dtype
+        np.testing.assert_array_equal(np.asarray(grads[0], np.float32),
+                                      np.asarray(grads[1], np.float32))
+        assert np.count_nonzero(np.asarray(grads[0], np.float32)) > 0
     hlo = jax.jit(lambda t, i: take_rows(t, i, jnp.float32)).lower(table, ids).compile().as_text()
     assert ("f32[300,64]" in hlo) == (table_dtype == "float32")
+
+
+def test_a_2_byte_tables_rows_taken_in_a_loop_copy_no_table():
+    """In a loop over `take_rows` (a decode loop's steps) the bfloat16 table's bitcast
+    stays inside the loop, fused into the gather: XLA hoisted it out as a u16 copy of
+    the whole table per call. The rows are the table's, bit for bit."""
+    from specjax.models.transformer import take_rows
+
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((300, 64)), jnp.bfloat16)
+    ids = jnp.asarray([3, 299, 0], jnp.int32)
+
+    def run(table, ids):
+        def body(i, acc):
+            return acc + take_rows(table, (ids + i) % 300, jnp.float32)
+        return jax.lax.fori_loop(0, 5, body, jnp.zeros((3, 64), jnp.float32))
+
+    compiled = jax.jit(run).lower(table, ids).compile()
+    assert "u16[300,64]" not in compiled.as_text().split("ENTRY")[1]  # no copy before it
+    want = sum(np.asarray(table, np.float32)[(np.asarray(ids) + i) % 300] for i in range(5))
+    np.testing.assert_array_equal(np.asarray(compiled(table, ids)), want)
+
+
+def test_a_bfloat16_models_decode_loop_copies_no_embedding_table():
+    """generate's compiled decode loop over a bfloat16 model reads its embedding rows in
+    the loop: its entry computation holds no u16 [V, D] copy of the table."""
+    from specjax.decoding.generate import PROGRAMS
+    from tests.conftest import bfloat16_model
+
+    cfg = specjax.config.tiny_llama(vocab_size=96, hidden_size=128, dtype="bfloat16")
+    PROGRAMS.clear()
+    specjax.generate(bfloat16_model(cfg, seed=2), [[1, 2, 3]], max_new_tokens=3)
+    loops = [program for sig, program in PROGRAMS.items() if sig[0] == "run"]
+    assert len(loops) == 1
+    assert "u16[96,128]" not in loops[0].as_text().split("ENTRY")[1]
+    PROGRAMS.clear()
 
 
 def test_in_place_layout_compiles_one_layer():

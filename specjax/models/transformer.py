@@ -92,13 +92,31 @@ class StepContext:
 
 def take_rows(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     """table[ids] (rows of an embedding table [V, D]) in `dtype`, as `nn.Embed` gives
-    them. A bfloat16 or float16 table's rows are gathered as their bits: XLA:CPU's float
-    normalization runs a 2-byte float gather in float32, converting the whole table at
-    every call to fetch a few rows."""
+    them, gradients included. A bfloat16 or float16 table's rows are gathered as their
+    bits (`_take_bits`): XLA:CPU's float normalization runs a 2-byte float gather in
+    float32, converting the whole table at every call to fetch a few rows."""
     if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
-        bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
-        return jax.lax.bitcast_convert_type(bits, table.dtype).astype(dtype)
+        return _take_bits(table, ids).astype(dtype)
     return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+@jax.custom_jvp
+def _take_bits(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] of a 2-byte float table, gathered as uint16 bits. On CPU an
+    optimization barrier ties the table to `ids`: in a loop (the decode loop, prefill's
+    chunks) XLA would otherwise hoist the table's bitcast out as a copy of the whole
+    table per call, where inside it fuses into the gather and reads only the rows."""
+    if jax.default_backend() == "cpu":
+        table, ids = jax.lax.optimization_barrier((table, ids))
+    bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+    return jax.lax.bitcast_convert_type(bits, table.dtype)
+
+
+@_take_bits.defjvp
+def _take_bits_jvp(primals, tangents):
+    """The gather's own derivative: the bits' integer path has none."""
+    table, ids = primals
+    return _take_bits(table, ids), jnp.take(tangents[0], ids, axis=0)
 
 
 def step_context(config: ModelConfig, positions: jax.Array, q_lens: jax.Array,
