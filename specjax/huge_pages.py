@@ -5,8 +5,9 @@ every page; where the kernel's THP mode is `madvise` (a common default) XLA's bu
 stay on 4 KB pages, since nothing advises them. `advise` asks the kernel to back the
 2 MB-aligned span of each large single-device CPU array with huge pages:
 `MADV_HUGEPAGE` (later faults and khugepaged may use them) and `MADV_COLLAPSE` (Linux
->= 6.1: moves the pages now). The arrays' contents do not change. Elsewhere, with THP
-`never`, or with `SPECJAX_HUGE_PAGES=off`, it does nothing. `Model.decode_params`
+>= 6.1: moves the pages now). The arrays' contents do not change. Elsewhere (an older
+kernel, another OS), with THP `never`, or with `SPECJAX_HUGE_PAGES=off`, it does
+nothing. `Model.decode_params`
 calls it on the decode layout it makes; docs/design.md ("Huge pages for the decode
 weights") has the measurements' pointer.
 """
@@ -39,9 +40,21 @@ def thp_mode() -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
+def kernel_collapses(release: str | None = None) -> bool:
+    """Whether the Linux kernel (`release`, default this one's) has MADV_COLLAPSE (6.1+)."""
+    release = os.uname().release if release is None else release
+    try:
+        major, minor = (int(part) for part in release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 1)
+
+
 def is_on() -> bool:
-    """Whether `advise` acts: Linux, THP not `never`, and `SPECJAX_HUGE_PAGES` not off."""
-    return (sys.platform == "linux" and thp_mode() not in (None, "never")
+    """Whether `advise` acts: Linux 6.1+, THP not `never`, and `SPECJAX_HUGE_PAGES` not
+    off. (Without MADV_COLLAPSE the weights, written already, would wait for khugepaged.)"""
+    return (sys.platform == "linux" and kernel_collapses()
+            and thp_mode() not in (None, "never")
             and os.environ.get(ENV, "").strip().lower() not in OFF)
 
 
@@ -71,8 +84,8 @@ def advise(tree: Any) -> int:
     nothing). A refusal (an older kernel, no free huge page) leaves the leaf as it was."""
     if not is_on():
         return 0
-    # an array still being computed has no pages yet, and a span with none is refused
     madvise, done = _madvise(), 0
+    # an array still being computed has no pages yet, and a span with none is refused
     for leaf in jax.block_until_ready(jax.tree.leaves(tree)):
         where = span(leaf)
         if where is None:

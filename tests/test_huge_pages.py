@@ -11,8 +11,8 @@ from specjax.config import tiny_llama
 from specjax.decoding.programs import LayoutCache
 from specjax.speculators import DraftModel
 
-# whether this host's kernel moves pages on request: THP not `never`, and MADV_COLLAPSE
-# (Linux >= 6.1)
+# whether this host's kernel moves pages on request: Linux >= 6.1 (MADV_COLLAPSE), THP
+# not `never`
 ACTS = huge_pages.is_on()
 
 
@@ -67,7 +67,21 @@ def test_the_switch_turns_it_off(big, monkeypatch):
     assert not huge_pages.is_on()
     assert huge_pages.advise(big) == 0
     monkeypatch.setenv(huge_pages.ENV, "on")
-    assert huge_pages.is_on() == (huge_pages.thp_mode() not in (None, "never"))
+    assert huge_pages.is_on() == (huge_pages.thp_mode() not in (None, "never")
+                                  and huge_pages.kernel_collapses())
+
+
+@pytest.mark.parametrize("release, collapses", [
+    ("6.1.0-13-amd64", True), ("6.18.44-fc-v1300", True), ("7.0.1", True),
+    ("6.0.19", False), ("5.15.0-91-generic", False), ("unknown", False)])
+def test_madv_collapse_needs_linux_6_1(release, collapses):
+    assert huge_pages.kernel_collapses(release) == collapses
+
+
+def test_an_older_kernel_advises_nothing(big, monkeypatch):
+    monkeypatch.setattr(huge_pages.os, "uname",
+                        lambda: type("U", (), {"release": "5.15.0-91-generic"})())
+    assert not huge_pages.is_on() and huge_pages.advise(big) == 0
 
 
 # vocab x hidden float32 = 8 MB of embedding; the layers' stacked [L, ...] weights 4-8 MB
