@@ -7,9 +7,9 @@ stay on 4 KB pages, since nothing advises them. `advise` asks the kernel to back
 `MADV_HUGEPAGE` (later faults and khugepaged may use them) and `MADV_COLLAPSE` (Linux
 >= 6.1: moves the pages now). The arrays' contents do not change. Elsewhere (an older
 kernel, another OS), with THP `never`, or with `SPECJAX_HUGE_PAGES=off`, it does
-nothing. `Model.decode_params`
-calls it on the decode layout it makes; docs/design.md ("Huge pages for the decode
-weights") has the measurements' pointer.
+nothing. `Model.decode_params` and the speculators' `LayoutCache` call it, in the
+background (`advise_soon`), on the layouts they make; docs/design.md ("Huge pages for
+the decode weights") has the measurements' pointer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,28 @@ def advise(tree: Any) -> int:
         if madvise(start, size, MADV_COLLAPSE) == 0:
             done += size
     return done
+
+
+_PENDING: list[threading.Thread] = []
+
+
+def advise_soon(tree: Any) -> None:
+    """`advise(tree)` in a background thread: the kernel's work (compacting memory for
+    the huge pages, the copy) overlaps the caller's compile and first steps instead of
+    adding to its first call. The thread holds `tree`, so its buffers outlive it;
+    readers meanwhile see the same values. `wait()` joins it."""
+    if not is_on():
+        return
+    thread = threading.Thread(target=advise, args=(tree,), name="specjax-huge-pages",
+                              daemon=True)
+    _PENDING.append(thread)
+    thread.start()
+
+
+def wait() -> None:
+    """Returns once every `advise_soon` started so far has finished."""
+    while _PENDING:
+        _PENDING.pop().join()
 
 
 def huge_bytes(x: jax.Array) -> int:

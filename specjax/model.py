@@ -62,7 +62,7 @@ class Model:
         hit = self._decoded.get(layout)
         if hit is None or hit[0] is not self.params:
             decoded = decode_params(self.config, self.params, layout)
-            huge_pages.advise(decoded)
+            huge_pages.advise_soon(decoded)
             hit = (self.params, decoded)
             self._decoded[layout] = hit
         return hit[1]

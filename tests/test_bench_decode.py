@@ -100,8 +100,8 @@ def test_the_small_pages_twin_decodes_the_same_params_unadvised(monkeypatch):
     model = specjax.init_model(tiny_llama(vocab_size=64), seed=0)
     monkeypatch.setenv(huge_pages.ENV, "on")
     seen = []
-    real = huge_pages.advise
-    monkeypatch.setattr(huge_pages, "advise",
+    real = huge_pages.advise_soon
+    monkeypatch.setattr(huge_pages, "advise_soon",
                         lambda tree: seen.append(os.environ[huge_pages.ENV]) or real(tree))
     twin = decode.on_small_pages(model)
     assert twin is not model and twin.params is model.params and seen == ["off"]

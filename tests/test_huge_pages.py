@@ -1,6 +1,8 @@
 """Huge pages for the CPU decode weights: `specjax.huge_pages`, called where the decode
 layout is made (`Model.decode_params`, the speculators' `LayoutCache`)."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,12 +91,29 @@ BIG_CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_
                   num_heads=8, num_kv_heads=4)
 
 
+def test_advise_soon_advises_in_the_background(big, monkeypatch):
+    calls, real = [], huge_pages.advise
+    monkeypatch.setattr(huge_pages, "advise", lambda tree: calls.append(
+        (threading.current_thread().name, tree)) or real(tree))
+    tree = {"big": big}
+    huge_pages.advise_soon(tree)
+    huge_pages.wait()
+    assert not huge_pages._PENDING
+    assert calls == ([("specjax-huge-pages", tree)] if ACTS else [])
+    _check_backed(big)
+    monkeypatch.setenv(huge_pages.ENV, "off")
+    huge_pages.advise_soon(big)  # nothing to do: no thread
+    assert not huge_pages._PENDING
+
+
 @pytest.fixture
 def advised(monkeypatch):
-    """The trees `huge_pages.advise` was called on (memory freed by an earlier test may
-    come back on pages advised already, so being backed alone does not show the call)."""
-    calls, real = [], huge_pages.advise
-    monkeypatch.setattr(huge_pages, "advise", lambda tree: calls.append(tree) or real(tree))
+    """The trees `huge_pages.advise_soon` was called on (memory freed by an earlier test
+    may come back on pages advised already, so being backed alone does not show the
+    call); the tests `wait()` for the background work before they look at the pages."""
+    calls, real = [], huge_pages.advise_soon
+    monkeypatch.setattr(huge_pages, "advise_soon",
+                        lambda tree: calls.append(tree) or real(tree))
     return calls
 
 
@@ -107,6 +126,7 @@ def test_the_decode_layout_of_a_model_is_backed(advised):
     decoded = model.decode_params()
     assert decoded is not model.params
     assert [_leaf_ids(t) for t in advised] == [_leaf_ids(decoded)]
+    huge_pages.wait()
     _check_backed(_largest(decoded))
     assert model.decode_params() is decoded and len(advised) == 1  # once per model
 
@@ -115,4 +135,5 @@ def test_a_speculator_laid_out_for_decoding_is_backed(advised):
     draft = DraftModel.create(init_model(tiny_llama(**BIG_CONFIG), seed=1), k=2)
     laid_out = LayoutCache().get(draft, "auto")
     assert [_leaf_ids(t) for t in advised] == [_leaf_ids(laid_out)]
+    huge_pages.wait()
     _check_backed(_largest(laid_out.params))

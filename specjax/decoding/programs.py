@@ -96,7 +96,7 @@ class LayoutCache:
 def _advised(laid_out):
     """`laid_out`, its weights backed with huge pages where the host allows, as the
     target's are (`specjax.huge_pages`)."""
-    huge_pages.advise(laid_out)
+    huge_pages.advise_soon(laid_out)
     return laid_out
 
 
