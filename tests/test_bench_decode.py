@@ -48,12 +48,17 @@ def test_bench_config_is_the_documented_llama():
     assert config.param_count() == 31_990_272
 
 
-def test_run_on_a_tiny_model_matches_transformers(capsys):
+def test_run_on_a_tiny_model_matches_transformers(capsys, monkeypatch):
     import specjax
+    from specjax import huge_pages
     from specjax.config import tiny_llama
 
     model = specjax.init_model(tiny_llama(vocab_size=64), seed=0)
+    waits = []
+    real_wait = huge_pages.wait
+    monkeypatch.setattr(huge_pages, "wait", lambda: waits.append(1) or real_wait())
     result = decode.run(model, new_tokens=3, batch_sizes=[2], prompt_len=8, repeats=1)
+    assert waits == [1]  # the rounds start on settled pages
     row, = result["rows"]
     assert row["batch"] == 2 and row["same"] and row["specjax_ms"] > 0 and row["hf1_ms"] > 0
     assert row["small_pages_ms"] > 0 and row["scan_ms"] > 0

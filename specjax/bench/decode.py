@@ -94,6 +94,7 @@ def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
     import torch
 
     import specjax
+    from specjax import huge_pages
     from specjax.bench.prompts import heldout_windows
     from specjax.bench.speculative import load_hf
 
@@ -123,6 +124,7 @@ def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
         ours("small_pages")
         for threads in (default_threads, 1):
             theirs(threads, n=2)
+        huge_pages.wait()  # the weights' pages settled before any round is timed
         times, ttft, tpot, out, hf_out = _timed_rounds(ours, theirs, default_threads, repeats)
         torch.set_num_threads(default_threads)
         same = out.tokens == hf_out[:, prompt_len:].tolist()
