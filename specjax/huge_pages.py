@@ -110,7 +110,7 @@ def advise_soon(tree: Any) -> None:
         return
     thread = threading.Thread(target=advise, args=(tree,), name="specjax-huge-pages",
                               daemon=True)
-    _PENDING.append(thread)
+    _PENDING[:] = [t for t in _PENDING if t.is_alive()] + [thread]
     thread.start()
 
 

@@ -135,18 +135,13 @@ def run(model, new_tokens: int, batch_sizes: list[int], prompt_len: int,
 def on_small_pages(model):
     """A second `Model` on `model`'s params whose decode layout stays on the kernel's base
     pages (`specjax.huge_pages` off while it is made): the A/B of huge pages in one run."""
+    from unittest import mock
+
     from specjax import huge_pages
 
     twin = dataclasses.replace(model)
-    before = os.environ.get(huge_pages.ENV)
-    os.environ[huge_pages.ENV] = "off"
-    try:
+    with mock.patch.dict(os.environ, {huge_pages.ENV: "off"}):
         twin.decode_params()
-    finally:
-        if before is None:
-            del os.environ[huge_pages.ENV]
-        else:
-            os.environ[huge_pages.ENV] = before
     return twin
 
 
