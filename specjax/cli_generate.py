@@ -177,7 +177,18 @@ def calibration(run: Run | None, method: str | None, temperature: float):
 
 def main(args) -> int:
     """Decodes the prompt plainly and with the speculator; prints both summaries, the
-    text and, greedy, whether the outputs agree (exit 1 where they do not)."""
+    text and, greedy, whether the outputs agree (exit 1 where they do not). The weights
+    stay on base pages unless the two calls decode enough tokens to earn back moving
+    them to huge pages (`specjax.huge_pages.off_unless_earned`)."""
+    from specjax import huge_pages
+
+    calls = 1 if args.speculator == "none" else 2
+    with huge_pages.off_unless_earned(calls * max(args.max_new_tokens, 0)):
+        return _generate(args)
+
+
+def _generate(args) -> int:
+    """`main`'s work."""
     import specjax
     from specjax.calibrate import calibrated_kwargs
     from specjax.config import tiny_llama

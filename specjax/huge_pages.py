@@ -14,12 +14,14 @@ the decode weights") has the measurements' pointer.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 import threading
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 
@@ -29,6 +31,9 @@ ENV = "SPECJAX_HUGE_PAGES"
 HUGE = 2 << 20  # x86-64's and arm64's (4 KB base pages) PMD-sized huge page
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <asm-generic/mman-common.h>
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# decoded tokens a fresh process needs to earn back the collapse's CPU time (the steps'
+# gain against the first call's cost: docs/benchmarks.md, "First-call compile")
+EARNS_BACK = 1024
 
 
 def thp_mode() -> str | None:
@@ -96,6 +101,15 @@ def advise(tree: Any) -> int:
         if madvise(start, size, MADV_COLLAPSE) == 0:
             done += size
     return done
+
+
+def off_unless_earned(tokens: int) -> contextlib.AbstractContextManager:
+    """A context in which `advise` does nothing, where the user left `SPECJAX_HUGE_PAGES`
+    unset and a one-shot process decodes fewer than `EARNS_BACK` tokens in all; a null
+    context otherwise."""
+    if ENV in os.environ or tokens >= EARNS_BACK:
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {ENV: "off"})
 
 
 _PENDING: list[threading.Thread] = []

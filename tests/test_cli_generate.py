@@ -186,3 +186,22 @@ def test_sampling_flags_reach_both_calls_and_bad_ones_exit_2(calls, capsys):
     assert len(calls) == 2
     assert cli(["generate", "--speculator", "none", "--min-p", "1.5"] + IDS) == 2
     assert "min_p=1.5 must be in [0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("speculator, new, switch", [
+    ("ngram", "8", "off"),  # 16 tokens in two calls: the collapse would not pay
+    ("ngram", "512", None),  # 1,024 tokens: the weights go onto huge pages as elsewhere
+])
+def test_a_short_run_leaves_the_weights_on_base_pages(speculator, new, switch,
+                                                      monkeypatch):
+    from specjax import huge_pages
+
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    seen, real = [], huge_pages.advise_soon
+    monkeypatch.setattr(huge_pages, "advise_soon", lambda tree: seen.append(
+        huge_pages.os.environ.get(huge_pages.ENV)) or real(tree))
+    assert cli(["generate", "--speculator", speculator, "--ids", "5,6,7,8",
+                "--max-new-tokens", new]) == 0
+    huge_pages.wait()
+    assert seen and set(seen) == {switch}
+    assert huge_pages.ENV not in huge_pages.os.environ

@@ -137,3 +137,20 @@ def test_a_speculator_laid_out_for_decoding_is_backed(advised):
     assert [_leaf_ids(t) for t in advised] == [_leaf_ids(laid_out)]
     huge_pages.wait()
     _check_backed(_largest(laid_out.params))
+
+
+@pytest.mark.parametrize("preset, tokens, inside", [
+    (None, huge_pages.EARNS_BACK - 1, "off"),  # a short one-shot run: base pages
+    (None, huge_pages.EARNS_BACK, None),  # enough tokens to earn the collapse back
+    ("on", 1, "on"),  # the user's own setting wins
+])
+def test_off_unless_earned(preset, tokens, inside, monkeypatch):
+    if preset is None:
+        monkeypatch.delenv(huge_pages.ENV, raising=False)
+    else:
+        monkeypatch.setenv(huge_pages.ENV, preset)
+    with huge_pages.off_unless_earned(tokens):
+        assert huge_pages.os.environ.get(huge_pages.ENV) == inside
+        if inside == "off":
+            assert not huge_pages.is_on()
+    assert huge_pages.os.environ.get(huge_pages.ENV) == preset  # restored
