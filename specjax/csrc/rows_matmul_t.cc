@@ -16,9 +16,10 @@
 // (docs/benchmarks.md, "Few-row matmuls, weights transposed").
 // Each output element is the dot product of x's row and wt's row summed the same way in
 // every block shape and for any T: lane-wise fused multiply-adds over the vectors of I
-// in order, the lanes summed by halves, then the tail of I past the last whole vector in
-// order, every multiply-add fused explicitly (`vectors.h`); so a row's result does not
-// depend on how many rows share the call. The
+// in order, the lanes summed by halves (the block's sums halved together, `vectors.h`'s
+// `lanes_sums`), then the tail of I past the last whole vector in order, every
+// multiply-add fused explicitly (`vectors.h`); so a row's result does not depend on
+// how many rows share the call. The
 // outputs are split across XLA's intra-op threads.
 #include <algorithm>
 #include <cstdint>
@@ -44,15 +45,6 @@ inline vf wload(const uint16_t* p) { return specjax::widen_bf16(p); }
 inline float wvalue(float w) { return w; }
 inline float wvalue(uint16_t w) { return specjax::widen_bf16(w); }
 
-// The lanes of v summed by halves: a fixed order, the same for every block.
-inline float lanes_sum(vf v) {
-  float s[kLanes];
-  for (int l = 0; l < kLanes; ++l) s[l] = v[l];
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) s[l] += s[l + w];
-  return s[0];
-}
-
 // y[r, j + g * stride] for R rows of x and the G outputs j, j + stride, ...: R x G
 // accumulators in registers, each weight vector loaded once for the R rows.
 template <int G, int R, typename W>
@@ -66,14 +58,17 @@ void block(const float* x, const W* wt, float* y, int64_t in, int64_t out, int64
     vf wv[G];
     for (int g = 0; g < G; ++g) wv[g] = wload(wt + (j + g * stride) * in + i);
     for (int r = 0; r < R; ++r) {
-      const vf xv = load(x + r * in + i);
+      vf xv = load(x + r * in + i);
+      specjax::in_register(xv);  // one load for the G products
       for (int g = 0; g < G; ++g) acc[r][g] = fma(xv, wv[g], acc[r][g]);
     }
   }
+  float sums[R * G];  // acc[r][g]'s lanes summed, at r * G + g
+  specjax::lanes_sums(&acc[0][0], R * G, sums);
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) {
       const W* w = wt + (j + g * stride) * in;
-      float s = lanes_sum(acc[r][g]);
+      float s = sums[r * G + g];
       for (int64_t i = iv; i < in; ++i) s = __builtin_fmaf(x[r * in + i], wvalue(w[i]), s);
       y[r * out + j + g * stride] = s;
     }

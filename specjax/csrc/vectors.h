@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
@@ -95,6 +96,73 @@ inline float widen_bf16(uint16_t h) {
   std::memcpy(&x, &bits, sizeof x);
   return x;
 }
+
+// v kept in a register for the uses that follow: with no register free to spare,
+// GCC folds a vector loaded once into every multiply-add that reads it as a memory
+// operand, one load per use (a row of x read G times per step by the few-row
+// products, where the loads, not the multiply-adds, then bound the step).
+inline void in_register(vf& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__SSE__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
+// Lane k of the result: lane `lo + k % (Seg / 2)` of segment k / (Seg / 2) of the pair
+// (a's kLanes / Seg segments of Seg lanes, then b's), one halving step's lower halves.
+constexpr int64_t halves_index(int64_t seg, int64_t k, int64_t lo) {
+  const int64_t w = seg / 2, per = kLanes / seg, part = k / w;
+  return (part < per ? 0 : kLanes) + part % per * seg + lo + k % w;
+}
+
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
+// One halving step over two vectors of segments of Seg lanes: each segment's lane l
+// plus its lane l + Seg / 2, a's segments first, then b's.
+template <int64_t Seg, size_t... K>
+inline vf halve(vf a, vf b, std::index_sequence<K...>) {
+  return __builtin_shufflevector(a, b, halves_index(Seg, K, 0)...) +
+         __builtin_shufflevector(a, b, halves_index(Seg, K, Seg / 2)...);
+}
+
+// t[0, n) (n <= kLanes, segments of Seg lanes) halved down to t[0]: pairs of vectors,
+// a zero one standing in past n.
+template <int64_t Seg>
+inline void halvings(vf* t, int64_t n) {
+  if constexpr (Seg >= 2) {
+    for (int64_t j = 0; 2 * j < n; ++j)
+      t[j] = halve<Seg>(t[2 * j], 2 * j + 1 < n ? t[2 * j + 1] : vf{},
+                        std::make_index_sequence<kLanes>());
+    halvings<Seg / 2>(t, (n + 1) / 2);
+  }
+}
+
+// sums[k] = the lanes of v[k] summed by halves (lane l plus lane l + kLanes / 2, then
+// l + kLanes / 4, ..., l + 1: every vector the same order, that of one vector's scalar
+// loop), for k < n: kLanes vectors at a time, halved together by shuffles and adds (one
+// vector's lanes one at a time cost as much as a few rows' products).
+inline void lanes_sums(const vf* v, int64_t n, float* sums) {
+  for (int64_t k0 = 0; k0 < n; k0 += kLanes) {
+    const int64_t m = n - k0 < kLanes ? n - k0 : kLanes;
+    vf t[kLanes];
+    for (int64_t k = 0; k < m; ++k) t[k] = v[k0 + k];
+    halvings<kLanes>(t, m);
+    for (int64_t k = 0; k < m; ++k) sums[k0 + k] = t[0][k];
+  }
+}
+#else
+inline void lanes_sums(const vf* v, int64_t n, float* sums) {
+  for (int64_t k = 0; k < n; ++k) {
+    float s[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) s[l] = v[k][l];
+    for (int64_t w = kLanes / 2; w >= 1; w /= 2)
+      for (int64_t l = 0; l < w; ++l) s[l] += s[l + w];
+    sums[k] = s[0];
+  }
+}
+#endif
 
 }  // namespace specjax
 
