@@ -79,15 +79,10 @@ float dot_native(const uint16_t* x, const uint16_t* w, int64_t in) {
   return finish(s, x, w, whole, in);
 }
 
-// Two 512-bit sums' adjacent parts added: the halving step that pairs parts `lo` and
-// `hi` of each (shuffle immediates picking 128-bit parts, or floats within them).
-#define SPECJAX_HALVE(shuffle, a, b, lo, hi) \
-  _mm512_add_ps(shuffle((a), (b), (lo)), shuffle((a), (b), (hi)))
-
 // y[r, g] for 4 rows of x and 4 outputs: 16 sums in registers, each weight vector
-// loaded once for the 4 rows; the 16 sums' lanes then halved together (four steps of
-// shuffles and adds that pair lane l with lane l + 8, + 4, + 2, + 1 of each sum, the
-// order `finish` sums one in), leaving sum 4r + g in lane 4g + r.
+// loaded once for the 4 rows; the 16 sums' lanes then halved together (`vectors.h`'s
+// `lanes_sums`: lane l with lane l + 8, + 4, + 2, + 1 of each sum, the order `finish`
+// sums one in).
 void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t in, int64_t out) {
   const int64_t whole = in / kChunk * kChunk;
   __m512 c[kTile * kTile];
@@ -101,24 +96,16 @@ void tile(const uint16_t* x, const uint16_t* w, float* y, int64_t in, int64_t ou
         c[r * kTile + g] = _mm512_dpbf16_ps(c[r * kTile + g], xv, wv[g]);
     }
   }
-  __m512 h8[8], h4[4], h2[2];
-  for (int k = 0; k < 8; ++k)  // lanes l + 8: 256-bit halves
-    h8[k] = SPECJAX_HALVE(_mm512_shuffle_f32x4, c[2 * k], c[2 * k + 1], 0x44, 0xEE);
-  for (int k = 0; k < 4; ++k)  // l + 4: 128-bit quarters
-    h4[k] = SPECJAX_HALVE(_mm512_shuffle_f32x4, h8[2 * k], h8[2 * k + 1], 0x88, 0xDD);
-  for (int k = 0; k < 2; ++k)  // l + 2, then l + 1: floats within quarters
-    h2[k] = SPECJAX_HALVE(_mm512_shuffle_ps, h4[2 * k], h4[2 * k + 1], 0x44, 0xEE);
-  float s[kPairs];
-  _mm512_storeu_ps(s, SPECJAX_HALVE(_mm512_shuffle_ps, h2[0], h2[1], 0x88, 0xDD));
+  float s[kTile * kTile];  // c[r * kTile + g]'s lanes summed, at r * kTile + g
+  specjax::lanes_sums(reinterpret_cast<const specjax::vf*>(c), kTile * kTile, s);
   for (int64_t r = 0; r < kTile; ++r)
     for (int64_t g = 0; g < kTile; ++g) {
-      float sum = s[4 * g + r];
+      float sum = s[r * kTile + g];
       for (int64_t i = whole; i < in; ++i)
         sum = __builtin_fmaf(widen_bf16(x[r * in + i]), widen_bf16(w[g * in + i]), sum);
       y[r * out + g] = sum;
     }
 }
-#undef SPECJAX_HALVE
 constexpr bool kNative = true;
 #else
 float dot_native(const uint16_t* x, const uint16_t* w, int64_t in) {
