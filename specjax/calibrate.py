@@ -419,20 +419,36 @@ def call_step(stats: GenerationStats) -> tuple[float, int]:
     return stats.wall_s - stats.ttft_s, loop_steps(stats)
 
 
-def paired_median(passes: list[GenerationStats], plain: list[GenerationStats],
+def fitted_plain_steps(step_s: np.ndarray) -> np.ndarray:
+    """[calls] each call's plain step in seconds, fitted from `step_s` [calls, passes],
+    every pass's seconds per loop step (the plain pass first; nan: it ran none): log
+    times as a call's load plus a pass's cost, by one sweep of Tukey's median polish. A
+    call the host slowed throughout prices its passes as slowed, while one pass the host
+    sped up or slowed alone, the plain one too, prices none of them: on a shared host a
+    second can run a third faster. Written here: no library of the project's offers a
+    median polish, and it is three medians."""
+    logs = np.log(step_s)
+    if np.isnan(logs[:, 0]).all():  # no plain pass ran a step: nothing to price against
+        return np.full(len(logs), np.nan)
+    logs = logs[:, ~np.isnan(logs).all(axis=0)]
+    passes = np.nanmedian(logs, axis=0, keepdims=True)  # each pass's cost over the calls
+    calls = np.nanmedian(logs - passes, axis=1)  # each call's load
+    return np.exp(calls + np.nanmedian(logs[:, 0] - calls))
+
+
+def priced_median(passes: list[GenerationStats], plain_step_s: np.ndarray,
                   price: Callable[[GenerationStats, float, int, float], float]) -> float:
     """The median over calls of `price(stats, decode seconds, loop steps, plain step
-    seconds)`, each call's pass priced against the plain pass of the same call: the same
-    prompts, run beside the same machine load. Taking the fastest of each pass instead
-    compares moments the host was quiet for one pass and not the other, and reads a
-    plain pass slowed in every call as a free speculative step; the median of
-    `MIN_TIMED_CALLS` or more calls leaves one slowed pass out either way. Calls where
-    either pass ran no step are left out (0.0 when none is left)."""
+    seconds)`, each call's pass priced against that call's fitted plain step
+    (`fitted_plain_steps`): the same prompts, beside the same machine load. Taking the
+    fastest of each pass instead compares moments the host was quiet for one pass and
+    not the other; the median of `MIN_TIMED_CALLS` or more calls leaves a mistimed
+    pass out. Calls where the pass ran no step are left out (0.0 when none is left)."""
     priced = []
-    for s, p in zip(passes, plain):
-        (secs, steps), (plain_s, plain_steps) = call_step(s), call_step(p)
-        if steps > 0 and plain_steps > 0:
-            priced.append(price(s, secs, steps, plain_s / plain_steps))
+    for s, plain_s in zip(passes, plain_step_s):
+        secs, steps = call_step(s)
+        if steps > 0 and np.isfinite(plain_s):
+            priced.append(price(s, secs, steps, float(plain_s)))
     return float(np.median(priced)) if priced else 0.0
 
 
@@ -452,11 +468,12 @@ def filled_batches(prompts, batch: int) -> list[list]:
 
 
 # Timed calls per pass at the least: each pass is priced at the median of its calls
-# against their own plain passes (`paired_median`), and a median of three leaves one
-# slowed pass out, where one call alone on a shared host can read a loop's upkeep as 0
-# in one run and a third of a step in the next (docs/benchmarks.md, "Earlier runs, in
-# short").
-MIN_TIMED_CALLS = 3
+# against their fitted plain steps (`priced_median`), and a median of five leaves two
+# mistimed passes out, where one call alone on a shared host can read a loop's upkeep as
+# 0 in one run and a third of a step in the next, and of three calls two plain passes
+# caught running fast read every T = 1 overhead high (docs/benchmarks.md, "Earlier
+# runs, in short").
+MIN_TIMED_CALLS = 5
 
 
 def timed_calls(calls: list[list], least: int = MIN_TIMED_CALLS) -> list[list]:
@@ -500,9 +517,10 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     untimed first (on the first call of each
     shape, `warmup_calls`), at the first temperature only: temperature is traced, so
     every temperature runs the same programs. Each pass is priced per call against
-    that call's plain pass, and the median over calls counts (`paired_median`): on a
-    shared host one slowed pass of a few seconds would read as a large overhead, or a
-    slowed plain pass as none.
+    that call's plain step as fitted from all of the call's passes (`fitted_plain_steps`),
+    and the median over calls counts (`priced_median`): on a shared host one slowed pass
+    of a few seconds would read as a large overhead, and a plain pass slowed or sped up
+    alone would misprice every pass of its call.
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
     (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
@@ -542,17 +560,19 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
                 stats[kind, name].append(s)
-        plain = stats["plain", None]
+        plain = fitted_plain_steps(np.array(
+            [[secs / steps if steps > 0 else np.nan for secs, steps in map(call_step, timed)]
+             for timed in stats.values() if timed]).T)
         out[temp] = {}
         for name, spec in specs.items():
             if not stats["full", name]:
                 out[temp][name] = Calibration()
                 continue
-            idle = paired_median(stats["idle", name], plain,
+            idle = priced_median(stats["idle", name], plain,
                                  lambda s, secs, steps, plain_step_s: idle_overhead(
                                      secs, steps, plain_step_s))
             # where only drafting steps carry it, the other steps' share is the idle one
-            over = {kind: paired_median(
+            over = {kind: priced_median(
                         stats[kind, name], plain, lambda s, secs, steps, plain_step_s:
                         step_overhead(s, secs, plain_step_s, steps,
                                       drafting_steps(s, spec, batch), idle))

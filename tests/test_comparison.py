@@ -79,11 +79,11 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
                                                               target=tiny_target)}
     calibrations(tiny_target, specs, prompts, new_tokens=8, temperatures=(0.0, 1.0))
     # one call's 7 warm-up passes (plain, then each speculator at full depth, at depth 1
-    # and idle), then per temperature 3 calls' 7 timed passes
+    # and idle), then per temperature 5 calls' 7 timed passes (`MIN_TIMED_CALLS`)
     per_call = [c for _, c in calls]
-    assert len(per_call) == 7 + 2 * 21
+    assert len(per_call) == 7 + 2 * 35
     warm, timed = per_call[:7], per_call[7:]
-    assert sum(warm) > 0 and timed == [0] * 42
+    assert sum(warm) > 0 and timed == [0] * 70
     # warm-up order: plain, then (full, depth 1, idle) per speculator
     assert per_call[1] > 0 and per_call[4] > 0
     assert per_call[2:4] == per_call[5:7] == [0, 0]

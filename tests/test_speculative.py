@@ -1293,27 +1293,38 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert out[0.0]["spec"].generate_kwargs()["idle_overhead"] == pytest.approx(0.1)
     kinds = ("plain", "full", "shallow", "idle")
     passes = lambda *seeds: [(s, kind) for s in seeds for kind in kinds]
-    assert ran == passes(0, 2) + passes(0, 1, 2)  # warm-up passes, then timed ones
+    # warm-up passes, then timed ones: 5 calls (`MIN_TIMED_CALLS`), the prompts repeated
+    assert ran == passes(0, 2) + passes(0, 1, 2, 3, 4)
 
 
-def test_calibration_prices_each_pass_against_its_own_calls_plain_pass(monkeypatch):
-    """Each call's passes are priced against that call's plain pass and the median over
-    calls counts. The host's load rises across the calls (every pass of call i at 1,
-    1.5 and 2 times its time) and call 0's full-depth pass is slowed twice more: quiet,
-    16 plain steps take 1.6 s and 10 full-depth steps 2 s, 0.6 unmodelled past 2 draft
-    calls at c = 0.1 and a 1.2-step verify, which calls 1 and 2 read. The fastest of
-    each pass would compare call 0's plain pass with call 1's full-depth one and read
-    1.6; a plain pass slowed alone (call 2's idle pass at its plain pass's time while
-    the plain pass runs 3 times slower) reads no idle cost in its call only."""
+@pytest.mark.parametrize("load, slowed", [
+    ({0: 1.0, 1: 1.25, 2: 1.5, 3: 1.75, 4: 2.0},
+     {(0, "full"): 2.0, (1, "full"): 2.0, (4, "plain"): 3.0}),
+    ({i: 1.0 for i in range(5)},
+     {(0, "plain"): 0.65, (2, "plain"): 0.65, (1, "full"): 1.5, (3, "full"): 1.5}),
+], ids=["load-rising", "plain-sped-up"])
+def test_calibration_prices_each_pass_against_its_calls_fitted_plain_step(monkeypatch, load,
+                                                                           slowed):
+    """Each call's passes are priced against that call's plain step as fitted from all its
+    passes (`calibrate.fitted_plain_steps`), and the median over the 5 calls counts.
+    Quiet, 16 plain steps take 1.6 s and 10 full-depth steps 2 s, 0.6 unmodelled past 2
+    draft calls at c = 0.1 and a 1.2-step verify. load-rising: the host's load rises
+    across the calls (every pass of call i at 1 + i / 4 times its time) and the
+    full-depth passes of calls 0 and 1 are slowed twice more; the fastest of each pass
+    would compare call 0's plain pass with call 2's full-depth one and read 1.6, and call
+    4's plain pass, slowed 3 times alone, prices none of its call's passes; against the
+    median plain step over the calls (1.5 times quiet) the median would read 1.27.
+    plain-sped-up: the plain passes of calls 0 and 2 alone run at 0.65 of their time and
+    the full-depth passes of calls 1 and 3 are slowed by half; priced against its own
+    call's plain pass, each of the four would read 1.6 or more."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
     from specjax.calibrate import calibrations
     from specjax.stats import build_stats
 
+    # load: seed -> the host's factor over the call; slowed: (seed, pass) -> time factor
     ones, spec = np.ones(1, np.int64), NGram(k=4, peek=False)  # its overhead over every step
-    load = {0: 1.0, 1: 1.5, 2: 2.0}  # seed -> the host's factor over the call
-    slowed = {(0, "full"): 2.0, (2, "plain"): 3.0}  # (seed, pass) -> time factor
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
         kind = _pass_kind(speculator, kw)
@@ -1335,9 +1346,29 @@ def test_calibration_prices_each_pass_against_its_own_calls_plain_pass(monkeypat
     assert cal.overhead[-1] == pytest.approx(0.6) and cal.idle == pytest.approx(0.1)
 
 
+def test_fitted_plain_steps_leave_out_passes_that_ran_no_step():
+    """[calls, passes] seconds per loop step, plain first: a pass that ran no step in one
+    call (nan) leaves that cell out, one that ran none in any call is no pass, quietly;
+    the calls' loads (1, 1.5, 2) come back times the plain step. With no plain step at
+    all there is nothing to price against (nan: `priced_median` leaves such calls out)."""
+    import warnings
+
+    import numpy as np
+
+    from specjax.calibrate import fitted_plain_steps
+
+    step_s = np.array([[0.1, 0.2, np.nan, 0.11],
+                       [0.15, 0.3, np.nan, np.nan],
+                       [0.2, 0.4, np.nan, 0.22]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # numpy's all-nan median warns
+        np.testing.assert_allclose(fitted_plain_steps(step_s), [0.1, 0.15, 0.2])
+        assert np.isnan(fitted_plain_steps(np.full((3, 2), np.nan))).all()
+
+
 def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
-    """At batch 2, three prompts fill two calls (the first repeated; the first call again
-    as the third timed call, `MIN_TIMED_CALLS`), and the overhead
+    """At batch 2, three prompts fill two calls (the first repeated; the two calls again
+    as the third to fifth timed calls, `MIN_TIMED_CALLS`), and the overhead
     is per loop step, which runs until the call's slowest row: rows of 10 and 6 target
     calls in 2 s are 10 steps of 0.2 s (0.1 s plain), so 2 steps against a modelled 1.2
     verify and 0.2 of draft calls leave 0.6 (per row-call it would read 0.1). The
@@ -1385,13 +1416,17 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
         (None, 1, [[3], [1]]), (spec, 1, [[3], [1]]), (None, 1, [[3], [1]]),
         (None, 1, [[3], [1]]),
         (None, 2, [[1], [2]]), (spec, 2, [[1], [2]]), (None, 2, [[1], [2]]),
-        (None, 2, [[1], [2]])]
+        (None, 2, [[1], [2]]),
+        (None, 3, [[3], [1]]), (spec, 3, [[3], [1]]), (None, 3, [[3], [1]]),
+        (None, 3, [[3], [1]]),
+        (None, 4, [[1], [2]]), (spec, 4, [[1], [2]]), (None, 4, [[1], [2]]),
+        (None, 4, [[1], [2]])]
 
 
-def test_calibration_times_one_filled_call_three_times(monkeypatch):
-    """Four prompts at batch 4 fill one call; each pass is still timed in three calls
-    (the call repeated, seeded 0 to 2), so one slowed call (the first full-depth one at three
-    times its time) does not become the step's overhead: 16 plain steps in 1.6 s, 10
+def test_calibration_times_one_filled_call_five_times(monkeypatch):
+    """Four prompts at batch 4 fill one call; each pass is still timed in five calls
+    (the call repeated, seeded 0 to 4), so two slowed calls (the first two full-depth ones
+    at three times their time) do not become the step's overhead: 16 plain steps in 1.6 s, 10
     full-depth steps in 2 s, 0.6 past 2 draft calls at c = 0.1 and a 1.2-step verify.
     The repeats are the same prompts, so the acceptance's tries are one call's."""
     import numpy as np
@@ -1400,8 +1435,9 @@ def test_calibration_times_one_filled_call_three_times(monkeypatch):
     from specjax.calibrate import calibrations, timed_calls
     from specjax.stats import build_stats
 
-    assert timed_calls([["a"]]) == [["a"]] * 3 and timed_calls([]) == []
-    assert timed_calls([["a"], ["b"], ["c"]]) == [["a"], ["b"], ["c"]]
+    assert timed_calls([["a"]]) == [["a"]] * 5 and timed_calls([]) == []
+    assert timed_calls([["a"], ["b"], ["c"]]) == [["a"], ["b"], ["c"], ["a"], ["b"]]
+    assert timed_calls([["a"]] * 6) == [["a"]] * 6
     ones, spec, ran = np.ones(4, np.int64), NGram(k=4), []
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
@@ -1414,7 +1450,7 @@ def test_calibration_times_one_filled_call_three_times(monkeypatch):
             counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
                           accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
         decode = 2.0 if kind == "full" else 1.6
-        if (seed, kind, len(ran) > 4) == (0, "full", True):  # the first timed full pass
+        if kind == "full" and seed < 2 and len(ran) > 4:  # the first two timed full passes
             decode *= 3.0
         # each row: 10 steps, 5 accepting nothing, 3 one draft, 2 two; depth 3 never tried
         hist = np.tile([5, 3, 2, 0], (4, 1)) if kind == "full" else np.zeros((4, 4), np.int64)
@@ -1428,9 +1464,10 @@ def test_calibration_times_one_filled_call_three_times(monkeypatch):
                        new_tokens=32, batch=4)[0.0]["spec"]
     assert cal.overhead[-1] == pytest.approx(0.6)
     assert cal.prior[:2] == pytest.approx([0.5, 0.4]) and cal.prior[2] is None
-    assert cal.tries == [40.0, 20.0, None]  # one call's 4 rows, not three calls' 12
+    assert cal.tries == [40.0, 20.0, None]  # one call's 4 rows, not five calls' 20
     kinds = ("plain", "full", "shallow", "idle")
-    assert ran == [(seed, kind, 4) for seed in (0, 0, 1, 2) for kind in kinds]  # warm-up first
+    # the warm-up first
+    assert ran == [(seed, kind, 4) for seed in (0, 0, 1, 2, 3, 4) for kind in kinds]
 
 
 def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():
