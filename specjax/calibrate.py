@@ -424,9 +424,9 @@ def fitted_plain_steps(step_s: np.ndarray) -> np.ndarray:
     every pass's seconds per loop step (the plain pass first; nan: it ran none): log
     times as a call's load plus a pass's cost, by one sweep of Tukey's median polish. A
     call the host slowed throughout prices its passes as slowed, while one pass the host
-    sped up or slowed alone, the plain one too, prices none of them: on a shared host a
-    second can run a third faster. Written here: no library of the project's offers a
-    median polish, and it is three medians."""
+    sped up or slowed alone, the plain one too, prices none of them: on a shared host one
+    pass can run much faster or slower than the passes beside it. Written here: no
+    library of the project's offers a median polish, and it is three medians."""
     logs = np.log(step_s)
     if np.isnan(logs[:, 0]).all():  # no plain pass ran a step: nothing to price against
         return np.full(len(logs), np.nan)
@@ -472,7 +472,7 @@ def filled_batches(prompts, batch: int) -> list[list]:
 # mistimed passes out, where one call alone on a shared host can read a loop's upkeep as
 # 0 in one run and a third of a step in the next, and of three calls two plain passes
 # caught running fast read every T = 1 overhead high (docs/benchmarks.md, "Earlier
-# runs, in short").
+# runs, in short" and "The quickstart").
 MIN_TIMED_CALLS = 5
 
 
@@ -560,7 +560,7 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
                 stats[kind, name].append(s)
-        plain = fitted_plain_steps(np.array(
+        fitted = fitted_plain_steps(np.array(
             [[secs / steps if steps > 0 else np.nan for secs, steps in map(call_step, timed)]
              for timed in stats.values() if timed]).T)
         out[temp] = {}
@@ -568,12 +568,12 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
             if not stats["full", name]:
                 out[temp][name] = Calibration()
                 continue
-            idle = priced_median(stats["idle", name], plain,
+            idle = priced_median(stats["idle", name], fitted,
                                  lambda s, secs, steps, plain_step_s: idle_overhead(
                                      secs, steps, plain_step_s))
             # where only drafting steps carry it, the other steps' share is the idle one
             over = {kind: priced_median(
-                        stats[kind, name], plain, lambda s, secs, steps, plain_step_s:
+                        stats[kind, name], fitted, lambda s, secs, steps, plain_step_s:
                         step_overhead(s, secs, plain_step_s, steps,
                                       drafting_steps(s, spec, batch), idle))
                     for kind in ("full", "shallow") if stats[kind, name]}
