@@ -224,6 +224,10 @@ class Calibration:
     proposal: float | None = None  # how often the speculator found a draft when asked
     idle: float = 0.0  # a step at k = 0 in the speculative loop, over a plain one, less 1
     tries: list | None = None  # per depth; None: unknown (the prior taken as exact)
+    # per timed call, seconds per loop step of each pass priced here and the fitted plain
+    # step they were priced against (`pass_timing`): not for generate, so that a figure
+    # read high or low can be traced to the calls and passes that made it
+    timing: dict | None = None
 
     def generate_kwargs(self) -> dict:
         return dict(acceptance_prior=self.prior, step_overhead=self.overhead,
@@ -419,21 +423,30 @@ def call_step(stats: GenerationStats) -> tuple[float, int]:
     return stats.wall_s - stats.ttft_s, loop_steps(stats)
 
 
-def fitted_plain_steps(step_s: np.ndarray) -> np.ndarray:
+def fitted_plain_steps(step_s: np.ndarray, plain: int = 1) -> np.ndarray:
     """[calls] each call's plain step in seconds, fitted from `step_s` [calls, passes],
-    every pass's seconds per loop step (the plain pass first; nan: it ran none): log
-    times as a call's load plus a pass's cost, by one sweep of Tukey's median polish. A
-    call the host slowed throughout prices its passes as slowed, while one pass the host
-    sped up or slowed alone, the plain one too, prices none of them: on a shared host one
-    pass can run much faster or slower than the passes beside it. Written here: no
-    library of the project's offers a median polish, and it is three medians."""
+    every pass's seconds per loop step (the `plain` plain passes first; nan: it ran
+    none): log times as a call's load plus a pass's cost, by one sweep of Tukey's median
+    polish, every plain pass of every call counted in the plain step's cost. A call the
+    host slowed throughout prices its passes as slowed, while one pass the host sped up
+    or slowed alone, a plain one too, prices none of them: on a shared host one pass can
+    run much faster or slower than the passes beside it. Written here: no library of the
+    project's offers a median polish, and it is three medians."""
     logs = np.log(step_s)
-    if np.isnan(logs[:, 0]).all():  # no plain pass ran a step: nothing to price against
+    plain_logs = logs[:, :plain]
+    if np.isnan(plain_logs).all():  # no plain pass ran a step: nothing to price against
         return np.full(len(logs), np.nan)
     logs = logs[:, ~np.isnan(logs).all(axis=0)]
     passes = np.nanmedian(logs, axis=0, keepdims=True)  # each pass's cost over the calls
     calls = np.nanmedian(logs - passes, axis=1)  # each call's load
-    return np.exp(calls + np.nanmedian(logs[:, 0] - calls))
+    return np.exp(calls + np.nanmedian(plain_logs - calls[:, None]))
+
+
+def pass_timing(step_s: dict, fitted: np.ndarray) -> dict:
+    """`Calibration.timing`: {pass: [calls] seconds per loop step} and "fitted": the
+    fitted plain steps, as JSON takes them (a call whose pass ran no step: None)."""
+    listed = lambda a: [float(x) if np.isfinite(x) else None for x in np.asarray(a).ravel()]
+    return {**{kind: listed(s) for kind, s in step_s.items()}, "fitted": listed(fitted)}
 
 
 def priced_median(passes: list[GenerationStats], plain_step_s: np.ndarray,
@@ -505,22 +518,23 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     Per call, plain decoding and then every speculator at full depth (adaptive=False:
     every depth is tried whenever the one before was accepted), at depth 1
     (`shallow_kwargs`; speculators deeper than 1) and drafting nothing (`idle_kwargs`),
-    so that each sees the same machine load. The full-depth pass gives the acceptance
-    per depth, so a good draft drafts deep from its first step, and how often the
-    speculator finds a draft; timed against the plain pass, it and the depth-1 pass give
-    the step's overhead at both ends (`step_overhead`, `depth_overheads`): one figure
-    from the full depth would price a one-level tree's step at a four-level tree's
-    bookkeeping. The idle pass gives what its loop costs where it drafts nothing
-    (`idle_overhead`). The acceptance comes with the tries it is worth, its calls'
-    disagreement counted (`effective_tries`, over the calls of distinct prompts), which
-    bounds generate's choice to draft at all (`policy.may_draft`). Each pass runs once
-    untimed first (on the first call of each
+    then plain decoding again, so that each sees the same machine load. The full-depth
+    pass gives the acceptance per depth, so a good draft drafts deep from its first
+    step, and how often the speculator finds a draft; timed against the plain passes, it
+    and the depth-1 pass give the step's overhead at both ends (`step_overhead`,
+    `depth_overheads`): one figure from the full depth would price a one-level tree's
+    step at a four-level tree's bookkeeping. The idle pass gives what its loop costs
+    where it drafts nothing (`idle_overhead`). The acceptance comes with the tries it is
+    worth, its calls' disagreement counted (`effective_tries`, over the calls of
+    distinct prompts), which bounds generate's choice to draft at all
+    (`policy.may_draft`). Each pass runs once untimed first (on the first call of each
     shape, `warmup_calls`), at the first temperature only: temperature is traced, so
-    every temperature runs the same programs. Each pass is priced per call against
-    that call's plain step as fitted from all of the call's passes (`fitted_plain_steps`),
-    and the median over calls counts (`priced_median`): on a shared host one slowed pass
-    of a few seconds would read as a large overhead, and a plain pass slowed or sped up
-    alone would misprice every pass of its call.
+    every temperature runs the same programs. Each pass is priced per call against that
+    call's plain step as fitted from all of the call's passes, both plain ones in its
+    cost (`fitted_plain_steps`), and the median over calls counts (`priced_median`): on
+    a shared host one slowed pass of a few seconds would read as a large overhead, and a
+    plain pass slowed or sped up alone would misprice every pass of its call. Each
+    `Calibration` keeps the per-call timings it was priced from (`timing`).
     cost_ratios: {temperature: {method: c}} as the timed runs price draft calls
     (`measured_cost_ratios`, at this batch). Compilation is not timed."""
     from specjax.decoding.generate import generate
@@ -531,12 +545,13 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
     calls = timed_calls(distinct)
     out = {}
     for n, temp in enumerate(temperatures):
-        def passes(i, rows):
+        def passes(i, rows, closing=True):
             """Call i's plain pass, then each speculator's full-depth, depth-1 and idle
-            passes."""
+            passes, then (`closing`) plain decoding again."""
             kw = dict(max_new_tokens=new_tokens, temperature=temp, seed=seed + i,
                       ignore_eos=True, verification=verification)
-            yield "plain", None, generate(target, rows, **{**kw, "verification": None}).stats
+            plain = lambda: generate(target, rows, **{**kw, "verification": None}).stats
+            yield "plain", None, plain()
             for name, spec in specs.items():
                 c = cost_ratio_of(cost_ratios, temp, name)
                 yield "full", name, generate(target, rows, **kw, speculator=spec,
@@ -546,23 +561,29 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                         target, rows, **kw, **shallow_kwargs(spec, new_tokens, c)).stats
                 yield "idle", name, generate(target, rows, **kw, **idle_kwargs(
                     spec, new_tokens, default_verify_cost(target.config))).stats
+            if closing:
+                yield "closing", None, plain()
 
         # A program's first run after compiling is slower by a fixed cost per call, which
         # weighs more on the speculative pass's fewer steps and would read as overhead:
         # every program runs once before the timed pass. A call's programs depend on its
         # shapes only (not on the temperature), so one call per shape, at the first
-        # temperature, runs them all.
+        # temperature, runs them all (the closing plain pass runs the opening one's).
         for i, rows in warmup_calls(calls) if n == 0 else ():
-            for _ in passes(i, rows):
+            for _ in passes(i, rows, closing=False):
                 pass
-        stats = {("plain", None): []}
+        stats = {("plain", None): [], ("closing", None): []}
         stats.update({(kind, name): [] for name in specs for kind in ("full", "shallow", "idle")})
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
                 stats[kind, name].append(s)
-        fitted = fitted_plain_steps(np.array(
-            [[secs / steps if steps > 0 else np.nan for secs, steps in map(call_step, timed)]
-             for timed in stats.values() if timed]).T)
+        step_s = {key: np.array([secs / steps if steps > 0 else np.nan
+                                 for secs, steps in map(call_step, timed)])
+                  for key, timed in stats.items() if timed}
+        # a plain pass opens and closes each call: both count in its plain step, so that
+        # plain passes the host sped up in more than half the calls' openings misprice none
+        fitted = (fitted_plain_steps(np.stack(list(step_s.values()), axis=1), plain=2)
+                  if calls else np.zeros(0))
         out[temp] = {}
         for name, spec in specs.items():
             if not stats["full", name]:
@@ -584,7 +605,9 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
                                 spec.shape.max_depth),
                 full.proposal_rate, idle,
                 # a repeated call's prompts are no new prompts: its tries are not counted
-                effective_tries(stats["full", name][:len(distinct)]))
+                effective_tries(stats["full", name][:len(distinct)]),
+                pass_timing({kind: s for (kind, m), s in step_s.items()
+                             if m in (None, name)}, fitted))
     return out
 
 

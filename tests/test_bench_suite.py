@@ -20,6 +20,7 @@ import pytest
 
 import specjax
 from specjax.bench import prompts as P, suite, suite_report
+from specjax.calibrate import MIN_TIMED_CALLS
 from specjax.cli import main as cli
 from specjax.config import tiny_llama
 from specjax.corpus import CorpusConfig, load_corpus
@@ -698,6 +699,11 @@ def test_calibrate_sets_each_methods_prior_from_other_prompts(workdir, finished,
     assert all(len(p["prior_tries"]) == 2 and all(
         (n is None) == (a is None) and (n is None or n > 0)
         for a, n in zip(p["acceptance_by_position"], p["prior_tries"])) for p in res["priors"])
+    # what each was priced from: per timed call, every pass's seconds per loop step
+    for p in res["priors"]:
+        assert set(p["timing"]) == {"plain", "closing", "full", "shallow", "idle", "fitted"}
+        assert all(len(v) == MIN_TIMED_CALLS and all(x > 0 for x in v)
+                   for v in p["timing"].values())
     assert all(r["identical"] for r in res["rows"])  # greedy stays lossless
     docs, tokenizer = heldout
     timed = suite.build_prompt_sets(["docstring"], docs, tokenizer, 2, dict(docstring=64), 0)

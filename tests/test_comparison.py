@@ -79,11 +79,12 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
                                                               target=tiny_target)}
     calibrations(tiny_target, specs, prompts, new_tokens=8, temperatures=(0.0, 1.0))
     # one call's 7 warm-up passes (plain, then each speculator at full depth, at depth 1
-    # and idle), then per temperature 5 calls' 7 timed passes (`MIN_TIMED_CALLS`)
+    # and idle), then per temperature 5 calls' 8 timed passes (`MIN_TIMED_CALLS`; the
+    # same 7 and plain decoding again)
     per_call = [c for _, c in calls]
-    assert len(per_call) == 7 + 2 * 35
+    assert len(per_call) == 7 + 2 * 40
     warm, timed = per_call[:7], per_call[7:]
-    assert sum(warm) > 0 and timed == [0] * 70
+    assert sum(warm) > 0 and timed == [0] * 80
     # warm-up order: plain, then (full, depth 1, idle) per speculator
     assert per_call[1] > 0 and per_call[4] > 0
     assert per_call[2:4] == per_call[5:7] == [0, 0]

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from specjax.calibrate import MIN_TIMED_CALLS
 from specjax.cli import main as cli
 from specjax.train.run import CONFIGS_ROOT, run_config
 
@@ -167,6 +168,8 @@ def test_real_target_quickstart_on_a_tiny_target(finished, tmp_path):
             # per draft depth 1..max_depth, measured at both ends
             assert len(cal["overhead"]) == len(cal["prior"])
             assert all(math.isfinite(o) and o >= 0 for o in cal["overhead"])
+            # and the per-call timings it was priced from, in results.json
+            assert len(cal["timing"]["fitted"]) == MIN_TIMED_CALLS
 
 
 def test_real_target_quickstart_heads_on_regenerated_text(finished, tmp_path):

@@ -1292,9 +1292,11 @@ def test_calibration_times_warm_programs(monkeypatch):
     assert out[0.0]["spec"].idle == pytest.approx(0.1)
     assert out[0.0]["spec"].generate_kwargs()["idle_overhead"] == pytest.approx(0.1)
     kinds = ("plain", "full", "shallow", "idle")
-    passes = lambda *seeds: [(s, kind) for s in seeds for kind in kinds]
-    # warm-up passes, then timed ones: 5 calls (`MIN_TIMED_CALLS`), the prompts repeated
-    assert ran == passes(0, 2) + passes(0, 1, 2, 3, 4)
+    passes = lambda *seeds, closing=("plain",): [(s, kind) for s in seeds
+                                                 for kind in kinds + closing]
+    # warm-up passes (the closing plain pass runs the opening one's program), then timed
+    # ones: 5 calls (`MIN_TIMED_CALLS`), the prompts repeated, plain decoding last again
+    assert ran == passes(0, 2, closing=()) + passes(0, 1, 2, 3, 4)
 
 
 @pytest.mark.parametrize("load, slowed", [
@@ -1302,7 +1304,9 @@ def test_calibration_times_warm_programs(monkeypatch):
      {(0, "full"): 2.0, (1, "full"): 2.0, (4, "plain"): 3.0}),
     ({i: 1.0 for i in range(5)},
      {(0, "plain"): 0.65, (2, "plain"): 0.65, (1, "full"): 1.5, (3, "full"): 1.5}),
-], ids=["load-rising", "plain-sped-up"])
+    ({i: 1.0 for i in range(5)},
+     {(0, "plain"): 0.65, (1, "plain"): 0.7, (3, "plain"): 0.65, (2, "full"): 1.5}),
+], ids=["load-rising", "plain-sped-up", "three-openings-sped-up"])
 def test_calibration_prices_each_pass_against_its_calls_fitted_plain_step(monkeypatch, load,
                                                                            slowed):
     """Each call's passes are priced against that call's plain step as fitted from all its
@@ -1316,7 +1320,11 @@ def test_calibration_prices_each_pass_against_its_calls_fitted_plain_step(monkey
     median plain step over the calls (1.5 times quiet) the median would read 1.27.
     plain-sped-up: the plain passes of calls 0 and 2 alone run at 0.65 of their time and
     the full-depth passes of calls 1 and 3 are slowed by half; priced against its own
-    call's plain pass, each of the four would read 1.6 or more."""
+    call's plain pass, each of the four would read 1.6 or more.
+    three-openings-sped-up: the plain passes that open calls 0, 1 and 3 run at 0.65-0.7
+    of their time, more than a median of the five openings leaves out; the plain passes
+    that close the calls count as well. Each calibration keeps what it was priced from:
+    per call, every pass's seconds per loop step and the fitted plain step."""
     import numpy as np
 
     import specjax.decoding.generate as generate_mod
@@ -1325,16 +1333,20 @@ def test_calibration_prices_each_pass_against_its_calls_fitted_plain_step(monkey
 
     # load: seed -> the host's factor over the call; slowed: (seed, pass) -> time factor
     ones, spec = np.ones(1, np.int64), NGram(k=4, peek=False)  # its overhead over every step
+    plains = []
 
     def fake_generate(target, prompts, *, speculator=None, seed=0, **kw):
         kind = _pass_kind(speculator, kw)
+        if kind == "plain":  # the warm-up's, then each timed call's opening and closing
+            plains.append(seed)
+            kind = "closing" if len(plains) > 1 and len(plains) % 2 else "plain"
         if kind == "full":
             counts = dict(target_calls=10 * ones, draft_calls=20 * ones, drafted=30 * ones,
                           accepted=20 * ones, cost_ratio=0.1, verify_cost=np.asarray([12.0]))
         else:  # plain, and the depth-1 and idle passes timed as plain steps here
             counts = dict(target_calls=16 * ones, draft_calls=0 * ones, drafted=0 * ones,
                           accepted=0 * ones, cost_ratio=0.0, verify_cost=None)
-        decode = dict(plain=1.6, full=2.0, shallow=1.6, idle=1.76)[kind]
+        decode = dict(plain=1.6, closing=1.6, full=2.0, shallow=1.6, idle=1.76)[kind]
         decode *= load[seed] * slowed.get((seed, kind), 1.0)
         stats = build_stats(new_tokens=31 * ones, hist=np.zeros((1, 4), np.int64),
                             ttft_s=0.0, decode_s=decode, compile_s=0.0, **counts)
@@ -1344,6 +1356,13 @@ def test_calibration_prices_each_pass_against_its_calls_fitted_plain_step(monkey
     cal = calibrations(SimpleNamespace(config=None), {"spec": spec}, [[1], [2], [3]],
                        new_tokens=32)[0.0]["spec"]
     assert cal.overhead[-1] == pytest.approx(0.6) and cal.idle == pytest.approx(0.1)
+    assert plains == [0] + [seed for seed in range(5) for _ in "oc"]
+    assert cal.timing["fitted"] == pytest.approx([0.1 * load[i] for i in range(5)])
+    assert sorted(cal.timing) == ["closing", "fitted", "full", "idle", "plain", "shallow"]
+    assert cal.timing["full"] == pytest.approx(
+        [0.2 * load[i] * slowed.get((i, "full"), 1.0) for i in range(5)])
+    assert cal.timing["plain"] == pytest.approx(
+        [0.1 * load[i] * slowed.get((i, "plain"), 1.0) for i in range(5)])
 
 
 def test_fitted_plain_steps_leave_out_passes_that_ran_no_step():
@@ -1410,17 +1429,11 @@ def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
     assert [(s, seed) for s, seed, _ in calls[:4]] == [(None, 0), (spec, 0), (None, 0),
                                                         (None, 0)]
     timed = calls[4:]  # after the warm-up passes of the first call (both have one shape)
+    # per call: plain, full depth, depth 1, idle (the last two timed as plain here) and
+    # plain again, the two calls taking turns
     assert [(s, seed, p) for s, seed, p in timed] == [
-        (None, 0, [[1], [2]]), (spec, 0, [[1], [2]]), (None, 0, [[1], [2]]),
-        (None, 0, [[1], [2]]),
-        (None, 1, [[3], [1]]), (spec, 1, [[3], [1]]), (None, 1, [[3], [1]]),
-        (None, 1, [[3], [1]]),
-        (None, 2, [[1], [2]]), (spec, 2, [[1], [2]]), (None, 2, [[1], [2]]),
-        (None, 2, [[1], [2]]),
-        (None, 3, [[3], [1]]), (spec, 3, [[3], [1]]), (None, 3, [[3], [1]]),
-        (None, 3, [[3], [1]]),
-        (None, 4, [[1], [2]]), (spec, 4, [[1], [2]]), (None, 4, [[1], [2]]),
-        (None, 4, [[1], [2]])]
+        (s, seed, [[[1], [2]], [[3], [1]]][seed % 2]) for seed in range(5)
+        for s in (None, spec, None, None, None)]
 
 
 def test_calibration_times_one_filled_call_five_times(monkeypatch):
@@ -1466,8 +1479,9 @@ def test_calibration_times_one_filled_call_five_times(monkeypatch):
     assert cal.prior[:2] == pytest.approx([0.5, 0.4]) and cal.prior[2] is None
     assert cal.tries == [40.0, 20.0, None]  # one call's 4 rows, not five calls' 20
     kinds = ("plain", "full", "shallow", "idle")
-    # the warm-up first
-    assert ran == [(seed, kind, 4) for seed in (0, 0, 1, 2, 3, 4) for kind in kinds]
+    # the warm-up first, then each call closed by plain decoding again
+    assert ran == [(0, kind, 4) for kind in kinds] + [
+        (seed, kind, 4) for seed in range(5) for kind in kinds + ("plain",)]
 
 
 def test_the_batch_rule_counts_the_steps_a_row_finds_no_draft():

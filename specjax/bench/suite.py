@@ -707,7 +707,7 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
         priors=[dict(category=c, temperature=t, batch=b, method=m,
                      acceptance_by_position=cal.prior, proposal_rate=cal.proposal,
                      step_overhead=cal.overhead, idle_overhead=cal.idle,
-                     prior_tries=cal.tries)
+                     prior_tries=cal.tries, timing=cal.timing)
                 for (c, t, b, m), cal in priors.items()],
         eagle_trees=trees or [], rows=rows)
 
