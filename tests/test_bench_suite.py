@@ -355,6 +355,8 @@ def test_timed_rounds_vary_the_method_order(monkeypatch):
                                dict(new=4, temperature=0.0), ref, lambda _: None)
     assert peer_row["tokens_per_s"] == 4 / 0.2 and peer_row["tau"] == 4 * 4 / 8
     assert peer_row["speedup"] == 20.0 / 40.0 and peer_row["identical"] is False
+    # each round's wall seconds in the row, the ones its speedup pairs
+    assert peer_row["round_wall_s"] == [r[1] for r in peer_results["peer"]]
 
 
 def test_a_method_on_plain_programs_reports_autoregressives_rounds(monkeypatch):
@@ -390,6 +392,7 @@ def test_a_method_on_plain_programs_reports_autoregressives_rounds(monkeypatch):
     assert (draft["loop"], draft["timed"]) == ("speculative", True)
     assert ngram["tokens_per_s"] == ar["tokens_per_s"] and ngram["speedup"] == 1.0
     assert ngram["decode_speedup"] == 1.0 and ngram["identical"] is True
+    assert ngram["round_wall_s"] == ar["round_wall_s"] and len(draft["round_wall_s"]) == 3
     assert draft["speedup"] != 1.0  # timed in its own rounds
     assert "| plain, untimed |" in suite_report.table(rows)
     assert "| speculative |" in suite_report.table(rows)

@@ -122,6 +122,8 @@ def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch, draft_warm_t
     assert by["draft"]["identical_to_plain"] == (draft_warm_tokens == [[1]])
     assert [r["timed"] for r in rows] == [True, True, False]
     assert by["ngram"]["tokens_per_s"] == 12.0
+    # the untimed method's rounds are the first method's, as its tokens/s is
+    assert by["draft"]["round_tokens_per_s"] == speeds["autoregressive"]
 
 
 def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
@@ -147,6 +149,9 @@ def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
     assert by["autoregressive"]["speedup"] == 1.0
     assert by["ngram"]["speedup"] == np.median([1.2, 6.0, 1.3, 1.1])  # 1.25
     assert by["ngram"]["tokens_per_s"] == 12.0
+    # each round's tokens/s in the row, round by round
+    assert by["ngram"]["round_tokens_per_s"] == speeds["ngram"]
+    assert by["autoregressive"]["round_tokens_per_s"] == speeds["autoregressive"]
 
 
 def test_choosing_trees_without_calibration_is_refused(tmp_path):

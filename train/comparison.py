@@ -58,8 +58,9 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
 
     After one warm-up call per method (compilation, `warmup_prompts`), `repeats` rounds
     run every method once, in a new order each round (`specjax.timing.side_by_side`), so
-    that each sees the same machine load; tokens/s is the median over the rounds, the
-    speedup the median of each round's ratio to the first method's (`paired_speedup`),
+    that each sees the same machine load; tokens/s is the median over the rounds (each
+    round's in `round_tokens_per_s`), the speedup the median of each round's ratio to
+    the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
     A speculator whose warm-up ran plain decoding's programs in every call
     (`specjax.stats.untimed_methods`) is not run again: its warm-up gives its stats and
@@ -110,6 +111,9 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                              loop=loop_kind(r["speculative_calls"], r["calls"]),
                              timed=name not in plain,
                              tokens_per_s=float(np.median(same)),
+                             # each round's, so that a speedup read low or high can be
+                             # traced to the rounds the host sped up or slowed
+                             round_tokens_per_s=[float(x) for x in same],
                              speedup=paired_speedup(same, speeds[base]),
                              identical_to_plain=tokens == baseline,
                              **({"tree": tree_label(cell[name])}

@@ -528,7 +528,10 @@ def _finish(row: dict, tokens, reference: Reference | None, log, walls: list[flo
     """Speedup over autoregressive (same category, temperature, batch; timed in the same
     rounds, so per round: `timing.paired_speedup`) and, greedy, whether the tokens are its
     tokens (when `compare`: the same weights); logs the row. walls, tpots: the row's
-    seconds per timed round (all its prompts; per token after the first: none for peers)."""
+    seconds per timed round (all its prompts; per token after the first: none for peers),
+    the walls kept in the row (`round_wall_s`) so that a speedup read low or high can be
+    traced to the rounds the host sped up or slowed."""
+    row["round_wall_s"] = [float(w) for w in walls]
     row["speedup"] = paired_speedup(reference.walls, walls) if reference else None
     row["decode_speedup"] = (paired_speedup(reference.tpots, tpots)
                              if reference and tpots else None)
