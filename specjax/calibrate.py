@@ -423,7 +423,7 @@ def call_step(stats: GenerationStats) -> tuple[float, int]:
     return stats.wall_s - stats.ttft_s, loop_steps(stats)
 
 
-def fitted_plain_steps(step_s: np.ndarray, plain: int = 1) -> np.ndarray:
+def fitted_plain_steps(step_s: np.ndarray, plain: int) -> np.ndarray:
     """[calls] each call's plain step in seconds, fitted from `step_s` [calls, passes],
     every pass's seconds per loop step (the `plain` plain passes first; nan: it ran
     none): log times as a call's load plus a pass's cost, by one sweep of Tukey's median
@@ -487,6 +487,10 @@ def filled_batches(prompts, batch: int) -> list[list]:
 # caught running fast read every T = 1 overhead high (docs/benchmarks.md, "Earlier
 # runs, in short" and "The quickstart").
 MIN_TIMED_CALLS = 5
+
+# The plain passes of each calibration call, the one that opens it and the one that
+# closes it (`calibrations`); both count in the call's plain step (`fitted_plain_steps`).
+PLAIN_PASSES = ("plain", "closing")
 
 
 def timed_calls(calls: list[list], least: int = MIN_TIMED_CALLS) -> list[list]:
@@ -572,7 +576,7 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         for i, rows in warmup_calls(calls) if n == 0 else ():
             for _ in passes(i, rows, closing=False):
                 pass
-        stats = {("plain", None): [], ("closing", None): []}
+        stats = {(kind, None): [] for kind in PLAIN_PASSES}
         stats.update({(kind, name): [] for name in specs for kind in ("full", "shallow", "idle")})
         for i, rows in enumerate(calls):
             for kind, name, s in passes(i, rows):
@@ -580,10 +584,10 @@ def calibrations(target: Model, speculators: dict, prompts, *, new_tokens: int,
         step_s = {key: np.array([secs / steps if steps > 0 else np.nan
                                  for secs, steps in map(call_step, timed)])
                   for key, timed in stats.items() if timed}
-        # a plain pass opens and closes each call: both count in its plain step, so that
-        # plain passes the host sped up in more than half the calls' openings misprice none
-        fitted = (fitted_plain_steps(np.stack(list(step_s.values()), axis=1), plain=2)
-                  if calls else np.zeros(0))
+        # both plain passes of each call count, so that openings the host sped up in more
+        # than half the calls misprice none
+        fitted = (fitted_plain_steps(np.stack(list(step_s.values()), axis=1),
+                                     plain=len(PLAIN_PASSES)) if calls else np.zeros(0))
         out[temp] = {}
         for name, spec in specs.items():
             if not stats["full", name]:

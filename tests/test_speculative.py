@@ -1381,8 +1381,8 @@ def test_fitted_plain_steps_leave_out_passes_that_ran_no_step():
                        [0.2, 0.4, np.nan, 0.22]])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # numpy's all-nan median warns
-        np.testing.assert_allclose(fitted_plain_steps(step_s), [0.1, 0.15, 0.2])
-        assert np.isnan(fitted_plain_steps(np.full((3, 2), np.nan))).all()
+        np.testing.assert_allclose(fitted_plain_steps(step_s, plain=1), [0.1, 0.15, 0.2])
+        assert np.isnan(fitted_plain_steps(np.full((3, 2), np.nan), plain=1)).all()
 
 
 def test_calibration_at_a_batch_fills_it_and_times_loop_steps(monkeypatch):
