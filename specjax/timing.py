@@ -32,11 +32,28 @@ def side_by_side(passes: dict, repeats: int) -> dict[str, list]:
     """{name: its passes' results}: `repeats` rounds running each of `passes` (name ->
     a call) once, in round r's `balanced_order`, so that methods timed side by side see
     the same machine load."""
+    rounds = side_by_side_calls({name: [fn] for name, fn in passes.items()}, repeats)
+    return {name: [calls[0] for calls in got] for name, got in rounds.items()}
+
+
+def side_by_side_calls(passes: dict, repeats: int) -> dict[str, list[list]]:
+    """{name: per round, its calls' results}: `passes` maps a name to its pass split in
+    calls (a list of zero-argument calls, e.g. one per prompt); in each of `repeats`
+    rounds call j of every pass runs before call j + 1 of any, the names in
+    `balanced_order` row r * calls + j. Methods then pair call by call: a host whose
+    speed changes by the second speeds or slows each method's share of a round alike,
+    where whole passes side by side hand one method's pass the fast seconds."""
     names = list(passes)
+    depth = max((len(calls) for calls in passes.values()), default=0)
     results = {name: [] for name in names}
     for r in range(repeats):
-        for i in balanced_order(len(names), r):
-            results[names[i]].append(passes[names[i]]())
+        got = {name: [] for name in names}
+        for j in range(depth):
+            for i in balanced_order(len(names), r * depth + j):
+                if j < len(passes[names[i]]):
+                    got[names[i]].append(passes[names[i]][j]())
+        for name in names:
+            results[name].append(got[name])
     return results
 
 

@@ -316,45 +316,73 @@ def test_round_order_moves_every_method_and_its_predecessor(n):
     assert round_order(n + 1) == rounds[1]
 
 
-def test_timed_rounds_vary_the_method_order(monkeypatch):
-    """No method runs first in every round (the first measured slower on the same
-    programs), autoregressive stays the reference whatever its position, and the peers
-    (transformers, llama.cpp) at batch 1 are timed in the same rounds."""
-    from specjax.bench import speculative
+def fake_generate_calls(monkeypatch, fake_pass) -> None:
+    """Patches the suite's specjax passes: `fake_pass(target, spec, ids, batch=, **kw)`
+    -> (tokens, stats, wall) for each call's rows (batch rows), the parts joined as
+    `merge_pass` does but with the stats of the last call (fakes do not merge)."""
+    from specjax import passes
 
+    def calls(target, spec, ids, *, batch, **kw):
+        return [lambda i=i: fake_pass(target, spec, ids[i:i + batch], batch=batch, **kw)
+                for i in range(0, len(ids), batch)]
+
+    def merge(parts):
+        return ([row for toks, _, _ in parts for row in toks], parts[-1][1],
+                sum(w for _, _, w in parts))
+
+    monkeypatch.setattr(passes, "generate_calls", calls)
+    monkeypatch.setattr(passes, "merge_pass", merge)
+
+
+def fake_stats(**kw) -> SimpleNamespace:
+    base = dict(acceptance_rate=0.5, mean_accepted_length=1.5, mean_k=1.0, cost_ratio=0.1,
+                expected_speedup=1.2, ttft_s=0.01, expected_speedup_free_verify=1.4,
+                expected_speedup_iid=1.1, tpot_s=0.01, speculative_calls=1)
+    return SimpleNamespace(**dict(base, **kw))
+
+
+def test_timed_rounds_interleave_the_methods_call_by_call(monkeypatch):
+    """Within a round every method's call j (specjax's generate call, a peer's prompt j)
+    runs before call j + 1 of any; no method opens every call (the first measured slower
+    on the same programs); autoregressive stays the reference whatever its position, and
+    the peers (transformers, llama.cpp) at batch 1 are timed in the same rounds."""
     order = []
 
     def fake_pass(target, spec, ids, *, batch, **kw):
-        order.append(spec)
-        stats = SimpleNamespace(acceptance_rate=0.5, mean_accepted_length=1.5, mean_k=1.0,
-                                cost_ratio=0.1, expected_speedup=1.2, ttft_s=0.01,
-                                expected_speedup_free_verify=1.4, expected_speedup_iid=1.1,
-                                tpot_s=0.01, speculative_calls=1)
-        return [[len(order)] * 4], stats, 0.1
+        order.append((spec, ids[0][0]))
+        return [[len(order)] * 4], fake_stats(), 0.1
 
-    monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
+    fake_generate_calls(monkeypatch, fake_pass)
     names = ["autoregressive", "ngram", "draft"]
-    # a peer at batch 1 runs in the same rounds: one warm-up, then one pass a round
-    peer = suite._Peer(warm=lambda: order.append("peer warm-up"),
-                       timed=lambda: order.append("peer") or ([[9] * 4], 0.2, 2))
+    ids = [[1, 2], [3, 4]]
+    # a peer at batch 1 runs in the same rounds: one warm-up, then a call per prompt
+    peer = suite._Peer(warm=lambda: order.append(("peer warm-up", 1)),
+                       calls=[lambda i=i: order.append(("peer", ids[i][0])) or
+                              ([[9] * 4], 0.1, 1) for i in range(2)])
     rows, peer_results = suite._specjax_rows(
-        None, {n: n for n in names}, [[1, 2]], "docstring", 0.0, 1, {},
+        None, {n: n for n in names}, ids, "docstring", 0.0, 1, {},
         {n: {} for n in names}, 4, 4, {}, lambda _: None, peers={"peer": peer})
     methods = names + ["peer"]
-    assert sorted(order[:len(methods)]) == sorted(names + ["peer warm-up"])
-    timed = order[len(methods):]  # after one warm-up pass each
-    rounds = [timed[i:i + len(methods)] for i in range(0, len(timed), len(methods))]
-    assert [r[0] for r in rounds] == methods  # each method first once
-    assert all(sorted(r) == sorted(methods) for r in rounds)
+    warm = order[:len(names) * 2 + 1]  # each specjax method over both prompts, the peer once
+    assert sorted(m for m, _ in warm) == sorted(names * 2 + ["peer warm-up"])
+    timed = order[len(warm):]
+    assert len(timed) == 4 * len(methods) * 2  # rounds x methods x prompts
+    calls = [timed[i:i + len(methods)] for i in range(0, len(timed), len(methods))]
+    assert all(sorted(m for m, _ in c) == sorted(methods) for c in calls)
+    assert [p for c in calls for _, p in c] == [1] * 4 + [3] * 4 + [1] * 4 + [3] * 4 + \
+        [1] * 4 + [3] * 4 + [1] * 4 + [3] * 4  # prompt 0 of every method, then prompt 1
+    assert {c[0][0] for c in calls} == set(methods)  # each method opens some call
     assert [r["method"] for r in rows] == names
     # the reference is autoregressive's last pass: its tokens are identical to themselves
     assert rows[0]["identical"] is True and rows[1]["identical"] is False
     assert len(peer_results["peer"]) == 4
-    ref = suite.Reference([[4] * 4], [0.1] * 4, [0.01] * 4)  # 40 tokens/s each round
-    peer_row = suite._peer_row("peer", peer, peer_results["peer"], [[1, 2]], "docstring",
+    # a peer's round: its prompts' tokens joined, walls and target calls summed
+    assert peer_results["peer"][0] == ([[9] * 4, [9] * 4], 0.2, 2)
+    ref = suite.Reference([[4] * 4] * 2, [0.2] * 4, [0.01] * 4)  # 40 tokens/s each round
+    peer_row = suite._peer_row("peer", peer, peer_results["peer"], ids, "docstring",
                                dict(new=4, temperature=0.0), ref, lambda _: None)
-    assert peer_row["tokens_per_s"] == 4 / 0.2 and peer_row["tau"] == 4 * 4 / 8
-    assert peer_row["speedup"] == 20.0 / 40.0 and peer_row["identical"] is False
+    assert peer_row["tokens_per_s"] == 8 / 0.2 and peer_row["tau"] == 2 * 4 * 4 / 8
+    assert peer_row["speedup"] == 1.0 and peer_row["identical"] is False
     # each round's wall seconds in the row, the ones its speedup pairs
     assert peer_row["round_wall_s"] == [r[1] for r in peer_results["peer"]]
 
@@ -365,20 +393,18 @@ def test_a_method_on_plain_programs_reports_autoregressives_rounds(monkeypatch):
     its warm-up over every prompt gives its tokens and stats, with autoregressive's
     tokens/s and a speedup of exactly 1; a speculator that drafted in any call is timed
     in every round."""
-    from specjax.bench import speculative
-
     order = []
 
     def fake_pass(target, spec, ids, *, batch, **kw):
         order.append(spec)
         drafted = {"autoregressive": 0, "ngram": 0, "draft": 1}[spec]  # calls that drafted
-        stats = SimpleNamespace(acceptance_rate=0.0, mean_accepted_length=1.0, mean_k=0.0,
-                                cost_ratio=0.1, expected_speedup=1.0, ttft_s=0.01,
-                                expected_speedup_free_verify=1.0, expected_speedup_iid=1.0,
-                                tpot_s=0.01 * len(order), speculative_calls=drafted)
+        stats = fake_stats(acceptance_rate=0.0, mean_accepted_length=1.0, mean_k=0.0,
+                           expected_speedup=1.0, expected_speedup_free_verify=1.0,
+                           expected_speedup_iid=1.0, tpot_s=0.01 * len(order),
+                           speculative_calls=drafted)
         return [[7] * 4, [7] * 4], stats, 0.1 * len(order)  # every pass slower
 
-    monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
+    fake_generate_calls(monkeypatch, fake_pass)
     names = ["autoregressive", "ngram", "draft"]
     reference = {}
     rows, _ = suite._specjax_rows(None, {n: n for n in names}, [[1, 2], [3, 4]], "docstring",
@@ -628,12 +654,12 @@ def test_int8_kv_cache_runs_and_stays_lossless(workdir, finished):
 def test_token_wise_verification_runs_beside_block(workdir, finished, monkeypatch):
     """--verification rejection: the draft model's chains, block-verified by default,
     are verified token-wise (to compare τ and speed), and the setting is recorded."""
-    import specjax
+    import specjax.decoding.generate as generate_mod
 
     _, out, _ = finished
     asked = []
-    generate = specjax.generate
-    monkeypatch.setattr(specjax, "generate", lambda *a, **kw: asked.append(
+    generate = generate_mod.generate
+    monkeypatch.setattr(generate_mod, "generate", lambda *a, **kw: asked.append(
         (kw["speculator"] is None, kw.get("verification"))) or generate(*a, **kw))
     res = one_method_run(workdir, out / "tokenwise.json", "draft", "--verification",
                          "rejection", temperature="1")
@@ -924,7 +950,6 @@ def test_each_cell_runs_the_tree_its_calibration_prices_best(monkeypatch):
     """Several --eagle-tree shapes: per (category, temperature, batch), the shape whose
     calibration the rule expects to gain most (`choose_trees`), run under the method's
     own name with that shape's calibration and c, its tree in the row and the table."""
-    from specjax.bench import speculative
     from specjax.calibrate import Calibration
     from specjax.decoding.cost import VerifyCost
 
@@ -953,13 +978,9 @@ def test_each_cell_runs_the_tree_its_calibration_prices_best(monkeypatch):
 
     def fake_pass(target, spec, ids, *, batch, cost_ratio=None, calibration=None, **kw):
         seen.append((spec, cost_ratio, calibration))
-        stats = SimpleNamespace(acceptance_rate=0.5, mean_accepted_length=1.5, mean_k=1.0,
-                                cost_ratio=0.1, expected_speedup=1.2, ttft_s=0.01,
-                                expected_speedup_free_verify=1.4, expected_speedup_iid=1.1,
-                                tpot_s=0.01, speculative_calls=1)
-        return [[7] * 4], stats, 0.1
+        return [[7] * 4], fake_stats(), 0.1
 
-    monkeypatch.setattr(speculative, "specjax_pass", fake_pass)
+    fake_generate_calls(monkeypatch, fake_pass)
     rows = suite.run(target, {"autoregressive": None, "eagle": wide}, sets, batches=(1,),
                      temperatures=(0.0,), new=4, repeats=1, cost_ratios=costs,
                      priors=priors, log=lambda _: None, alternatives={"eagle@1,3,3": chain},

@@ -43,9 +43,12 @@ def test_warmup_prompts_are_one_calls_rows_when_lengths_match():
 
 
 def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
-    """Counts compilations per `speculative_run` call: after each method's warm-up call
-    (one prompt), the timed rounds over all four prompts compile nothing."""
-    per_call = compiles_per_call(monkeypatch, comparison, "speculative_run")
+    """Counts compilations per generate call: after each method's warm-up call (one
+    prompt), the timed rounds over all four prompts (a call each, interleaved call by
+    call) compile nothing."""
+    import specjax.decoding.generate as generate_mod
+
+    per_call = compiles_per_call(monkeypatch, generate_mod, "generate")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 128, 12).tolist() for _ in range(4)]
     specs = {"autoregressive": None, "ngram": NGram(k=3),
@@ -54,13 +57,19 @@ def test_the_timed_rounds_compile_nothing(tiny_target, tiny_draft, monkeypatch):
                    batch=1, adaptive=True, repeats=2)
     assert len(rows) == 6 and all(r["identical_to_plain"] for r in rows
                                   if r["temperature"] == 0)
-    warm = [c for (_, _, p), c in per_call if len(p) == 1]
-    timed = [c for (_, _, p), c in per_call if len(p) == 4]
-    # two rounds per method, one call for a speculator on plain decoding's programs
-    plain = sum(r["loop"] == "plain" for r in rows if r["method"] != "autoregressive")
-    assert len(warm) == 6 and len(timed) == 12 - plain
-    assert sum(warm) > 0  # the warm-up compiled (the cache was empty) ...
-    assert timed == [0] * len(timed)  # ... and nothing was left for the timed rounds
+    compiled = [c for _, c in per_call]
+    at = 0
+    for temp in (0.0, 1.0):
+        # a speculator on plain decoding's programs runs its warm-up call only
+        timed = sum(r["loop"] != "plain" or r["method"] == "autoregressive"
+                    for r in rows if r["temperature"] == temp)
+        warm, at = compiled[at:at + 3], at + 3
+        if temp == 0.0:
+            assert sum(warm) > 0  # the warm-up compiled (the cache was empty) ...
+        # ... and nothing was left for the timed rounds: 2 rounds of 4 calls per method
+        assert compiled[at:at + 2 * 4 * timed] == [0] * (2 * 4 * timed)
+        at += 2 * 4 * timed
+    assert at == len(compiled)
 
 
 def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, monkeypatch):
@@ -90,31 +99,58 @@ def test_calibrations_time_passes_that_compile_nothing(tiny_target, tiny_draft, 
     assert per_call[2:4] == per_call[5:7] == [0, 0]
 
 
+def fake_methods(monkeypatch, record) -> list:
+    """Patches the comparison's generate calls: a pass over n prompts at batch 1 is n
+    calls, each logged as (method, call index) in the list returned, except the warm-up
+    (one prompt); a pass's record is `record(method, warm, r)` -> (tokens, record dict),
+    r its timed round."""
+    order, rounds = [], {}
+
+    def generate_calls(target, spec, prompts, **kw):
+        warm = len(prompts) == 1
+
+        def call(j):
+            if not warm:
+                order.append((spec, j))
+            return spec, warm
+
+        return [lambda j=j: call(j) for j in range(len(prompts))]
+
+    def run_record(outs):
+        (spec, warm), = set(outs)
+        r = None if warm else rounds.setdefault(spec, -1) + 1
+        if not warm:
+            rounds[spec] = r
+        return record(spec, warm, r)
+
+    monkeypatch.setattr(comparison, "generate_calls", generate_calls)
+    monkeypatch.setattr(comparison, "run_record", run_record)
+    return order
+
+
 @pytest.mark.parametrize("draft_warm_tokens", [[[1]], [[2]]])
 def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch, draft_warm_tokens):
     """A speculator whose warm-up ran plain decoding's programs (no speculative call)
     does not run again: its warm-up gives its stats and its greedy identity (against the
     first method's warm-up), and it reports the first method's tokens/s at a speedup of
     1; the other methods are timed every round."""
-    order = []
     speeds = {"autoregressive": [10.0, 9.0, 11.0], "ngram": [12.0, 12.0, 13.0]}
 
-    def fake_run(target, spec, prompts, **kw):
+    def record(spec, warm, r):
         calls = 0 if spec == "draft" else 1  # the rule never lets the draft draft
-        if len(prompts) == 1:  # the warm-up
+        if warm:
             tokens = draft_warm_tokens if spec == "draft" else [[1]]
             return tokens, dict(speculative_calls=calls, calls=1, alpha=0.5 * calls)
-        order.append(spec)
-        r = sum(1 for s in order if s == spec) - 1
         return [[1]], dict(speculative_calls=2 * calls, calls=2, alpha=0.5 * calls,
                            tokens_per_s=speeds.get(spec, [99.0])[min(r, 2)])
 
-    monkeypatch.setattr(comparison, "speculative_run", fake_run)
+    order = fake_methods(monkeypatch, record)
     names = ["autoregressive", "ngram", "draft"]
     rows = compare(None, {m: m for m in names}, [[1, 2, 3], [4, 5, 6]], new_tokens=4,
                    temperatures=(0.0,), batch=1, repeats=3)
-    assert order.count("autoregressive") == order.count("ngram") == 3
-    assert "draft" not in order  # its warm-up is its run
+    methods = [m for m, _ in order]
+    assert methods.count("autoregressive") == methods.count("ngram") == 3 * 2
+    assert "draft" not in methods  # its warm-up is its run
     by = {r["method"]: r for r in rows}
     assert by["draft"]["loop"] == "plain" and by["ngram"]["loop"] == "speculative"
     assert by["draft"]["tokens_per_s"] == 10.0 and by["draft"]["speedup"] == 1.0
@@ -126,24 +162,24 @@ def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch, draft_warm_t
     assert by["draft"]["round_tokens_per_s"] == speeds["autoregressive"]
 
 
-def test_rounds_vary_the_order_and_the_speedup_pairs_each_round(monkeypatch):
-    """No method runs first in every round, and a method's speedup is the median of its
-    per-round tokens/s ratios to the first method's (a slow round cancels there)."""
-    order = []
+def test_rounds_interleave_call_by_call_and_the_speedup_pairs_each_round(monkeypatch):
+    """Within a round every method's call j runs before call j + 1 of any, no method
+    runs first at every call, and a method's speedup is the median of its per-round
+    tokens/s ratios to the first method's (a slow round cancels there)."""
     # tokens/s per (method, timed round): round 1 slowed autoregressive only
     speeds = {"autoregressive": [10.0, 2.0, 10.0, 10.0], "ngram": [12.0, 12.0, 13.0, 11.0]}
 
-    def fake_run(target, spec, prompts, **kw):
-        if len(prompts) == 1:  # the warm-up: every call ran the speculative loop
+    def record(spec, warm, r):
+        if warm:  # every call ran the speculative loop
             return [[1]], dict(speculative_calls=1, calls=1)
-        order.append(spec)
-        r = sum(1 for s in order if s == spec) - 1
         return [[1]], dict(speculative_calls=2, calls=2, tokens_per_s=speeds[spec][r])
 
-    monkeypatch.setattr(comparison, "speculative_run", fake_run)
+    order = fake_methods(monkeypatch, record)
     rows = compare(None, {m: m for m in speeds}, [[1, 2, 3], [4, 5, 6]], new_tokens=4,
                    temperatures=(0.0,), batch=1, repeats=4)
-    firsts = [order[i] for i in range(0, len(order), 2)]
+    assert len(order) == 4 * 2 * 2  # rounds x methods x calls
+    assert [j for _, j in order] == [0, 0, 1, 1] * 4  # call by call
+    firsts = [order[i][0] for i in range(0, len(order), 2)]  # who opens each call
     assert set(firsts) == set(speeds)
     by = {r["method"]: r for r in rows}
     assert by["autoregressive"]["speedup"] == 1.0

@@ -23,11 +23,12 @@ from specjax.calibrate import (
     measured_cost_ratios,
 )
 from specjax.corpus import CorpusConfig, heldout_prompts, load_corpus
+from specjax.passes import generate_calls
 from specjax.speculators import method_of
 from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
-from specjax.timing import paired_speedup, side_by_side
-from specjax.train.speculation import speculative_run
+from specjax.timing import paired_speedup, side_by_side_calls
+from specjax.train.speculation import run_record
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
 
@@ -57,10 +58,11 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     """Every method on the same prompts, per temperature: stats and speedup vs plain.
 
     After one warm-up call per method (compilation, `warmup_prompts`), `repeats` rounds
-    run every method once, in a new order each round (`specjax.timing.side_by_side`), so
-    that each sees the same machine load; tokens/s is the median over the rounds (each
-    round's in `round_tokens_per_s`), the speedup the median of each round's ratio to
-    the first method's (`paired_speedup`),
+    run every method once, interleaved call by call (each generate call of `batch` rows
+    of every method before the next call of any, in a new order each call:
+    `specjax.timing.side_by_side_calls`), so that each sees the same machine load;
+    tokens/s is the median over the rounds (each round's in `round_tokens_per_s`), the
+    speedup the median of each round's ratio to the first method's (`paired_speedup`),
     the stats are the last round's (greedy ones are the same in every round).
     A speculator whose warm-up ran plain decoding's programs in every call
     (`specjax.stats.untimed_methods`) is not run again: its warm-up gives its stats and
@@ -84,20 +86,22 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
         pick, cell = chosen_shapes(speculators, alternatives, choices,
                                    lambda name, temp=temp: (temp, name))
 
-        def run(name, spec, prompts=prompts):
-            return speculative_run(target, spec, prompts, new_tokens=new_tokens,
-                                   temperature=temp, seed=seed, batch=batch,
-                                   adaptive=adaptive, cost_ratio=cost_ratio_of(
-                                       cost_ratios, temp, pick[name]),
-                                   calibration=(priors or {}).get(temp, {}).get(pick[name]))
+        def calls(name, prompts=prompts):
+            return generate_calls(target, cell[name], prompts, new=new_tokens,
+                                  batch=batch or len(prompts), temperature=temp, seed=seed,
+                                  adaptive=adaptive, cost_ratio=cost_ratio_of(
+                                      cost_ratios, temp, pick[name]),
+                                  calibration=(priors or {}).get(temp, {}).get(pick[name]))
 
         names = list(speculators)
         base = names[0]
-        warmed = {name: run(name, spec, warm) for name, spec in cell.items()}  # compiles
+        warmed = {name: run_record([c() for c in calls(name, warm)])  # compiles
+                  for name in cell}
         plain = untimed_methods(cell, {n: (r["speculative_calls"], r["calls"])
                                        for n, (_, r) in warmed.items()})
-        results = side_by_side({name: (lambda n=name: run(n, cell[n]))
-                                for name in names if name not in plain}, repeats)
+        rounds = side_by_side_calls({name: calls(name) for name in names
+                                     if name not in plain}, repeats)
+        results = {name: [run_record(outs) for outs in got] for name, got in rounds.items()}
         speeds = {name: [r["tokens_per_s"] for _, r in rounds]
                   for name, rounds in results.items()}  # per timed round
         results.update({name: [warmed[name]] for name in plain})  # its warm-up is its run

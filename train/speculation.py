@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 import specjax
-from specjax.calibrate import calibrated_kwargs
+from specjax.passes import generate_calls, merge_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +44,17 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
     cost_ratio: the draft's measured cost, for the adaptive rule and the analytical figure;
     calibration: the rule's starting acceptance per depth and the step's overhead
     (`specjax.calibrate.Calibration`; None: generate's defaults)."""
-    from specjax.stats import merge_stats
+    return run_record([call() for call in generate_calls(
+        target, speculator, prompts, new=new_tokens, batch=batch or len(prompts),
+        temperature=temperature, seed=seed, adaptive=adaptive, cost_ratio=cost_ratio,
+        calibration=calibration)])
 
-    rows = len(prompts) if batch is None else batch
-    tokens, parts = [], []
-    for i in range(0, len(prompts), rows):
-        out = specjax.generate(target, prompts[i:i + rows], max_new_tokens=new_tokens,
-                               temperature=temperature, seed=seed + i, ignore_eos=True,
-                               speculator=speculator, adaptive=adaptive,
-                               cost_ratio=cost_ratio,
-                               **calibrated_kwargs(calibration, speculator))
-        tokens += out.tokens
-        parts.append(out.stats)
-    s = parts[0] if len(parts) == 1 else merge_stats(parts)
+
+def run_record(parts: list) -> tuple[list[list[int]], dict[str, Any]]:
+    """(tokens, record) of one pass from its generate calls' (tokens, stats, wall
+    seconds), in prompt order (`specjax.passes.generate_calls`): `speculative_run`'s
+    record, its stats summed over the calls (`specjax.passes.merge_pass`)."""
+    tokens, s, _ = merge_pass(parts)
     return tokens, dict(alpha=s.acceptance_rate, tau=s.mean_accepted_length, k=s.mean_k,
                         draft_calls_per_call=s.draft_calls / max(s.target_calls, 1),
                         cost_ratio=s.cost_ratio, verify_cost=s.verify_cost,

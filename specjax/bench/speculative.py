@@ -30,8 +30,9 @@ import jax
 import numpy as np
 
 import specjax
-from specjax.calibrate import calibrated_kwargs, measured_cost_ratios
+from specjax.calibrate import measured_cost_ratios
 from specjax.config import ModelConfig
+from specjax.passes import generate_calls, merge_pass
 
 BENCH_25M = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408,
                         num_layers=8, num_heads=8, num_kv_heads=4, max_position_embeddings=2048)
@@ -65,29 +66,12 @@ def specjax_pass(target: specjax.Model, speculator, prompts: list[list[int]], *,
                  verification: str | None = None):
     """`prompts` through `specjax.generate` in consecutive batches of `batch` rows, exactly
     `new` tokens each: (tokens per prompt, stats merged over the calls, wall seconds of
-    the calls without compilation). Call `i` samples with seed `seed + i`; `cost_ratio` and
-    `calibration` (a `specjax.calibrate.Calibration`: acceptance prior and step overhead)
-    go to generate (None: the speculator's parameter-count estimate, the defaults), as do
-    `kv_cache_dtype` (the target's cache) and `verification` (None: the speculator's
-    default)."""
-    from specjax.stats import merge_stats
-
-    tokens, parts = [], []
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        out = specjax.generate(target, prompts[i:i + batch], max_new_tokens=new,
-                               temperature=temperature, seed=seed + i // batch,
-                               ignore_eos=True, speculator=speculator, adaptive=adaptive,
-                               cost_ratio=None if speculator is None else cost_ratio,
-                               **calibrated_kwargs(calibration, speculator),
-                               kv_cache_dtype=kv_cache_dtype,
-                               verification=None if speculator is None else verification)
-        tokens += out.tokens
-        parts.append(out.stats)
-    stats = merge_stats(parts)
-    # A prompt length not seen yet compiles inside its call (and a long session's
-    # program cache may have dropped one): the steady state is what is timed.
-    return tokens, stats, time.perf_counter() - t0 - stats.compile_s
+    the calls without compilation); `specjax.passes.generate_calls` says what each
+    argument does."""
+    return merge_pass([call() for call in generate_calls(
+        target, speculator, prompts, new=new, batch=batch, temperature=temperature,
+        seed=seed, adaptive=adaptive, cost_ratio=cost_ratio, calibration=calibration,
+        kv_cache_dtype=kv_cache_dtype, verification=verification)])
 
 
 def run_specjax(target, prompts, new, speculators: dict, repeats: int,

@@ -70,7 +70,7 @@ from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.cli_args import comma_list, tree_arg
 from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
-from specjax.timing import paired_speedup, side_by_side
+from specjax.timing import paired_speedup, side_by_side_calls
 
 # Which workdir files each method needs (besides the target, always needed).
 _NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
@@ -359,8 +359,9 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
                   per: dict, new: int, repeats: int, reference: dict, log,
                   peers: dict | None = None) -> tuple[list[dict], dict[str, list]]:
     """One batch size's specjax methods: a warm-up pass each over every prompt (each
-    length compiles its programs), then `repeats` interleaved timed rounds
-    (`specjax.timing.side_by_side`); the first method (autoregressive) becomes the
+    length compiles its programs), then `repeats` timed rounds interleaved call by call
+    (every method's generate call j, and the peers' prompt j, before call j + 1 of any:
+    `specjax.timing.side_by_side_calls`); the first method (autoregressive) becomes the
     batch's `reference`.
     A speculator whose warm-up ran plain decoding's programs in every call
     (`specjax.stats.untimed_methods`) is not timed again: its warm-up pass, over every
@@ -368,19 +369,23 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     False), as the quickstart's comparison does.
     peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
     Returns the specjax rows and {peer: its timed rounds' results}."""
-    from specjax.bench import speculative
+    from specjax import passes as generate_passes
 
-    passes = {name: (lambda s=spec, kw=per[name]: speculative.specjax_pass(
-        target, s, ids, batch=b, **spec_kw, **kw)) for name, spec in speculators.items()}
-    warm = dict(passes)
+    passes = {name: generate_passes.generate_calls(target, spec, ids, batch=b, **spec_kw,
+                                                   **per[name])
+              for name, spec in speculators.items()}
+    merge = dict.fromkeys(passes, generate_passes.merge_pass)
+    warm = {name: (lambda c=c: generate_passes.merge_pass([f() for f in c]))
+            for name, c in passes.items()}
     for name, peer in (peers or {}).items():
-        passes[name], warm[name] = peer.timed, peer.warm
+        passes[name], warm[name], merge[name] = peer.calls, peer.warm, _merge_peer
     warmed = {name: fn() for name, fn in warm.items()}  # compiles
     calls = -(-len(ids) // b)
     base = next(iter(speculators))
     plain = untimed_methods(speculators, {n: (warmed[n][1].speculative_calls, calls)
                                           for n in speculators})
-    results = side_by_side({n: f for n, f in passes.items() if n not in plain}, repeats)
+    rounds = side_by_side_calls({n: c for n, c in passes.items() if n not in plain}, repeats)
+    results = {name: [merge[name](got) for got in r] for name, r in rounds.items()}
     results.update({name: [warmed[name]] for name in plain})  # a run over every prompt
     rows = []
     for name in speculators:
@@ -397,11 +402,21 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     return rows, {name: results[name] for name in peers or {}}
 
 
-def _interleaved(passes: dict, warm: dict, repeats: int) -> dict[str, list]:
-    """{name: each timed round's result}: every `warm` call once, then `side_by_side`."""
-    for fn in warm.values():
-        fn()
-    return side_by_side(passes, repeats)
+def _interleaved(peers: dict, repeats: int) -> dict[str, list]:
+    """{name: each timed round's result} of `_Peer`s: every warm-up once, then timed
+    rounds interleaved prompt by prompt (`side_by_side_calls`)."""
+    for peer in peers.values():
+        peer.warm()
+    rounds = side_by_side_calls({name: peer.calls for name, peer in peers.items()}, repeats)
+    return {name: [_merge_peer(got) for got in r] for name, r in rounds.items()}
+
+
+def _merge_peer(parts: list) -> tuple:
+    """One peer pass from its prompts' (tokens, wall seconds, target calls or None): the
+    tokens joined, walls and calls summed (None if any prompt's calls are unknown)."""
+    calls = [c for _, _, c in parts]
+    return ([row for toks, _, _ in parts for row in toks], sum(w for _, w, _ in parts),
+            None if None in calls else sum(calls))
 
 
 class Reference(NamedTuple):
@@ -414,33 +429,39 @@ class Reference(NamedTuple):
 
 @dataclasses.dataclass
 class _Peer:
-    """A peer method at batch 1: `warm()` once, then `timed()` -> (tokens per prompt, wall
-    seconds, target forward calls or None) per round."""
+    """A peer method at batch 1: `warm()` once, then per round each of `calls` (one per
+    prompt) -> (its tokens, wall seconds, target forward calls or None)."""
     warm: object
-    timed: object
+    calls: list
     compare: bool = True  # its tokens are comparable with specjax's (the same weights)
 
 
 def _peers(hf, hf_methods: dict, llamacpp: dict, ids, run_kw: dict) -> dict[str, _Peer]:
-    """transformers' and llama.cpp's methods over `ids` prompt by prompt, each with a
-    short warm-up (4 new tokens on the first prompt)."""
+    """transformers' and llama.cpp's methods over `ids` prompt by prompt (prompt i sampled
+    with seed `seed + i`), each with a short warm-up (4 new tokens on the first prompt)."""
     from specjax.bench.llamacpp import llamacpp_pass
     from specjax.bench.speculative import hf_pass
 
     short = dict(run_kw, new=min(run_kw["new"], 4))
+
+    def prompt_kw(i: int) -> dict:
+        return dict(run_kw, seed=run_kw["seed"] + i)
+
     peers = {}
     for name, extra in (hf_methods or {}).items():
         peers[name] = _Peer(
             warm=lambda e=extra: hf_pass(hf, ids[:1], **short, **e),
-            timed=lambda e=extra: (*hf_pass(hf, ids, **run_kw, **e), None))
+            calls=[lambda e=extra, i=i: (*hf_pass(hf, ids[i:i + 1], **prompt_kw(i), **e),
+                                         None) for i in range(len(ids))])
 
-    def llama_timed(runner):
-        tokens, wall = llamacpp_pass(runner, ids, **run_kw)
+    def llama_timed(runner, i: int):
+        tokens, wall = llamacpp_pass(runner, ids[i:i + 1], **prompt_kw(i))
         return tokens, wall, runner.calls
 
     for name, runner in (llamacpp or {}).items():
         peers[name] = _Peer(warm=lambda r=runner: llamacpp_pass(r, ids[:1], **short),
-                            timed=lambda r=runner: llama_timed(r),
+                            calls=[lambda r=runner, i=i: llama_timed(r, i)
+                                   for i in range(len(ids))],
                             compare=name != "llamacpp_q4_1")
     return peers
 
@@ -514,8 +535,7 @@ def run(target, speculators: dict, prompt_sets: dict[str, list[Prompt]], *, batc
                 rows += got
                 peer_results.update(timed)
             if peers and 1 not in batches:  # no batch 1 to time them beside
-                peer_results = _interleaved({n: p.timed for n, p in peers.items()},
-                                            {n: p.warm for n, p in peers.items()}, repeats)
+                peer_results = _interleaved(peers, repeats)
             rows += [_peer_row(name, peer, peer_results[name], ids, category, run_kw,
                                reference.get(1), log) for name, peer in peers.items()]
             if on_part is not None:

@@ -136,8 +136,9 @@ def _markdown_method_notes(s: dict) -> list[str]:
            f"category, temperature and batch on {s['calibrate']} other prompts at full depth "
            "beside plain decoding (`--calibrate`)"
            if s.get("calibrate") else "") + "; "
-        f"median of {s['repeats']} interleaved rounds after a warm-up pass over every "
-        "prompt (each prompt length compiles its programs there)",
+        f"median of {s['repeats']} rounds after a warm-up pass over every prompt (each "
+        "prompt length compiles its programs there), interleaved call by call (every "
+        "method's generate call j, and a peer's prompt j, before call j + 1 of any)",
         "- tokens/s = all new tokens / wall time of the `generate` calls (prefill included, "
         "compilation not); "
         "speedup (measured) = the median over the timed rounds of each round's ratio of "
