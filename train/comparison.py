@@ -88,7 +88,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
 
         def calls(name, prompts=prompts):
             return generate_calls(target, cell[name], prompts, new=new_tokens,
-                                  batch=batch or len(prompts), temperature=temp, seed=seed,
+                                  batch=len(prompts) if batch is None else batch,
+                                  temperature=temp, seed=seed,
                                   adaptive=adaptive, cost_ratio=cost_ratio_of(
                                       cost_ratios, temp, pick[name]),
                                   calibration=(priors or {}).get(temp, {}).get(pick[name]))
@@ -99,9 +100,9 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                   for name in cell}
         plain = untimed_methods(cell, {n: (r["speculative_calls"], r["calls"])
                                        for n, (_, r) in warmed.items()})
-        rounds = side_by_side_calls({name: calls(name) for name in names
-                                     if name not in plain}, repeats)
-        results = {name: [run_record(outs) for outs in got] for name, got in rounds.items()}
+        timed = side_by_side_calls({name: calls(name) for name in names
+                                    if name not in plain}, repeats)
+        results = {name: [run_record(outs) for outs in got] for name, got in timed.items()}
         speeds = {name: [r["tokens_per_s"] for _, r in rounds]
                   for name, rounds in results.items()}  # per timed round
         results.update({name: [warmed[name]] for name in plain})  # its warm-up is its run

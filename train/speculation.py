@@ -45,7 +45,8 @@ def speculative_run(target: specjax.Model, speculator, prompts, *, new_tokens: i
     calibration: the rule's starting acceptance per depth and the step's overhead
     (`specjax.calibrate.Calibration`; None: generate's defaults)."""
     return run_record([call() for call in generate_calls(
-        target, speculator, prompts, new=new_tokens, batch=batch or len(prompts),
+        target, speculator, prompts, new=new_tokens,
+        batch=len(prompts) if batch is None else batch,
         temperature=temperature, seed=seed, adaptive=adaptive, cost_ratio=cost_ratio,
         calibration=calibration)])
 

@@ -51,7 +51,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from specjax import kv_quant
+from specjax import kv_quant, passes as generate_passes
 from specjax.bench.prompts import (
     ALL_CATEGORIES,
     BENCH_INSTALL,
@@ -369,8 +369,6 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     False), as the quickstart's comparison does.
     peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
     Returns the specjax rows and {peer: its timed rounds' results}."""
-    from specjax import passes as generate_passes
-
     passes = {name: generate_passes.generate_calls(target, spec, ids, batch=b, **spec_kw,
                                                    **per[name])
               for name, spec in speculators.items()}
