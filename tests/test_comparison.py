@@ -160,6 +160,9 @@ def test_a_method_on_plain_programs_is_not_timed_again(monkeypatch, draft_warm_t
     assert by["ngram"]["tokens_per_s"] == 12.0
     # the untimed method's rounds are the first method's, as its tokens/s is
     assert by["draft"]["round_tokens_per_s"] == speeds["autoregressive"]
+    lines = comparison.table([dict(r, tau=1.0, analytical=1.0) for r in rows]).splitlines()
+    draft = next(line for line in lines if line.startswith("| draft |"))
+    assert draft.split("|")[6].strip() == "1.00×"  # no rounds of its own: no range
 
 
 def test_rounds_interleave_call_by_call_and_the_speedup_pairs_each_round(monkeypatch):
@@ -188,6 +191,12 @@ def test_rounds_interleave_call_by_call_and_the_speedup_pairs_each_round(monkeyp
     # each round's tokens/s in the row, round by round
     assert by["ngram"]["round_tokens_per_s"] == speeds["ngram"]
     assert by["autoregressive"]["round_tokens_per_s"] == speeds["autoregressive"]
+    # the table gives a timed speculator's speedup with its rounds' range
+    lines = comparison.table([dict(r, alpha=0.5, tau=1.5, analytical=1.3) for r in rows])
+    ngram = next(line for line in lines.splitlines() if line.startswith("| ngram |"))
+    assert "| 1.25× (1.10-6.00) |" in ngram
+    base = next(line for line in lines.splitlines() if line.startswith("| autoregressive |"))
+    assert base.split("|")[6].strip() == "1.00×"
 
 
 def test_choosing_trees_without_calibration_is_refused(tmp_path):

@@ -162,13 +162,22 @@ def warmup_prompts(prompts: list, batch: int | None) -> list:
 
 
 def table(rows: list) -> str:
-    lines = ["| method | T | α | τ | tokens/s | speedup (measured) | speedup (analytical) "
-             "| greedy identical |", "|---|---|---|---|---|---|---|---|"]
+    """The comparison's markdown table; a timed speculator's measured speedup carries the
+    range of its rounds' ratios, since on a host whose speed swings the rounds differ."""
+    lines = ["| method | T | α | τ | tokens/s | speedup (measured; rounds' range) "
+             "| speedup (analytical) | greedy identical |", "|---|---|---|---|---|---|---|---|"]
+    base = {}  # temperature -> the first method's rounds (tokens/s)
     for r in rows:
         same = str(r["identical_to_plain"]) if r["temperature"] == 0 else "–"
         method = f"{r['method']} (tree {r['tree']})" if r.get("tree") else r["method"]
+        rounds = r.get("round_tokens_per_s")  # absent in rows of an earlier version
+        first = base.setdefault(r["temperature"], rounds)
+        spread = ""
+        if rounds and first and rounds is not first and r.get("timed", True):
+            ratios = [m / b for m, b in zip(rounds, first)]
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})"
         lines.append(f"| {method} | {r['temperature']:g} | {r['alpha']:.3f} | "
-                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}×{spread} | "
                      f"{r['analytical']:.2f}× | {same} |")
     plain = [f"{r['method']} at T = {r['temperature']:g}" for r in rows
              if not r.get("timed", True)]  # rows of an earlier version were all timed
