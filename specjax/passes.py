@@ -22,7 +22,7 @@ def generate_calls(target, speculator, prompts: list[list[int]], *, new: int, ba
     acceptance prior and step overhead) go to generate (None: the speculator's
     parameter-count estimate, the defaults), as do `kv_cache_dtype` (the target's cache)
     and `verification` (None: the speculator's default)."""
-    from specjax.decoding.generate import generate
+    from specjax.decoding.generate import generate  # read per pass: tests patch it
 
     if batch < 1:
         raise ValueError(f"batch={batch} must be >= 1")

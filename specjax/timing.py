@@ -82,12 +82,19 @@ def balanced_order(n: int, r: int) -> list[int]:
 
 def paired_speedup(base_s: list[float], method_s: list[float]) -> float:
     """Median over timed rounds of base_s[r] / method_s[r], seconds for the same work in
-    round r. Both ran side by side in each round, so a load that slows a whole round
-    cancels in its ratio; a ratio of the medians keeps it (the medians can come from
-    different rounds), which read identical programs as 0.94-0.98x on a noisy host."""
+    round r (`paired_ratios`). Both ran side by side in each round, so a load that slows a
+    whole round cancels in its ratio; a ratio of the medians keeps it (the medians can
+    come from different rounds), which read identical programs as 0.94-0.98x on a noisy
+    host."""
+    return statistics.median(paired_ratios(base_s, method_s))
+
+
+def paired_ratios(base_s: list[float], method_s: list[float]) -> list[float]:
+    """[rounds] base_s[r] / method_s[r], the per-round ratios `paired_speedup` takes the
+    median of; rounds that do not pair up, or a time that is not positive, are an error."""
     if len(base_s) != len(method_s) or not base_s:
         raise ValueError(f"paired rounds need equal, non-empty lists; got {len(base_s)} "
                          f"base and {len(method_s)} method rounds")
     if min(base_s) <= 0 or min(method_s) <= 0:
         raise ValueError(f"round times must be positive; got {base_s} and {method_s}")
-    return statistics.median(b / m for b, m in zip(base_s, method_s))
+    return [b / m for b, m in zip(base_s, method_s)]

@@ -187,6 +187,8 @@ def test_rounds_interleave_call_by_call_and_the_speedup_pairs_each_round(monkeyp
     by = {r["method"]: r for r in rows}
     assert by["autoregressive"]["speedup"] == 1.0
     assert by["ngram"]["speedup"] == np.median([1.2, 6.0, 1.3, 1.1])  # 1.25
+    assert by["ngram"]["round_speedups"] == pytest.approx([1.2, 6.0, 1.3, 1.1])
+    assert "round_speedups" not in by["autoregressive"]  # the baseline's are all 1
     assert by["ngram"]["tokens_per_s"] == 12.0
     # each round's tokens/s in the row, round by round
     assert by["ngram"]["round_tokens_per_s"] == speeds["ngram"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from specjax.passes import generate_calls
 from specjax.speculators import method_of
 from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
-from specjax.timing import paired_speedup, side_by_side_calls
+from specjax.timing import paired_ratios, side_by_side_calls
 from specjax.train.speculation import run_record
 
 DONE = "DONE.json"  # a finished stage's marker in its directory (specjax.train.quickstart)
@@ -62,7 +63,8 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
     of every method before the next call of any, in a new order each call:
     `specjax.timing.side_by_side_calls`), so that each sees the same machine load;
     tokens/s is the median over the rounds (each round's in `round_tokens_per_s`), the
-    speedup the median of each round's ratio to the first method's (`paired_speedup`),
+    speedup the median of each round's ratio to the first method's (`paired_ratios`; a
+    timed speculator's ratios in `round_speedups`),
     the stats are the last round's (greedy ones are the same in every round).
     A speculator whose warm-up ran plain decoding's programs in every call
     (`specjax.stats.untimed_methods`) is not run again: its warm-up gives its stats and
@@ -110,8 +112,9 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
             tokens, r = results[name][-1]
             # a plain-program method ran on the warm-up prompts: compare it with the baseline there
             baseline = warmed[base][0] if name in plain else results[base][-1][0]
-            # tokens/s ratios per round: the inverse of the time ratios paired_speedup takes
+            # tokens/s ratios per round: the inverse of the time ratios paired_ratios takes
             same = speeds[base if name in plain else name]
+            ratios = paired_ratios(same, speeds[base])
             rows.append(dict(r, method=name, temperature=temp,
                              loop=loop_kind(r["speculative_calls"], r["calls"]),
                              timed=name not in plain,
@@ -119,8 +122,11 @@ def compare(target: specjax.Model, speculators: dict, prompts, *, new_tokens: in
                              # each round's, so that a speedup read low or high can be
                              # traced to the rounds the host sped up or slowed
                              round_tokens_per_s=[float(x) for x in same],
-                             speedup=paired_speedup(same, speeds[base]),
+                             speedup=statistics.median(ratios),
                              identical_to_plain=tokens == baseline,
+                             # a timed speculator's ratio per round, for the table's range
+                             **({"round_speedups": ratios}
+                                if name not in plain and name != base else {}),
                              **({"tree": tree_label(cell[name])}
                                 if (temp, name) in (choices or {}) else {})))
     return rows
@@ -166,16 +172,11 @@ def table(rows: list) -> str:
     range of its rounds' ratios, since on a host whose speed swings the rounds differ."""
     lines = ["| method | T | α | τ | tokens/s | speedup (measured; rounds' range) "
              "| speedup (analytical) | greedy identical |", "|---|---|---|---|---|---|---|---|"]
-    base = {}  # temperature -> the first method's rounds (tokens/s)
     for r in rows:
         same = str(r["identical_to_plain"]) if r["temperature"] == 0 else "–"
         method = f"{r['method']} (tree {r['tree']})" if r.get("tree") else r["method"]
-        rounds = r.get("round_tokens_per_s")  # absent in rows of an earlier version
-        first = base.setdefault(r["temperature"], rounds)
-        spread = ""
-        if rounds and first and rounds is not first and r.get("timed", True):
-            ratios = [m / b for m, b in zip(rounds, first)]
-            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})"
+        ratios = r.get("round_speedups")  # a timed speculator's (`compare`)
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
         lines.append(f"| {method} | {r['temperature']:g} | {r['alpha']:.3f} | "
                      f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}×{spread} | "
                      f"{r['analytical']:.2f}× | {same} |")
