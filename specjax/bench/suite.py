@@ -48,6 +48,7 @@ import json
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -369,21 +370,17 @@ def _specjax_rows(target, speculators: dict, ids, category, temp, b: int, spec_k
     False), as the quickstart's comparison does.
     peers: {name: `_Peer`} timed in the same rounds (so beside the same machine load).
     Returns the specjax rows and {peer: its timed rounds' results}."""
-    passes = {name: generate_passes.generate_calls(target, spec, ids, batch=b, **spec_kw,
-                                                   **per[name])
-              for name, spec in speculators.items()}
-    merge = dict.fromkeys(passes, generate_passes.merge_pass)
-    warm = {name: (lambda c=c: generate_passes.merge_pass([f() for f in c]))
-            for name, c in passes.items()}
-    for name, peer in (peers or {}).items():
-        passes[name], warm[name], merge[name] = peer.calls, peer.warm, _merge_peer
-    warmed = {name: fn() for name, fn in warm.items()}  # compiles
+    methods = {name: _specjax_method(target, spec, ids, b, {**spec_kw, **per[name]})
+               for name, spec in speculators.items()}
+    methods.update(peers or {})
+    warmed = {name: m.warm() for name, m in methods.items()}  # compiles
     calls = -(-len(ids) // b)
     base = next(iter(speculators))
     plain = untimed_methods(speculators, {n: (warmed[n][1].speculative_calls, calls)
                                           for n in speculators})
-    rounds = side_by_side_calls({n: c for n, c in passes.items() if n not in plain}, repeats)
-    results = {name: [merge[name](got) for got in r] for name, r in rounds.items()}
+    rounds = side_by_side_calls({n: m.calls for n, m in methods.items() if n not in plain},
+                                repeats)
+    results = {name: [methods[name].merge(got) for got in r] for name, r in rounds.items()}
     results.update({name: [warmed[name]] for name in plain})  # a run over every prompt
     rows = []
     for name in speculators:
@@ -406,7 +403,7 @@ def _interleaved(peers: dict, repeats: int) -> dict[str, list]:
     for peer in peers.values():
         peer.warm()
     rounds = side_by_side_calls({name: peer.calls for name, peer in peers.items()}, repeats)
-    return {name: [_merge_peer(got) for got in r] for name, r in rounds.items()}
+    return {name: [peers[name].merge(got) for got in r] for name, r in rounds.items()}
 
 
 def _merge_peer(parts: list) -> tuple:
@@ -426,11 +423,27 @@ class Reference(NamedTuple):
 
 
 @dataclasses.dataclass
-class _Peer:
-    """A peer method at batch 1: `warm()` once, then per round each of `calls` (one per
-    prompt) -> (its tokens, wall seconds, target forward calls or None)."""
-    warm: object
-    calls: list
+class _Timed:
+    """A method the rounds time: `warm()` once (compiles; returns a whole pass), then per
+    round each of `calls`, whose results `merge` joins into the round's pass."""
+    warm: Callable[[], tuple]
+    calls: list[Callable[[], tuple]]
+    merge: Callable[[list], tuple]
+
+
+def _specjax_method(target, speculator, ids, batch: int, kw: dict) -> _Timed:
+    """A specjax method: its generate calls of `batch` rows each (`specjax.passes`), each
+    -> (tokens, GenerationStats, wall seconds); its warm-up is one pass over them all."""
+    calls = generate_passes.generate_calls(target, speculator, ids, batch=batch, **kw)
+    return _Timed(warm=lambda: generate_passes.merge_pass([f() for f in calls]),
+                  calls=calls, merge=generate_passes.merge_pass)
+
+
+@dataclasses.dataclass
+class _Peer(_Timed):
+    """A peer method at batch 1: a call per prompt -> (its tokens, wall seconds, target
+    forward calls or None), a round's joined by `_merge_peer`."""
+    merge: Callable[[list], tuple] = _merge_peer
     compare: bool = True  # its tokens are comparable with specjax's (the same weights)
 
 
