@@ -2,6 +2,7 @@
 
 from specjax import compile_cache, export, heads, kv_quant, sharding, speculators
 from specjax.cache import OutOfPagesError, PagedKVCache, PagePool
+from specjax.chat import apply_chat_template
 from specjax.checkpoint import load, restore_orbax, save_gguf, save_hf, save_orbax
 from specjax.config import ModelConfig
 from specjax.decoding.cost import VerifyCost
@@ -22,5 +23,5 @@ __all__ = [
     "Sampling", "save_orbax", "speculators", "step", "generate",
     "check_fits", "make_mesh", "plan_memory", "shard_model", "sharding", "heads",
     "kv_quant", "compile_cache", "save_gguf", "export", "export_eagle3", "export_gguf",
-    "export_medusa", "export_speculators",
+    "export_medusa", "export_speculators", "apply_chat_template",
 ]

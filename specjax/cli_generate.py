@@ -33,6 +33,11 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                    "adaptive rule")
     g.add_argument("--prompt", help="text prompt (needs the model's tokenizer)")
     g.add_argument("--ids", help="comma-separated prompt token ids")
+    g.add_argument("--chat", action="store_true",
+                   help="--prompt is a user's message, put in the model's chat template "
+                        "(an instruct model answers it)")
+    g.add_argument("--system", default=None,
+                   help="with --chat: a system message before the user's")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: off)")
@@ -193,6 +198,10 @@ def _generate(args) -> int:
     from specjax.calibrate import calibrated_kwargs
     from specjax.config import tiny_llama
 
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is for --chat")
+    if args.chat and (not args.prompt or args.ids):
+        raise ValueError("--chat needs --prompt TEXT (the user's message) and no --ids")
     run = Run.read(args.workdir) if args.workdir else None
     if args.model or run:
         source = args.model or str(run.target)
@@ -207,6 +216,10 @@ def _generate(args) -> int:
             prompts = [[int(x) for x in args.ids.split(",")]]
         except ValueError:
             raise ValueError(f"--ids={args.ids!r} must be comma-separated integers") from None
+    elif args.prompt and args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        prompts = [specjax.apply_chat_template(model, messages)]
     elif args.prompt:
         prompts = [args.prompt]
     else:

@@ -205,3 +205,61 @@ def test_a_short_run_leaves_the_weights_on_base_pages(speculator, new, switch,
     huge_pages.wait()
     assert seen and set(seen) == {switch}
     assert huge_pages.ENV not in huge_pages.os.environ
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> tuple[Path, specjax.Model]:
+    """A tiny model whose tokenizer knows the words of a ChatML template, saved with it."""
+    import dataclasses
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "Be",
+             "brief", "Say", "hi"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    model = dataclasses.replace(specjax.init_model(tiny_llama(64, num_layers=1), seed=0),
+                                tokenizer=tok, chat_template=template)
+    path = tmp_path_factory.mktemp("chat") / "model"
+    specjax.save_hf(model, path)
+    return path, model
+
+
+def test_chat_puts_the_prompt_in_the_models_template(chat_model, monkeypatch):
+    path, model = chat_model
+    prompts, real = [], specjax.generate
+
+    def recording(m, p, **kw):
+        prompts.append(p)
+        return real(m, p, **kw)
+
+    monkeypatch.setattr(specjax, "generate", recording)
+    args = ["generate", "--model", str(path), "--speculator", "none", "--max-new-tokens", "2",
+            "--prompt", "Say hi", "--chat"]
+    assert cli(args) == 0
+    assert prompts[-1] == [specjax.apply_chat_template(
+        model, [{"role": "user", "content": "Say hi"}])]
+    assert cli(args + ["--system", "Be brief"]) == 0
+    want = specjax.apply_chat_template(model, [{"role": "system", "content": "Be brief"},
+                                               {"role": "user", "content": "Say hi"}])
+    assert prompts[-1] == [want] and want[:3] == [1, 3, 6]  # <|im_start|> system Be
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chat"], "--chat needs --prompt TEXT"),
+    (["--chat", "--ids", "1,2"], "--chat needs --prompt TEXT"),
+    (["--prompt", "Say hi", "--system", "Be brief"], "--system is for --chat"),
+])
+def test_bad_chat_flags_exit_2(argv, message, capsys):
+    assert cli(["generate", "--speculator", "none"] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_chat_without_a_template_exits_2_saying_so(run, capsys):
+    argv = ["generate", "--model", str(run / "target" / "export"), "--speculator", "none",
+            "--prompt", "hi", "--chat"]
+    assert cli(argv) == 2
+    assert "no tokenizer" in capsys.readouterr().err

@@ -402,3 +402,35 @@ def test_real_smollm2_digits_follow_llama_cpp(smollm2):
         assert ours.tokenizer.encode(text).ids == expected, text
     # the cases where transformers' own GGUF tokenizer differs (so this test means something)
     assert [t for t in texts if ours.tokenizer.encode(t).ids != hf(t)["input_ids"]] == texts[:2]
+
+
+def test_real_smollm2_chat_matches_transformers(smollm2):
+    """The file's chat template, rendered and encoded by `specjax.apply_chat_template`,
+    equals transformers' `apply_chat_template` on its GGUF tokenizer (its default system
+    turn, and a conversation that brings its own)."""
+    import dataclasses
+
+    import specjax
+    from specjax.config import tiny_llama
+
+    ours, hf = smollm2
+    config = dataclasses.replace(tiny_llama(vocab_size=49152), bos_token_id=ours.bos_token_id,
+                                 eos_token_id=ours.eos_token_id)
+    model = specjax.Model(config, None, ours.tokenizer, ours.chat_template)
+    conversations = [
+        [{"role": "user", "content": "Write a Python function that checks for primes."}],
+        [{"role": "system", "content": "Answer in one line."},
+         {"role": "user", "content": "  Wie viel ist 2 + 2?  \n"},
+         {"role": "assistant", "content": "4"},
+         {"role": "user", "content": "And 日本語 <b>bold</b>?"}],
+    ]
+    for messages in conversations:
+        for prompt in (True, False):
+            text = specjax.apply_chat_template(model, messages, tokenize=False,
+                                               add_generation_prompt=prompt)
+            assert text == hf.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=prompt)
+            ids = specjax.apply_chat_template(model, messages, add_generation_prompt=prompt)
+            assert ids == hf.apply_chat_template(messages, add_generation_prompt=prompt,
+                                                 return_dict=False)
+    assert text.startswith("<|im_start|>system\nAnswer in one line.<|im_end|>\n")

@@ -1,0 +1,105 @@
+"""Chat prompts: a model's own chat template (its tokenizer_config.json's or GGUF file's
+Jinja template) rendered over a conversation, as transformers' `apply_chat_template`
+renders it, so an instruct model is prompted the way it was trained and served.
+
+Rendered here with jinja2 rather than through transformers, which the library does not
+depend on. What transformers sets around jinja2 is part of the templates' contract,
+and published templates rely on it: blocks trimmed (`trim_blocks`, `lstrip_blocks`),
+loop controls, a sandbox, `raise_exception` and `strftime_now` as globals, `tojson`
+without HTML escaping, the special tokens as variables, and `{% generation %}` blocks
+(which mark the assistant's tokens for training masks; here they render their body).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from specjax.model import Model
+
+Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": ...}
+
+
+def _environment():
+    """The sandboxed jinja2 environment chat templates are written for."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}`: renders its body unchanged."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _special_tokens(model: "Model") -> dict[str, str]:
+    """bos_token and eos_token as text, the variables templates write them with."""
+    out = {}
+    eos = model.config.eos_ids
+    for name, tid in (("bos_token", model.config.bos_token_id),
+                      ("eos_token", eos[0] if eos else None)):
+        token = model.tokenizer.id_to_token(tid) if tid is not None else None
+        if token is not None:
+            out[name] = token
+    return out
+
+
+def _check(model: "Model", template: str | None, messages: Sequence[Message]) -> None:
+    if model.tokenizer is None:
+        raise ValueError("the model has no tokenizer, so it has no chat format")
+    if not template:
+        raise ValueError("the model has no chat template (none in its tokenizer_config.json "
+                         "or GGUF metadata 'tokenizer.chat_template'); pass a template= "
+                         "or prompt it with plain text")
+    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, "
+                         f"got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]={m!r} must be a dict with a 'role' string and "
+                             "its 'content'")
+
+
+def apply_chat_template(model: "Model", messages: Sequence[Message], *,
+                        add_generation_prompt: bool = True, tokenize: bool = True,
+                        template: str | None = None, **context: Any) -> list[int] | str:
+    """The conversation `messages` in `model`'s chat format: its token ids (tokenize=True,
+    special tokens only where the template writes them, as transformers encodes a chat),
+    or the text. add_generation_prompt: end with the assistant's turn opened, so the
+    model answers; template: another Jinja template than the model's; context: more
+    variables the template reads (`tools`, `enable_thinking`, ...).
+    Raises ValueError naming what is missing or malformed, and what the template's
+    `raise_exception` says."""
+    import jinja2
+
+    template = model.chat_template if template is None else template
+    _check(model, template, messages)
+    try:
+        text = _environment().from_string(template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            **{**_special_tokens(model), **context})
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"chat template: {e}") from e
+    if not tokenize:
+        return text
+    return model.tokenizer.encode(text, add_special_tokens=False).ids
