@@ -68,7 +68,8 @@ _LONGEST_FIRST = ("tests/test_speculative.py", "tests/test_speculators_heads.py"
                   "tests/test_train_heads.py", "tests/test_decode_outputs.py",
                   "tests/test_verify_exact.py", "tests/test_models.py",
                   "notebooks/01_quickstart.ipynb", "tests/test_kv_quant.py",
-                  "tests/test_seeds.py", "tests/test_example_speculator.py",
+                  "tests/test_seeds.py", "notebooks/04_smollm2.ipynb",
+                  "tests/test_example_speculator.py",
                   "notebooks/02_train_eagle_head.ipynb", "tests/test_train_sharding.py")
 
 
