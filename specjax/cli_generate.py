@@ -242,6 +242,10 @@ def _generate(args) -> int:
         out = specjax.generate(model, prompts, speculator=spec, **common,
                                **calibrated_kwargs(cal, spec))
         print(f"{args.speculator:>14}: {out.stats.summary()}")
+        if out.stats.speculative_calls == 0:
+            print("                (plain decoding's programs: the adaptive rule, from "
+                  f"{'the calibration' if cal else 'its default priors'}, expects no gain "
+                  "from drafting here)")
         if args.temperature == 0:
             same = out.tokens == plain.tokens
             print(f"greedy outputs identical: {same}")

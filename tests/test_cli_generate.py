@@ -263,3 +263,16 @@ def test_chat_without_a_template_exits_2_saying_so(run, capsys):
             "--prompt", "hi", "--chat"]
     assert cli(argv) == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_says_when_the_rule_runs_plain_decodings_programs(run, capsys):
+    """A speculator the calibration says cannot pay runs plain decoding's programs, and the
+    output says so and why; one that drafts prints no such line."""
+    assert cli(["generate", "--workdir", str(run), "--speculator", "eagle",
+                "--temperature", "1"] + IDS) == 0
+    out = capsys.readouterr().out
+    assert "α=0.000" in out.splitlines()[3]
+    assert ("(plain decoding's programs: the adaptive rule, from the calibration, expects "
+            "no gain from drafting here)") in out
+    assert cli(["generate", "--workdir", str(run), "--speculator", "ngram"] + IDS) == 0
+    assert "plain decoding's programs" not in capsys.readouterr().out
