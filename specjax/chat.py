@@ -13,6 +13,7 @@ without HTML escaping, the special tokens as variables, and `{% generation %}` b
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -22,8 +23,10 @@ if TYPE_CHECKING:
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": ...}
 
 
-def _environment():
-    """The sandboxed jinja2 environment chat templates are written for."""
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """`template` compiled once in the sandboxed jinja2 environment chat templates are
+    written for (a chat loop renders the same template at every turn)."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -49,7 +52,7 @@ def _environment():
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
+    return env.from_string(template)
 
 
 def _special_tokens(model: "Model") -> dict[str, str]:
@@ -95,7 +98,7 @@ def apply_chat_template(model: "Model", messages: Sequence[Message], *,
     template = model.chat_template if template is None else template
     _check(model, template, messages)
     try:
-        text = _environment().from_string(template).render(
+        text = _compiled(template).render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
             **{**_special_tokens(model), **context})
     except jinja2.exceptions.TemplateError as e:
