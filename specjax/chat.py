@@ -6,8 +6,10 @@ Rendered here with jinja2 rather than through transformers, which the library do
 depend on. What transformers sets around jinja2 is part of the templates' contract,
 and published templates rely on it: blocks trimmed (`trim_blocks`, `lstrip_blocks`),
 loop controls, a sandbox, `raise_exception` and `strftime_now` as globals, `tojson`
-without HTML escaping, the special tokens as variables, and `{% generation %}` blocks
-(which mark the assistant's tokens for training masks; here they render their body).
+without HTML escaping, the special tokens as variables, `tools` and `documents` defined
+(None unless given), `{% generation %}` blocks (which mark the assistant's tokens for
+training masks; here they render their body), and messages without their None-valued
+keys, their reasoning under each name templates read it by (as transformers 5 does).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from specjax.model import Model
 
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": ...}
+# the names templates read a message's reasoning under (gpt-oss's `thinking` among them)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 @functools.lru_cache(maxsize=16)
@@ -83,6 +87,20 @@ def _check(model: "Model", template: str | None, messages: Sequence[Message]) ->
                              "its 'content'")
 
 
+def _template_messages(messages: Sequence[Message]) -> list[dict]:
+    """The messages as transformers hands them to a template: keys whose value is None
+    left out (APIs return `content=None` beside tool calls, which templates would print as
+    "None" or trip on), and a message's reasoning under each name templates read it by."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
 def apply_chat_template(model: "Model", messages: Sequence[Message], *,
                         add_generation_prompt: bool = True, tokenize: bool = True,
                         template: str | None = None, **context: Any) -> list[int] | str:
@@ -98,11 +116,15 @@ def apply_chat_template(model: "Model", messages: Sequence[Message], *,
     template = model.chat_template if template is None else template
     _check(model, template, messages)
     try:
+        # `tools` and `documents` are defined (None) unless given, as transformers renders
         text = _compiled(template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            **{**_special_tokens(model), **context})
-    except jinja2.exceptions.TemplateError as e:
+            messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
+            **{**_special_tokens(model), "tools": None, "documents": None, **context})
+    except jinja2.exceptions.TemplateError as e:  # its own message (`raise_exception`) or syntax
         raise ValueError(f"chat template: {e}") from e
+    except (TypeError, AttributeError, KeyError, IndexError) as e:  # the messages' shape
+        raise ValueError(f"chat template: {type(e).__name__}: {e} (rendering these messages)"
+                         ) from e
     if not tokenize:
         return text
     return model.tokenizer.encode(text, add_special_tokens=False).ids

@@ -116,6 +116,29 @@ def test_another_template(model):
     assert got.startswith("        (You answer in Python only.)\n        [  Sort")
 
 
+# what transformers 5 hands a template besides the messages' text: None-valued keys left
+# out, reasoning under each name, `tools` and `documents` defined (None) when not given
+FIELDS = ("{% for m in messages %}[{{ m.role }}:"
+          "{% if m.content is defined %}{{ m.content }}{% else %}-{% endif %}"
+          "|{{ m.thinking if m.thinking is defined else '' }}"
+          "|{{ m.reasoning_content if m.reasoning_content is defined else '' }}]{% endfor %}"
+          "{% if tools is defined %}T{{ tools | tojson }}{% endif %}"
+          "{% if documents is defined %}D{% endif %}")
+
+
+def test_messages_reach_the_template_as_transformers_hands_them(model):
+    ours, hf = model
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "reasoning": "look it up",
+                 "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+                {"role": "tool", "content": "sunny", "name": None}]
+    got = specjax.apply_chat_template(ours, messages, tokenize=False, template=FIELDS)
+    assert got == hf.apply_chat_template(messages, tokenize=False, chat_template=FIELDS,
+                                         add_generation_prompt=True)
+    assert got == "[user:weather?||][assistant:-|look it up|look it up][tool:sunny||]TnullD"
+    assert messages[1]["content"] is None  # the caller's messages are left as they were
+
+
 def test_bad_input_gets_a_clear_error(model):
     ours, _ = model
     with pytest.raises(ValueError, match="Unknown role: tool"):  # the template's own message
@@ -132,3 +155,7 @@ def test_bad_input_gets_a_clear_error(model):
                                     CONVERSATIONS[0])
     with pytest.raises(ValueError, match="chat template: "):  # a template that does not parse
         specjax.apply_chat_template(ours, CONVERSATIONS[0], template="{% for m in %}")
+    # a template that cannot render these messages (no tools given to iterate)
+    with pytest.raises(ValueError, match="chat template: TypeError: .* these messages"):
+        specjax.apply_chat_template(ours, CONVERSATIONS[0],
+                                    template="{% for t in tools %}{{ t }}{% endfor %}")
