@@ -101,30 +101,67 @@ def _template_messages(messages: Sequence[Message]) -> list[dict]:
     return out
 
 
+# appended to the message a chat continues, to find where its text ends once rendered
+# (transformers' own tag, so a template that tests for it behaves the same)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _continued(messages: list[dict]) -> list[dict]:
+    """The messages with the tag after the last one's text, which the chat continues."""
+    if not messages or not isinstance(messages[-1].get("content"), str):
+        raise ValueError("continue_final_message needs a last message whose 'content' is "
+                         "text (the start of the answer to continue)")
+    return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] +
+                             _CONTINUE_TAG}]
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to where the continued message's text ends."""
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last "
+                         "message's text as given, so the chat cannot continue it")
+    # a template that trims the message's text trims the tag's trailing space too
+    return text[:at] if text[at:].startswith(_CONTINUE_TAG) else text[:at].rstrip()
+
+
 def apply_chat_template(model: "Model", messages: Sequence[Message], *,
-                        add_generation_prompt: bool = True, tokenize: bool = True,
+                        add_generation_prompt: bool | None = None,
+                        continue_final_message: bool = False, tokenize: bool = True,
                         template: str | None = None, **context: Any) -> list[int] | str:
     """The conversation `messages` in `model`'s chat format: its token ids (tokenize=True,
     special tokens only where the template writes them, as transformers encodes a chat),
     or the text. add_generation_prompt: end with the assistant's turn opened, so the
-    model answers; template: another Jinja template than the model's; context: more
-    variables the template reads (`tools`, `enable_thinking`, ...).
+    model answers (None: unless continue_final_message); continue_final_message: end
+    inside the last message, so the model continues its text (an answer's start, e.g.
+    a code block opened); template: another Jinja template than the model's; context:
+    more variables the template reads (`tools`, `enable_thinking`, ...).
     Raises ValueError naming what is missing or malformed, and what the template's
     `raise_exception` says."""
     import jinja2
 
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt opens a new turn and continue_final_message "
+                         "continues the last one: ask for one of them")
     template = model.chat_template if template is None else template
     _check(model, template, messages)
+    shown = _template_messages(messages)
+    if continue_final_message:
+        shown = _continued(shown)
     try:
         # `tools` and `documents` are defined (None) unless given, as transformers renders
         text = _compiled(template).render(
-            messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
+            messages=shown, add_generation_prompt=add_generation_prompt,
             **{**_special_tokens(model), "tools": None, "documents": None, **context})
     except jinja2.exceptions.TemplateError as e:  # its own message (`raise_exception`) or syntax
         raise ValueError(f"chat template: {e}") from e
     except (TypeError, AttributeError, KeyError, IndexError) as e:  # the messages' shape
         raise ValueError(f"chat template: {type(e).__name__}: {e} (rendering these messages)"
                          ) from e
+    if continue_final_message:
+        text = _cut_at_tag(text)
     if not tokenize:
         return text
     return model.tokenizer.encode(text, add_special_tokens=False).ids

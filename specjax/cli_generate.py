@@ -38,6 +38,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                         "(an instruct model answers it)")
     g.add_argument("--system", default=None,
                    help="with --chat: a system message before the user's")
+    g.add_argument("--answer-start", default=None, metavar="TEXT",
+                   help="with --chat: the answer's first words, which the model continues "
+                        "(e.g. an opened code block)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: off)")
@@ -198,8 +201,9 @@ def _generate(args) -> int:
     from specjax.calibrate import calibrated_kwargs
     from specjax.config import tiny_llama
 
-    if args.system is not None and not args.chat:
-        raise ValueError("--system is for --chat")
+    for flag in ("system", "answer_start"):
+        if getattr(args, flag) is not None and not args.chat:
+            raise ValueError(f"--{flag.replace('_', '-')} is for --chat")
     if args.chat and (not args.prompt or args.ids):
         raise ValueError("--chat needs --prompt TEXT (the user's message) and no --ids")
     run = Run.read(args.workdir) if args.workdir else None
@@ -219,7 +223,10 @@ def _generate(args) -> int:
     elif args.prompt and args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
-        prompts = [specjax.apply_chat_template(model, messages)]
+        if args.answer_start is not None:
+            messages.append({"role": "assistant", "content": args.answer_start})
+        prompts = [specjax.apply_chat_template(
+            model, messages, continue_final_message=args.answer_start is not None)]
     elif args.prompt:
         prompts = [args.prompt]
     else:

@@ -139,6 +139,35 @@ def test_messages_reach_the_template_as_transformers_hands_them(model):
     assert messages[1]["content"] is None  # the caller's messages are left as they were
 
 
+@pytest.mark.parametrize("template", [TEMPLATE, MULTILINE])
+def test_a_chat_can_continue_its_last_message(model, template):
+    """The text ends where the last message's does (the model continues it), as
+    transformers cuts it: a template that keeps the text as given (MULTILINE) and one that
+    trims it (TEMPLATE, `| trim`)."""
+    ours, hf = model
+    start = "```python\ndef rev(words):\n    "  # the answer so far, up to an indent
+    messages = CONVERSATIONS[0] + [{"role": "assistant", "content": start}]
+    got = specjax.apply_chat_template(ours, messages, tokenize=False, template=template,
+                                      continue_final_message=True)
+    assert got == hf.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                         continue_final_message=True)
+    # kept as given, or trimmed with the text when the template trims it
+    assert got.endswith(start if template == MULTILINE else start.rstrip())
+    ids = specjax.apply_chat_template(ours, messages, template=template,
+                                      continue_final_message=True)
+    assert ids == hf.apply_chat_template(messages, chat_template=template, return_dict=False,
+                                         continue_final_message=True)
+    with pytest.raises(ValueError, match="ask for one of them"):
+        specjax.apply_chat_template(ours, messages, continue_final_message=True,
+                                    add_generation_prompt=True)
+    with pytest.raises(ValueError, match="last message whose 'content' is text"):
+        specjax.apply_chat_template(ours, messages[:-1] + [{"role": "assistant"}],
+                                    continue_final_message=True)
+    with pytest.raises(ValueError, match="does not write the last message's text"):
+        specjax.apply_chat_template(ours, messages, continue_final_message=True,
+                                    template="{% for m in messages %}{{ m.role }}{% endfor %}")
+
+
 def test_bad_input_gets_a_clear_error(model):
     ours, _ = model
     with pytest.raises(ValueError, match="Unknown role: tool"):  # the template's own message

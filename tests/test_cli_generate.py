@@ -246,12 +246,19 @@ def test_chat_puts_the_prompt_in_the_models_template(chat_model, monkeypatch):
     want = specjax.apply_chat_template(model, [{"role": "system", "content": "Be brief"},
                                                {"role": "user", "content": "Say hi"}])
     assert prompts[-1] == [want] and want[:3] == [1, 3, 6]  # <|im_start|> system Be
+    # the answer's start, continued: the chat ends inside the assistant's turn
+    assert cli(args + ["--answer-start", "Say"]) == 0
+    want = specjax.apply_chat_template(model, [{"role": "user", "content": "Say hi"},
+                                               {"role": "assistant", "content": "Say"}],
+                                       continue_final_message=True)
+    assert prompts[-1] == [want] and want[-3:] == [1, 5, 8]  # <|im_start|> assistant Say
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--chat"], "--chat needs --prompt TEXT"),
     (["--chat", "--ids", "1,2"], "--chat needs --prompt TEXT"),
     (["--prompt", "Say hi", "--system", "Be brief"], "--system is for --chat"),
+    (["--prompt", "Say hi", "--answer-start", "Hi"], "--answer-start is for --chat"),
 ])
 def test_bad_chat_flags_exit_2(argv, message, capsys):
     assert cli(["generate", "--speculator", "none"] + argv) == 2
