@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.bench import llamacpp as lc, prompts as P, suite
+from specjax.bench import llamacpp as lc, prompts as P, suite, suite_args
 from specjax.bench.speculative import workdir_paths
 from specjax.calibrate import calibration
 from specjax.speculators import NGram
@@ -68,7 +68,7 @@ def test_humaneval_prompts(monkeypatch):
 def test_suite_humaneval_flag_needs_the_package(monkeypatch, tmp_path, capsys):
     args = suite.parse_args(["--workdir", str(tmp_path), "--categories", "humaneval,long"])
     assert args.categories == ("humaneval", "long") and args.humaneval_tokens == 256
-    monkeypatch.setattr(suite.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(suite_args.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit) as err:
         suite.parse_args(["--workdir", str(tmp_path), "--categories", "humaneval"])
     assert err.value.code == 2 and INSTALL in capsys.readouterr().err

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.bench import prompts as P, suite, suite_report
+from specjax.bench import prompts as P, suite, suite_methods, suite_report
 from specjax.calibrate import MIN_TIMED_CALLS
 from specjax.cli import main as cli
 from specjax.config import tiny_llama
@@ -31,7 +31,7 @@ from specjax.train.tokenizer import train_bpe
 VOCAB = 320
 # what the suite runs without --methods: every method but those that need a corpus file
 DEFAULT_METHODS = tuple(m for m in suite.SPECJAX_METHODS + suite.HF_METHODS
-                        if m not in suite.CORPUS_METHODS)
+                        if m not in suite_methods.CORPUS_METHODS)
 WORDS = ("alpha", "beta", "gamma", "delta", "total", "scale", "offset", "limit")
 # Every category in one length band (33..64 tokens): one compiled program per method.
 # One torch thread: two spin badly on a shared 2-core machine (see docs/benchmarks.md).

@@ -127,7 +127,8 @@ def main(argv=None) -> int:
                  + (("prompt_tokens",) if args.prompt_tokens is not None else ()))
     shares = shares_arg(ap, args.min_shares)
     from specjax.bench.prompts import ALL_CATEGORIES, build_prompts
-    from specjax.bench.suite import DEFAULT_LENGTHS, Workdir
+    from specjax.bench.suite_args import DEFAULT_LENGTHS
+    from specjax.bench.suite_workdir import Workdir
 
     cats = comma_list(ap, "--categories", args.categories, choices=ALL_CATEGORIES)
     try:

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     sizes = sizes_arg(args.sizes, ap)
     at_least_one(ap, args, ("prompts", "prompt_tokens", "k", "new"))
     from specjax.bench.prompts import ALL_CATEGORIES
-    from specjax.bench.suite import Workdir
+    from specjax.bench.suite_workdir import Workdir
 
     cats = comma_list(ap, "--categories", args.categories, choices=ALL_CATEGORIES)
     try:
