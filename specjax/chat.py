@@ -60,7 +60,9 @@ def _compiled(template: str):
 
 
 def _special_tokens(model: "Model") -> dict[str, str]:
-    """bos_token and eos_token as text, the variables templates write them with."""
+    """The special tokens as text, the variables templates write them with: as the
+    checkpoint's tokenizer_config.json names them, else the config's BOS and first EOS
+    (a config may list several EOS ids, the tokenizer's own first or not)."""
     out = {}
     eos = model.config.eos_ids
     for name, tid in (("bos_token", model.config.bos_token_id),
@@ -68,7 +70,7 @@ def _special_tokens(model: "Model") -> dict[str, str]:
         token = model.tokenizer.id_to_token(tid) if tid is not None else None
         if token is not None:
             out[name] = token
-    return out
+    return {**out, **(model.special_tokens or {})}
 
 
 def _check(model: "Model", template: str | None, messages: Sequence[Message]) -> None:

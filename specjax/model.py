@@ -42,6 +42,9 @@ class Model:
     params: Any
     tokenizer: Any = None  # a `tokenizers.Tokenizer`, or None
     chat_template: str | None = None  # Jinja template (tokenizer_config.json / GGUF metadata)
+    # {"bos_token": "<s>", ...}: the special tokens' text as tokenizer_config.json names
+    # them, where it does (None: the text of the config's BOS and first EOS ids)
+    special_tokens: dict[str, str] | None = None
 
     @property
     def module(self) -> Transformer:

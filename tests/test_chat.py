@@ -168,6 +168,36 @@ def test_a_chat_can_continue_its_last_message(model, template):
                                     template="{% for m in messages %}{{ m.role }}{% endfor %}")
 
 
+def test_special_tokens_are_the_checkpoints_own(model, tmp_path):
+    """A config may list several EOS ids, the tokenizer's EOS not first (Llama 3): the
+    template's `eos_token` is tokenizer_config.json's, read back from a saved directory
+    (a plain string or an added token's "content"), as transformers renders it."""
+    import json
+
+    ours, _ = model
+    tagged = dataclasses.replace(ours, config=dataclasses.replace(ours.config,
+                                                                  eos_token_id=(2, 1)),
+                                 special_tokens={"eos_token": "<|eot_id|>"})
+    template = "{{ bos_token }}|{{ eos_token }}|{{ messages[0].content }}"
+    for form in ("string", "added token"):
+        path = tmp_path / form.replace(" ", "_")
+        specjax.save_hf(tagged, path)
+        if form == "added token":
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+            cfg["eos_token"] = {"__type": "AddedToken", "content": cfg["eos_token"],
+                                "lstrip": False, "rstrip": False, "special": True}
+            (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+        loaded = specjax.load(path)
+        assert loaded.special_tokens == {"bos_token": "<|begin_of_text|>",
+                                         "eos_token": "<|eot_id|>"}
+        hf = transformers.AutoTokenizer.from_pretrained(str(path))
+        got = specjax.apply_chat_template(loaded, CONVERSATIONS[0], tokenize=False,
+                                          template=template)
+        assert got == hf.apply_chat_template(CONVERSATIONS[0], tokenize=False,
+                                             chat_template=template, add_generation_prompt=True)
+        assert got.startswith("<|begin_of_text|>|<|eot_id|>|")  # not the config's first EOS
+
+
 def test_bad_input_gets_a_clear_error(model):
     ours, _ = model
     with pytest.raises(ValueError, match="Unknown role: tool"):  # the template's own message

@@ -10,9 +10,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from specjax.checkpoint.hf import (
-    _read_chat_template,
     _read_safetensors,
     _read_tokenizer,
+    _read_tokenizer_config,
     hf_to_params,
     restore_orbax,
 )
@@ -42,10 +42,10 @@ def load_dir(path: str | os.PathLike, dtype=None, *, mesh=None) -> Model:
     config = config.replace(dtype=dtype)
     if mesh is not None:
         return Model(config, load_params(path, config, mesh), _read_tokenizer(path),
-                     _read_chat_template(path))
+                     **_read_tokenizer_config(path))
     if (path / "params").is_dir():  # orbax layout written by save_orbax
         params = restore_orbax(path / "params", config)
     else:
         tensors, origin = _read_safetensors(path)
         params = hf_to_params(config, tensors, origin, dtype=jnp.dtype(dtype))
-    return Model(config, params, _read_tokenizer(path), _read_chat_template(path))
+    return Model(config, params, _read_tokenizer(path), **_read_tokenizer_config(path))

@@ -170,15 +170,24 @@ def _read_tokenizer(path: Path):
         raise ValueError(f"{tok_file}: cannot read tokenizer ({e})") from e
 
 
-def _read_chat_template(path: Path) -> str | None:
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    """What a Model keeps of tokenizer_config.json: its chat template and special tokens'
+    text (a string, or an added token's "content"); {} where there is none."""
     cfg_file = path / "tokenizer_config.json"
     if not cfg_file.exists():
-        return None
+        return {}
     try:
-        template = json.loads(cfg_file.read_text()).get("chat_template")
+        cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: invalid JSON ({e})") from e
-    return template if isinstance(template, str) else None
+    template = cfg.get("chat_template")
+    text = {k: v.get("content") if isinstance(v, dict) else v
+            for k, v in cfg.items() if k in SPECIAL_TOKENS}
+    return {"chat_template": template if isinstance(template, str) else None,
+            "special_tokens": {k: v for k, v in text.items() if isinstance(v, str)} or None}
 
 
 def save_hf(model: Model, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> None:
@@ -225,6 +234,7 @@ def _save_tokenizer(model: Model, path: Path) -> None:
         token = model.tokenizer.id_to_token(tid) if tid is not None else None
         if token is not None:
             tok_cfg[key] = token
+    tok_cfg.update(model.special_tokens or {})  # the text the checkpoint named, if it did
     if model.chat_template is not None:
         tok_cfg["chat_template"] = model.chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
