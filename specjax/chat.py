@@ -59,20 +59,6 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
-def _special_tokens(model: "Model") -> dict[str, str]:
-    """The special tokens as text, the variables templates write them with: as the
-    checkpoint's tokenizer_config.json names them, else the config's BOS and first EOS
-    (a config may list several EOS ids, the tokenizer's own first or not)."""
-    out = {}
-    eos = model.config.eos_ids
-    for name, tid in (("bos_token", model.config.bos_token_id),
-                      ("eos_token", eos[0] if eos else None)):
-        token = model.tokenizer.id_to_token(tid) if tid is not None else None
-        if token is not None:
-            out[name] = token
-    return {**out, **(model.special_tokens or {})}
-
-
 def _check(model: "Model", template: str | None, messages: Sequence[Message]) -> None:
     if model.tokenizer is None:
         raise ValueError("the model has no tokenizer, so it has no chat format")
@@ -156,7 +142,7 @@ def apply_chat_template(model: "Model", messages: Sequence[Message], *,
         # `tools` and `documents` are defined (None) unless given, as transformers renders
         text = _compiled(template).render(
             messages=shown, add_generation_prompt=add_generation_prompt,
-            **{**_special_tokens(model), "tools": None, "documents": None, **context})
+            **{**model.special_token_text(), "tools": None, "documents": None, **context})
     except jinja2.exceptions.TemplateError as e:  # its own message (`raise_exception`) or syntax
         raise ValueError(f"chat template: {e}") from e
     except (TypeError, AttributeError, KeyError, IndexError) as e:  # the messages' shape

@@ -55,6 +55,20 @@ class Model:
     _decoded: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
 
+    def special_token_text(self) -> dict[str, str]:
+        """The special tokens as text ({"bos_token": ..., "eos_token": ...}), what chat
+        templates write and tokenizer_config.json holds: `special_tokens` where the
+        checkpoint named them, else the text of the config's BOS and first EOS ids (a
+        config may list several EOS ids, the tokenizer's own first or not); {} without a
+        tokenizer."""
+        if self.tokenizer is None:
+            return {}
+        eos = self.config.eos_ids
+        ids = (("bos_token", self.config.bos_token_id), ("eos_token", eos[0] if eos else None))
+        text = {name: self.tokenizer.id_to_token(tid) for name, tid in ids if tid is not None}
+        return {**{k: v for k, v in text.items() if v is not None},
+                **(self.special_tokens or {})}
+
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
 

@@ -265,7 +265,7 @@ def test_bad_chat_flags_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_chat_without_a_template_exits_2_saying_so(run, capsys):
+def test_chat_with_a_model_without_tokenizer_exits_2_saying_so(run, capsys):
     argv = ["generate", "--model", str(run / "target" / "export"), "--speculator", "none",
             "--prompt", "hi", "--chat"]
     assert cli(argv) == 2

@@ -228,13 +228,8 @@ def _save_tokenizer(model: Model, path: Path) -> None:
     if model.tokenizer is None:
         return
     model.tokenizer.save(str(path / "tokenizer.json"))
-    tok_cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for key, tid in (("bos_token", model.config.bos_token_id),
-                     ("eos_token", model.config.eos_ids[0] if model.config.eos_ids else None)):
-        token = model.tokenizer.id_to_token(tid) if tid is not None else None
-        if token is not None:
-            tok_cfg[key] = token
-    tok_cfg.update(model.special_tokens or {})  # the text the checkpoint named, if it did
+    tok_cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                               **model.special_token_text()}
     if model.chat_template is not None:
         tok_cfg["chat_template"] = model.chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
