@@ -49,7 +49,8 @@ def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
     cfg = model.config
     params = model.params if params is None else params
     ids = as_token_lists(model, [prompt])[0]
-    width = round_up(len(ids) + speculator.shape.num_nodes + 2, 64)
+    chunk = 1 << (len(ids) - 1).bit_length()  # one prefill chunk: the buffer must hold it
+    width = round_up(max(len(ids) + speculator.shape.num_nodes + 2, chunk), 64)
     per_row = -(-width // page_size)
     pool = PagePool(batch * per_row, page_size)
     for r in range(batch):
@@ -59,7 +60,6 @@ def prefilled_state(model: Model, prompt: list[int], speculator: Speculator, *,
     buf = np.zeros((batch, width), np.int32)
     buf[:, :len(ids)] = ids
     sampling = Sampling.create(temperature)
-    chunk = 1 << (len(ids) - 1).bit_length()
     prompt = Prompt(cache=cache, tokens=jnp.asarray(buf),
                     prompt_lens=jnp.full((batch,), len(ids), jnp.int32),
                     keys=jnp.asarray(rng.row_key_data(seed, batch)))
@@ -73,8 +73,8 @@ def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
     """Prefill `prompt`, sample its first token, then one propose + verify.
 
     Returns numpy values: `root` (the first generated token), per node `tokens`,
-    `parents` (-1 = root), `depth`, `valid`, and the verifier's `accepted` node indices,
-    `num_accepted` and `bonus`.
+    `parents` (-1 = root), `depth`, `valid`, the nodes the verify forward ran
+    (`width`), and the verifier's `accepted` node indices, `num_accepted` and `bonus`.
     """
     n = len(as_token_lists(model, [prompt])[0])
     state, sampling = prefilled_state(model, prompt, speculator, temperature=temperature,
@@ -84,5 +84,6 @@ def first_draft(model: Model, prompt: list[int], speculator: Speculator, *,
     first = lambda x: np.asarray(x)[0]
     return dict(root=int(first(state.tokens)[n]), tokens=first(t.tokens),
                 parents=first(t.parents), depth=first(t.depth), valid=first(t.valid),
+                width=int(sp.width),
                 accepted=first(r.accepted), num_accepted=int(first(r.num_accepted)),
                 bonus=int(first(r.bonus)))

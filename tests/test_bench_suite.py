@@ -30,8 +30,9 @@ from specjax.train.tokenizer import train_bpe
 
 VOCAB = 320
 # what the suite runs without --methods: every method but those that need a corpus file
+# and those named to run
 DEFAULT_METHODS = tuple(m for m in suite.SPECJAX_METHODS + suite.HF_METHODS
-                        if m not in suite_methods.CORPUS_METHODS)
+                        if m not in suite_methods.CORPUS_METHODS + suite_methods.OPT_IN_METHODS)
 WORDS = ("alpha", "beta", "gamma", "delta", "total", "scale", "offset", "limit")
 # Every category in one length band (33..64 tokens): one compiled program per method.
 # One torch thread: two spin badly on a shared 2-core machine (see docs/benchmarks.md).
@@ -816,6 +817,30 @@ def test_help_through_the_cli_shows_the_suites_flags(capsys):
     with pytest.raises(SystemExit) as err:
         cli(["bench", "suite", "--help"])
     assert err.value.code == 0 and "--long-tokens" in capsys.readouterr().out
+
+
+def test_ngram_eagle_pairs_the_lookup_with_the_eagle_tree(workdir, finished):
+    """--methods ngram_eagle (not run by default): n-gram's chain where lookup matches,
+    the EAGLE head's tree elsewhere, in the tree --eagle-tree sets; lossless; a workdir
+    without EAGLE heads is named."""
+    _, out, default = finished
+    assert "ngram_eagle" not in {r["method"] for r in default["rows"]}
+    res = one_method_run(workdir, out / "hybrid.json", "ngram_eagle", "--eagle-tree",
+                         "2,2,3", "--no-adaptive")
+    [row] = [r for r in res["rows"] if r["method"] == "ngram_eagle"]
+    assert row["identical"] and row["k"] == 2
+    with pytest.raises(FileNotFoundError, match=str(Path("eagle", "heads", "heads.json"))):
+        suite.Workdir.check(_without_eagle(workdir), ("autoregressive", "ngram_eagle"))
+
+
+def _without_eagle(workdir: Path) -> Path:
+    """A copy of the workdir's target stage alone (no heads)."""
+    import shutil
+
+    bare = workdir.parent / "bare"
+    if not bare.exists():
+        shutil.copytree(workdir / "target", bare / "target")
+    return bare
 
 
 def test_missing_workdir_files_are_named(workdir, tmp_path, capsys):

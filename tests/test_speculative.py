@@ -10,7 +10,7 @@ from specjax import cpu_attention
 from specjax.calibrate import MIN_IDLE
 from specjax.config import tiny_llama
 from specjax.decoding.cost import VerifyCost
-from specjax.speculators import DraftModel, NGram
+from specjax.speculators import DraftModel, Hybrid, NGram
 from specjax.stats import merge_stats
 from tests.conftest import (
     PROMPTS,
@@ -156,6 +156,7 @@ def peaked_pair():
 # rejection runs with -m slow (trees' default: by default in test_speculators_heads.py)
 @pytest.mark.parametrize("spec_name,temperature,top_p,verification", [
     ("draft", 1.0, 1.0, None), ("draft", 0.7, 0.9, None), ("ngram", 1.0, 1.0, None),
+    ("hybrid", 1.0, 1.0, None),  # the lookup's chain where it matches, the draft's elsewhere
     ("draft", 1.0, (1.0, 0.1), None),  # min-p 0.1
     pytest.param("draft", 1.0, 1.0, "rejection", marks=pytest.mark.slow)])
 def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temperature, top_p,
@@ -165,7 +166,10 @@ def test_sampled_output_has_the_target_distribution(peaked_pair, spec_name, temp
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n_rows = 3000
     # one-token matches: a random model rarely repeats a pair of tokens
-    spec = DraftModel.create(draft, k=2) if spec_name == "draft" else NGram(k=2, n_min=1)
+    spec = {"draft": lambda: DraftModel.create(draft, k=2),
+            "ngram": lambda: NGram(k=2, n_min=1),
+            "hybrid": lambda: Hybrid.create(NGram(k=2, n_min=1),
+                                            DraftModel.create(draft, k=2))}[spec_name]()
     out = specjax.generate(target, [prompt] * n_rows, max_new_tokens=3, ignore_eos=True,
                            temperature=temperature, top_p=top_p, min_p=min_p, seed=1,
                            speculator=spec, adaptive=False, verification=verification)

@@ -180,9 +180,10 @@ def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = No
                       draft_vocab=None) -> dict:
     """Every method that has what it needs, by name ("autoregressive" is None): n-gram and
     draft chains of k, Medusa's default tree cut to its heads, an EAGLE-2 dynamic tree
-    of `eagle_tree` (top_k, depth, total_tokens); heads are directories. draft_vocab: a
+    of `eagle_tree` (top_k, depth, total_tokens) and n-gram's chain in that tree where
+    lookup matches (`ngram_eagle`); heads are directories. draft_vocab: a
     `vocab.npy` the draft is trimmed to, used where that file exists."""
-    from specjax.speculators import DraftModel, NGram, head_speculator
+    from specjax.speculators import DraftModel, Hybrid, NGram, head_speculator
     from specjax.speculators.draft_model import load_vocab
 
     specs = {"autoregressive": None, "ngram": NGram(k=k)}
@@ -192,6 +193,8 @@ def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = No
     for name, heads in (("medusa", medusa), ("eagle", eagle)):
         if heads:
             specs[name] = head_speculator(heads, target, eagle_tree)
+    if eagle:
+        specs["ngram_eagle"] = Hybrid.create(NGram(k=min(k, eagle_tree[1])), specs["eagle"])
     return specs
 
 

@@ -551,7 +551,7 @@ def suite(args, command: str, log=_log) -> dict:
         target, draft=draft if "draft" in args.methods else None, k=args.k,
         draft_vocab=paths.draft_vocab,
         medusa=paths.medusa if "medusa" in args.methods else None,
-        eagle=paths.eagle if "eagle" in args.methods else None,
+        eagle=paths.eagle if {"eagle", "ngram_eagle"} & set(args.methods) else None,
         eagle_tree=args.eagle_tree).items()
         if m in args.methods}
     if "ngram_corpus" in args.methods:

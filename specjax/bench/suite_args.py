@@ -13,6 +13,7 @@ from specjax.bench.suite_methods import (
     CORPUS_METHODS,
     HF_METHODS,
     LLAMACPP_METHODS,
+    OPT_IN_METHODS,
     SPECJAX_METHODS,
 )
 from specjax.cli_args import comma_list, tree_arg
@@ -99,7 +100,7 @@ def _check_methods(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Non
     args.default_methods = args.methods is None
     known = SPECJAX_METHODS + HF_METHODS + LLAMACPP_METHODS
     default = [m for m in SPECJAX_METHODS + HF_METHODS
-               if m not in CORPUS_METHODS or args.ngram_corpus]
+               if m not in OPT_IN_METHODS and (m not in CORPUS_METHODS or args.ngram_corpus)]
     methods = tuple(dict.fromkeys(comma_list(
         ap, "--methods", args.methods or ",".join(default), choices=known)))
     if set(CORPUS_METHODS) & set(methods) and not args.ngram_corpus:

@@ -4,10 +4,14 @@ Shared by the suite's runner (`specjax.bench.suite`) and its report
 (`specjax.bench.suite_report`), so the report needs nothing from the runner.
 """
 
-SPECJAX_METHODS = ("autoregressive", "ngram", "ngram_corpus", "draft", "medusa", "eagle")
+SPECJAX_METHODS = ("autoregressive", "ngram", "ngram_corpus", "draft", "medusa", "eagle",
+                   "ngram_eagle")
 # n-gram that also drafts from a corpus of earlier outputs (`--ngram-corpus`): run only
 # where that corpus is given
 CORPUS_METHODS = ("ngram_corpus",)
+# n-gram's chain where lookup matches, the EAGLE head's tree elsewhere (`Hybrid`): named
+# in --methods to run
+OPT_IN_METHODS = ("ngram_eagle",)
 HF_METHODS = ("hf_generate", "hf_assistant", "hf_prompt_lookup")
 # llama.cpp (llama-cpp-python, the bench extra): batch 1, named in --methods to run.
 LLAMACPP_METHODS = ("llamacpp", "llamacpp_prompt_lookup", "llamacpp_draft", "llamacpp_q4_1")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 # Which workdir files each method needs (besides the target, always needed).
 _NEEDS = {"draft": ("draft",), "hf_assistant": ("draft",), "llamacpp_draft": ("draft",),
-          "medusa": ("medusa",), "eagle": ("eagle",)}
+          "medusa": ("medusa",), "eagle": ("eagle",), "ngram_eagle": ("eagle",)}
 
 
 @dataclasses.dataclass(frozen=True)

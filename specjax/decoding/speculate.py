@@ -47,6 +47,16 @@ def write_tokens(buf: jax.Array, start: jax.Array, new: jax.Array, count: jax.Ar
     return buf.at[rows, cols].set(new, mode="drop")
 
 
+def node_levels(buckets) -> list[int]:
+    """For each node n of a tree of buckets[-1]'s width: the depth of the first verify
+    bucket (`policy.verify_buckets`) wide enough to hold it. The bucket a step verifies
+    covers its deepest valid node's level: a row whose nodes sit early in the tree's
+    layout (a chain inside a wider tree's shape, a tree with few nodes at its first
+    depths) runs a narrower forward than its depth alone would ask."""
+    widths = [w for _, w in buckets]
+    return [next(d for d, w in buckets if w > n) for n in range(widths[-1])]
+
+
 def _propose(params: Params, st: LoopState, decision: Decision):
     """(tree cut to each row's depth limit, speculator state, limit [B], probed [B])."""
     spec = params.speculator
@@ -76,14 +86,15 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
     active = ~st.done
     with jax.named_scope(SCOPE_PROPOSE):
         tree, spec_state, limit, probed = _propose(params, st, decision)
-    depths = [d for d, _ in loop.buckets]
     proposed = tree.row_depths > 0  # before the batch's bucket cuts the tree
-    which = decision.bucket(tree.row_depths, active, probed)
-    tree = tree.replace(valid=tree.valid & (tree.depth <= jnp.asarray(depths, jnp.int32)[which]))
+    levels = jnp.asarray(node_levels(loop.buckets), jnp.int32)  # [N]
+    which = decision.bucket(jnp.max(jnp.where(tree.valid, levels[None, :], 0), axis=1),
+                            active, probed)
     widths = jnp.asarray([w for _, w in loop.buckets] + [0], jnp.int32)
     which = jnp.where(jnp.any(active), which, len(loop.buckets))  # last: the idle branch
     width = widths[which]
-    # nodes past the bucket's width are invalid (the forward did not see them)
+    # nodes past the bucket's width are invalid (the forward did not see them); a tree's
+    # nodes come after their parents, so what is left is a tree
     tree = tree.replace(valid=tree.valid & (jnp.arange(tree.num_nodes)[None, :] < width))
     root = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)  # [B, 1]
     inputs = jnp.concatenate([root, tree.tokens], axis=1)  # [B, N+1]: a bucket's prefix

@@ -10,12 +10,13 @@ from specjax.speculators.base import (
 )
 from specjax.speculators.draft_model import DraftModel
 from specjax.speculators.eagle import Eagle
+from specjax.speculators.hybrid import Hybrid
 from specjax.speculators.medusa import Medusa
 from specjax.speculators.ngram import NGram
 from specjax.speculators.ngram_corpus import CorpusIndex
 from specjax.speculators.queue import PairQueue
 from specjax.speculators.saved import head_speculator, method_of, tree_alternatives
 
-__all__ = ["CommitContext", "CorpusIndex", "DraftCost", "DraftModel", "Eagle", "Medusa", "NGram",
-           "PairQueue", "PrefillChunk", "ProposeContext", "Speculator", "TreeShape",
+__all__ = ["CommitContext", "CorpusIndex", "DraftCost", "DraftModel", "Eagle", "Hybrid", "Medusa",
+           "NGram", "PairQueue", "PrefillChunk", "ProposeContext", "Speculator", "TreeShape",
            "head_speculator", "method_of", "tree_alternatives"]
