@@ -9,7 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-SPECULATORS = ("none", "ngram", "draft", "eagle", "medusa")
+SPECULATORS = ("none", "ngram", "draft", "eagle", "medusa", "ngram_eagle")
 HEAD_SPECULATORS = ("eagle", "medusa")  # those that load trained heads (`--heads`)
 RESULTS = "results.json"  # the run's comparison, with its calibrations ("priors")
 # the target's own continuations a regenerating run writes (`specjax.train.regenerate`),
@@ -18,7 +18,7 @@ REGENERATED = Path("regenerated") / "regenerated.jsonl"
 DEFAULT_TREE = (4, 4, 16)  # EAGLE's dynamic tree: top_k, depth, nodes
 # flags only some speculators read: given with another, they would be ignored unseen
 FLAG_OWNERS = {"ngram_corpus": ("ngram",), "draft": ("draft",), "draft_vocab": ("draft",),
-               "heads": ("eagle", "medusa"), "tree": ("eagle",)}
+               "heads": ("eagle", "medusa", "ngram_eagle"), "tree": ("eagle", "ngram_eagle")}
 
 
 def add_arguments(g: argparse.ArgumentParser) -> None:
@@ -55,7 +55,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", help="trim the draft's LM head to these target ids (a "
                    ".npy file, as the quickstart writes to <workdir>/draft_vocab/vocab.npy)")
     g.add_argument("--heads", metavar="DIR", help="the trained heads for --speculator "
-                   "eagle or medusa (a run's <stage>/heads, e.g. runs/quickstart/eagle3/heads)")
+                   "eagle, medusa or ngram_eagle (a run's <stage>/heads, e.g. "
+                   "runs/quickstart/eagle3/heads); ngram_eagle: n-gram's chain where lookup "
+                   "matches, the EAGLE head's tree elsewhere")
     g.add_argument("--tree", metavar="TOP_K,DEPTH,NODES", default=None,
                    help="EAGLE's dynamic tree (default 4,4,16, or the run's)")
     g.add_argument("--k", type=int, default=None,
@@ -125,7 +127,7 @@ def build(args, model, run: Run | None):
     results, or None where the run has none or its settings differ from these)."""
     import specjax
     from specjax.cli_args import parse_tree
-    from specjax.speculators import DraftModel, NGram, head_speculator
+    from specjax.speculators import DraftModel, Hybrid, NGram, head_speculator
     from specjax.speculators.draft_model import load_vocab
 
     name = args.speculator
@@ -160,16 +162,19 @@ def build(args, model, run: Run | None):
         vocab = load_vocab(vocab_file) if vocab_file else None
         spec = DraftModel.create(specjax.load(path), k=k, target=model, vocab=vocab)
         return spec, name if as_run else None
+    kind = "eagle" if name == "ngram_eagle" else name  # the heads it loads
     if args.heads:
         stage, path = None, args.heads
-    elif run and name in run.heads:
-        stage, path = run.heads[name]
+    elif run and kind in run.heads:
+        stage, path = run.heads[kind]
     else:
         raise ValueError(f"--speculator {name} needs --heads DIR (a run's <stage>/heads) or "
-                         f"--workdir RUN with {name} heads")
+                         f"--workdir RUN with {kind} heads")
     run_tree = run.trees.get(stage, DEFAULT_TREE) if stage else DEFAULT_TREE
     tree = parse_tree("--tree", args.tree) if args.tree else run_tree
-    spec = head_speculator(path, model, tree, kind=name)
+    spec = head_speculator(path, model, tree, kind=kind)
+    if name == "ngram_eagle":  # a run's comparison calibrates the head alone
+        return Hybrid.create(NGram(k=min(k, spec.shape.max_depth)), spec), None
     return spec, stage if stage and tree == run_tree else None
 
 

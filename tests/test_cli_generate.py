@@ -13,7 +13,7 @@ import specjax
 from specjax import cli_generate
 from specjax.cli import main as cli
 from specjax.config import tiny_llama
-from specjax.speculators import DraftModel, Eagle, Medusa, NGram
+from specjax.speculators import DraftModel, Eagle, Hybrid, Medusa, NGram
 
 IDS = ["--ids", "5,6,7,8,5,6,7,8,5,6", "--max-new-tokens", "8"]
 # the run's calibrations, as the comparison writes them into results.json
@@ -132,6 +132,17 @@ def test_the_runs_own_continuations_come_with_their_calibration(run, calls, tmp_
     assert "acceptance_prior" not in calls[3]
 
 
+def test_ngram_eagle_pairs_the_lookup_with_the_runs_head(run, calls, capsys):
+    """--speculator ngram_eagle: the run's EAGLE head in its tree, n-gram's chain of the
+    run's k where lookup matches; no calibration (the run's is the head's alone)."""
+    assert cli(["generate", "--workdir", str(run), "--speculator", "ngram_eagle"] + IDS) == 0
+    spec = calls[1]["speculator"]
+    assert isinstance(spec, Hybrid) and spec.lookup.k == 2
+    assert isinstance(spec.model, Eagle) and spec.model.total_tokens == 3
+    assert "acceptance_prior" not in calls[1]
+    assert "greedy outputs identical: True" in capsys.readouterr().out
+
+
 def test_heads_without_a_run(run, calls, capsys):
     """--model and --heads alone: the default tree (4,4,16), no calibration."""
     assert cli(["generate", "--model", str(run / "target" / "export"), "--speculator",
@@ -154,11 +165,12 @@ def test_heads_without_a_run(run, calls, capsys):
     (["--workdir", "{run}", "--k", "0"], "--k=0 must be >= 1"),
     (["--speculator", "draft"], "--speculator draft needs --draft DIR"),
     (["--workdir", "{run}", "--speculator", "medusa", "--tree", "2,2,3"],
-     "--tree is for --speculator eagle; --speculator is 'medusa'"),
+     "--tree is for --speculator eagle or ngram_eagle; --speculator is 'medusa'"),
     (["--speculator", "none", "--tree", "1,2,2"],
-     "--tree is for --speculator eagle; --speculator is 'none'"),
+     "--tree is for --speculator eagle or ngram_eagle; --speculator is 'none'"),
+    (["--speculator", "ngram_eagle"], "--speculator ngram_eagle needs --heads DIR"),
     (["--speculator", "ngram", "--heads", "{run}/eagle3/heads"],
-     "--heads is for --speculator eagle or medusa; --speculator is 'ngram'"),
+     "--heads is for --speculator eagle or medusa or ngram_eagle; --speculator is 'ngram'"),
     (["--speculator", "eagle", "--draft", "{run}/draft", "--heads", "{run}/eagle3/heads"],
      "--draft is for --speculator draft; --speculator is 'eagle'"),
     (["--speculator", "ngram", "--draft-vocab", "vocab.npy"],

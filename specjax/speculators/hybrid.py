@@ -10,8 +10,8 @@ step whose rows all match verifies only the bucket wide enough for the chain
 (`decoding.speculate.node_levels`). The model is told not to draft rows that match
 (their depth limit is 0), so a step where every row matches makes no model call beyond
 what its queue needs, and every step's commit hands the model the target's pairs, as
-after its own drafts. Both drafts are point masses (a chain of a sampling draft model
-gets one-hot distributions), so verification stays lossless.
+after its own drafts. The lookup's nodes are point masses (beside a sampling draft
+model's chains, they carry one-hot distributions), so verification stays lossless.
 """
 
 from __future__ import annotations
