@@ -174,7 +174,7 @@ def build(args, model, run: Run | None):
     tree = parse_tree("--tree", args.tree) if args.tree else run_tree
     spec = head_speculator(path, model, tree, kind=kind)
     if name == "ngram_eagle":  # a run's comparison calibrates the head alone
-        return Hybrid.create(NGram(k=min(k, spec.shape.max_depth)), spec), None
+        return Hybrid.of(spec, k), None
     return spec, stage if stage and tree == run_tree else None
 
 

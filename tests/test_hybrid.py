@@ -10,7 +10,7 @@ from specjax.decoding.speculate import node_levels
 from specjax.inspect import first_draft
 from specjax.speculators import DraftModel, Eagle, Hybrid, NGram
 from specjax.speculators.hybrid import embed_chain
-from specjax.tree import chain
+from specjax.tree import DraftTree, chain
 
 # a row that repeats itself (lookup matches), one that does not
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 3, 77, 12, 90, 21]]
@@ -31,7 +31,7 @@ def test_node_levels_name_the_narrowest_bucket_holding_each_node():
 
 
 def test_the_chain_replaces_the_model_tree_in_matching_rows_only():
-    model = specjax.tree.DraftTree(
+    model = DraftTree(
         tokens=jnp.arange(12).reshape(2, 6), parents=jnp.array([[-1, -1, 0, 0, 1, 2]] * 2),
         depth=jnp.array([[1, 1, 2, 2, 2, 3]] * 2), valid=jnp.ones((2, 6), bool),
         draft_probs=jnp.full((2, 6, 50), 0.02), max_depth=3, sampled=True)
@@ -66,16 +66,15 @@ def test_a_chain_in_a_wider_tree_verifies_the_narrowest_bucket_holding_it(tiny_t
     assert first_draft(tiny_target, prompt, eagle)["width"] == 8
 
 
-def test_greedy_is_lossless_and_a_matching_step_verifies_a_narrower_bucket(tiny_target,
-                                                                           eagle):
+def test_greedy_is_lossless_and_the_lookups_chains_are_taken(tiny_target, eagle):
     plain = specjax.generate(tiny_target, PROMPTS, max_new_tokens=24, ignore_eos=True)
     spec = Hybrid.create(NGram(k=4), eagle)
     for adaptive in (False, True):
         out = specjax.generate(tiny_target, PROMPTS, max_new_tokens=24, ignore_eos=True,
                                speculator=spec, adaptive=adaptive)
         assert out.tokens == plain.tokens
-    # alone, the repeating row's steps with a match put a chain of 4 in the first 4 of
-    # the tree's 8 nodes, and verify the 6-node bucket (7 inputs) rather than all 8 (9)
+    # alone, the repeating row's steps verify the chain's bucket (7 inputs) or the whole
+    # tree (9); the bucket itself is the test above's
     alone = specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=24, ignore_eos=True,
                              speculator=spec, adaptive=False)
     assert alone.tokens == plain.tokens[:1]

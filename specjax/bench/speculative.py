@@ -194,7 +194,7 @@ def build_speculators(target: specjax.Model, *, draft: specjax.Model | None = No
         if heads:
             specs[name] = head_speculator(heads, target, eagle_tree)
     if eagle:
-        specs["ngram_eagle"] = Hybrid.create(NGram(k=min(k, eagle_tree[1])), specs["eagle"])
+        specs["ngram_eagle"] = Hybrid.of(specs["eagle"], k)
     return specs
 
 

@@ -55,6 +55,12 @@ class Hybrid(Speculator):
                              f"depth {depth}; give the NGram k <= {depth}")
         return cls(lookup, model)
 
+    @classmethod
+    def of(cls, model: Speculator, k: int = 4) -> "Hybrid":
+        """`model` with n-gram chains of k where lookup matches, k capped at the model's
+        tree depth (what the suite's and the CLI's `ngram_eagle` run)."""
+        return cls.create(NGram(k=min(k, model.shape.max_depth)), model)
+
     @property
     def shape(self) -> TreeShape:
         # a chain's node at depth d is node d - 1, and every depth has a node, so any
