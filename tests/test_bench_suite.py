@@ -673,7 +673,7 @@ def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, m
     """c (a draft call's cost relative to a target step) moves with the batch, so the
     suite measures it at every batch it times and each row's adaptive rule and
     analytical figure use its own batch's (`draft_cost_ratios(batch=)`)."""
-    from specjax import calibrate
+    from specjax.calibrate import draft_cost
 
     _, out, _ = finished
     asked = []
@@ -681,7 +681,7 @@ def test_draft_cost_is_measured_at_each_batch_the_run_times(workdir, finished, m
     def fake(target, spec, temperatures, batch):
         asked.append(batch)
         return {t: 0.01 * batch for t in temperatures}
-    monkeypatch.setattr(calibrate, "draft_cost_ratios", fake)
+    monkeypatch.setattr(draft_cost, "draft_cost_ratios", fake)
     argv = ["--workdir", str(workdir), *TINY, "--categories", "completion", "--methods",
             "draft", "--temperatures", "0", "--batches", "1,2", "--out", "", "--figures",
             "", "--json", str(out / "batches.json")]

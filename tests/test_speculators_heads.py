@@ -318,11 +318,11 @@ def test_measured_cost_ratio_times_each_speculators_propose(tiny_target, name):
                             temperature=1.0 if name == "draft_tree" else 0.0)
     assert np.isfinite(c) and c > 0
     if name == "draft_tree":  # both temperatures from one compiled propose
-        from specjax import calibrate
+        from specjax.calibrate import draft_cost
         compiled = []
-        real = calibrate.compile_decode
+        real = draft_cost.compile_decode
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(calibrate, "compile_decode",
+            mp.setattr(draft_cost, "compile_decode",
                        lambda lowered: compiled.append(lowered) or real(lowered))
             both = draft_cost_ratios(tiny_target, _make(name, tiny_target), (0.0, 1.0),
                                      context=20, repeats=2)
@@ -339,10 +339,11 @@ def test_measured_cost_ratios_time_greedy_and_sampled_drafts_apart(tiny_target, 
     """c per temperature: sampling costs a draft more than argmax, and every T > 0 runs
     the same sampling code, so one greedy and one sampled measurement serve them all."""
     from specjax import calibrate
+    from specjax.calibrate import draft_cost
     from specjax.speculators import NGram
 
     calls = []
-    monkeypatch.setattr(calibrate, "draft_cost_ratios", lambda target, spec, temperatures, batch: (
+    monkeypatch.setattr(draft_cost, "draft_cost_ratios", lambda target, spec, temperatures, batch: (
         calls.append((spec.k, temperatures, batch)) or {t: spec.k + t for t in temperatures}))
     specs = {"autoregressive": None, "a": NGram(k=2), "b": NGram(k=3)}
     got = calibrate.measured_cost_ratios(tiny_target, specs, temperatures=(0.7, 0.0, 1.0))

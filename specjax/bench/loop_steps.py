@@ -27,13 +27,8 @@ import statistics
 from pathlib import Path
 
 import specjax
-from specjax.calibrate import (
-    Calibration,
-    call_step,
-    default_verify_cost,
-    idle_kwargs,
-    warmup_calls,
-)
+from specjax.calibrate import Calibration, call_step, idle_kwargs, warmup_calls
+from specjax.decoding.cost import default_verify_cost
 from specjax.speculators import NGram
 from specjax.stats import merge_stats
 from specjax.timing import side_by_side
