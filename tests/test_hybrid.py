@@ -85,6 +85,24 @@ def test_greedy_is_lossless_and_the_lookups_chains_are_taken(tiny_target, eagle)
     assert alone.stats.accepted > head.stats.accepted  # the lookup's chains were taken
 
 
+def test_a_chain_fills_the_bucket_its_depth_limit_buys(tiny_target, eagle):
+    """At depth limit 1 the step verifies the 2-node bucket, which holds a chain's first
+    two nodes: they are kept and accepted two at a time, where the head alone (and a cut
+    by depth alone) accepts at most one per step. Lossless either way."""
+    from specjax.calibrate import shallow_kwargs
+
+    plain = specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=24, ignore_eos=True)
+    runs = {}
+    for name, spec in (("hybrid", Hybrid.create(NGram(k=4), eagle)), ("head", eagle)):
+        runs[name] = out = specjax.generate(
+            tiny_target, PROMPTS[:1], max_new_tokens=24, ignore_eos=True,
+            **shallow_kwargs(spec, 24, cost_ratio=0.0))
+        assert out.tokens == plain.tokens
+        assert out.stats.mean_verified <= 3.0  # the root and the 2-node bucket at most
+    assert runs["hybrid"].stats.accepted_hist[2] > 0
+    assert not any(runs["head"].stats.accepted_hist[2:])
+
+
 def test_a_draft_models_chain_with_the_lookups_is_lossless(tiny_target, tiny_draft):
     """The draft's rows carry its distributions, the lookup's one-hot ones (the sampled
     case: test_speculative.py's distribution test)."""

@@ -408,3 +408,21 @@ def test_ragged_batch_samples_the_target(shallow_target, name):
         for m, cut in ((joint.sum(axis=2), slice(0, 2)), (joint.sum(axis=0), slice(1, 3))):
             exact = {x: float(m[x]) for x in np.ndindex(m.shape) if m[x] > 0}
             assert_same_distribution([tuple(s[cut]) for s in rows], exact)
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle1", "draft_chain"])
+def test_nodes_past_the_deepest_kept_depth_are_marked_invalid(tiny_target, name):
+    """A speculator that stops drafting at `ProposeContext.levels` marks the nodes it
+    left undrafted invalid (the loop keeps any valid node its verify bucket holds)."""
+    from specjax import rng
+    from specjax.inspect import prefilled_state
+
+    spec = (DraftModel.create(_noisy_copy(tiny_target), k=3) if name == "draft_chain"
+            else _make(name, tiny_target))
+    state, sampling = prefilled_state(tiny_target, PROMPTS[0], spec)
+    for levels in (1, 2):
+        ctx = ProposeContext(state.tokens, state.lengths, ~state.done, sampling,
+                             rng.step_keys(state.keys, state.lengths, rng.PROPOSE),
+                             jnp.full_like(state.lengths, levels))
+        tree, _ = spec.propose(state.spec_state, ctx, tiny_target.params)
+        np.testing.assert_array_equal(tree.valid, tree.depth <= levels)

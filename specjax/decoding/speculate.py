@@ -57,8 +57,14 @@ def node_levels(buckets) -> list[int]:
     return [next(d for d, w in buckets if w > n) for n in range(widths[-1])]
 
 
-def _propose(params: Params, st: LoopState, decision: Decision):
-    """(tree cut to each row's depth limit, speculator state, limit [B], probed [B])."""
+def _propose(params: Params, st: LoopState, decision: Decision, levels: jax.Array):
+    """(tree cut to each row's depth limit, speculator state, limit [B], probed [B]).
+
+    A row keeps its nodes down to its depth limit, and any other valid node the verify
+    bucket of that depth holds (levels [N], `node_levels`): the rule priced that bucket's
+    forward, and a node in it costs nothing more. Where a tree's nodes come in depth
+    order the two are the same nodes; a chain inside a wider tree's shape (`Hybrid`)
+    fills the width its depth limit buys."""
     spec = params.speculator
     n, dm = spec.shape.num_nodes, spec.shape.max_depth
     active = ~st.done
@@ -72,7 +78,8 @@ def _propose(params: Params, st: LoopState, decision: Decision):
     if tree.num_nodes != n or tree.max_depth != dm:
         raise ValueError(f"{type(spec).__name__} proposed {tree.num_nodes} nodes of depth "
                          f"{tree.max_depth}, but declares num_nodes={n}, max_depth={dm}")
-    tree = tree.replace(valid=tree.valid & (tree.depth <= limit[:, None]))  # limit 0: inactive
+    kept = (tree.depth <= limit[:, None]) | (levels[None, :] <= limit[:, None])
+    tree = tree.replace(valid=tree.valid & kept)  # limit 0 keeps none: levels are >= 1
     return tree, spec_state, limit, probed
 
 
@@ -84,10 +91,10 @@ def speculate(loop: "DecodeLoop", params: Params, st: LoopState,
         decision = decide(params.speculator, params.rule, loop.buckets, st, params.max_new,
                           loop.backend)
     active = ~st.done
-    with jax.named_scope(SCOPE_PROPOSE):
-        tree, spec_state, limit, probed = _propose(params, st, decision)
-    proposed = tree.row_depths > 0  # before the batch's bucket cuts the tree
     levels = jnp.asarray(node_levels(loop.buckets), jnp.int32)  # [N]
+    with jax.named_scope(SCOPE_PROPOSE):
+        tree, spec_state, limit, probed = _propose(params, st, decision, levels)
+    proposed = tree.row_depths > 0  # before the batch's bucket cuts the tree
     which = decision.bucket(jnp.max(jnp.where(tree.valid, levels[None, :], 0), axis=1),
                             active, probed)
     widths = jnp.asarray([w for _, w in loop.buckets] + [0], jnp.int32)

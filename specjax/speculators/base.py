@@ -108,8 +108,10 @@ class ProposeContext:
     active: jax.Array  # [B] bool rows still generating
     sampling: Sampling
     key: jax.Array  # [B] one key per row (`specjax.rng`): a row's draws are its own
-    # [B] int32: the loop keeps only nodes with depth <= depth_limit (adaptive length);
-    # a speculator may skip draft work beyond `levels` (their max) to save its cost.
+    # [B] int32: the loop keeps nodes with depth <= depth_limit (adaptive length), and
+    # any other valid node the verify bucket of that depth holds
+    # (`decoding.speculate.node_levels`); a speculator may skip draft work beyond
+    # `levels` (their max) to save its cost, and marks the nodes it skips invalid.
     depth_limit: jax.Array
 
     @property

@@ -222,7 +222,9 @@ class DraftModel(Speculator):
             return cache, drafts.at[:, i].set(nxt), dprobs.at[:, i].set(prob)
 
         cache, drafts, dprobs = jax.lax.fori_loop(1, ctx.levels, one, (cache, drafts, dprobs))
-        return chain(drafts, draft_probs=dprobs, sampled=True), state.replace(cache=cache)
+        drafted = jnp.broadcast_to(jnp.arange(self.k) < ctx.levels, (b, self.k))  # not past
+        return (chain(drafts, draft_probs=dprobs, valid=drafted, sampled=True),
+                state.replace(cache=cache))
 
     def _tree(self, state: DraftState, ctx: ProposeContext, cache: PagedKVCache,
               first: jax.Array, act: jax.Array) -> tuple[DraftTree, DraftState]:

@@ -174,12 +174,13 @@ def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
                        vocab_map: jax.Array | None = None,
                        levels: jax.Array | None = None) -> tuple[DraftTree, Any]:
     """A fixed tree (`specjax.tree.static_tree` output) filled in depth by depth, up to
-    depth `levels` (deeper nodes are left 0; the loop does not keep them)."""
+    depth `levels` (deeper nodes are left 0 and marked invalid)."""
     b = first_logp.shape[0]
     n = len(depth)
     dm = int(depth.max())
     choice = np.asarray(choice)
     kmax = int(choice.max()) + 1
+    levels = jnp.int32(dm) if levels is None else levels
     bc = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (b, len(x)))
     _, idx = jax.lax.top_k(first_logp, kmax)  # [B, kmax]
     first = np.flatnonzero(depth == 1)
@@ -189,7 +190,6 @@ def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
         w = max(int(np.sum(depth == d)) for d in range(1, dm + 1))
         # per expanded depth d = 2..dm: the nodes of depth d-1 (query), and the children
         query, kids, owner, pick, count = [], [], [], [], []
-        levels = jnp.int32(dm) if levels is None else levels
         for d in range(2, dm + 1):
             q = np.flatnonzero(depth == d - 1)
             c = np.flatnonzero(depth == d)
@@ -215,5 +215,5 @@ def static_tree_expand(first_logp: jax.Array, expand: Expand, carry: Any,
             return jax.lax.cond(x[-1] <= levels, level, lambda s, x: s, state, x), None
 
         (carry, tokens), _ = jax.lax.scan(maybe_level, (carry, tokens), xs)
-    return DraftTree(tokens, bc(parents), bc(depth), jnp.ones((b, n), bool), None,
+    return DraftTree(tokens, bc(parents), bc(depth), bc(depth) <= levels, None,
                      max_depth=dm), carry

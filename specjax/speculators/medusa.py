@@ -138,7 +138,7 @@ class Medusa(Speculator):
         tokens = jax.lax.cond(ctx.levels > 0, heads, lambda: jnp.zeros((b, n), jnp.int32))
         bc = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (b, n))
         return DraftTree(tokens.astype(jnp.int32), bc(parents), bc(depth),
-                         jnp.ones((b, n), bool), None, max_depth=int(depth.max())), state
+                         bc(depth) <= ctx.levels, None, max_depth=int(depth.max())), state
 
     def commit(self, state: MedusaState, ctx: CommitContext, target_params) -> MedusaState:
         last = jnp.maximum(ctx.num_pairs - 1, 0)
