@@ -179,7 +179,7 @@ def test_the_printed_table_is_the_verify_cost_it_measured():
         verify_cost.from_table_call({4: _fake_result(four)})
 
 
-def test_one_command_writes_every_batch_table(tmp_path):
+def test_one_command_writes_every_batch_table(tmp_path, capsys):
     """`--batches 1,2 --far N --out FILE` on a saved tiny checkpoint: one section with a
     table per batch and the from_table call holding both."""
     import specjax
@@ -196,6 +196,9 @@ def test_one_command_writes_every_batch_table(tmp_path):
     assert "Batch 1:" in out and "Batch 2 (T tokens per row):" in out
     assert "batch 1: 2, batch 2: 1" in out
     assert "by_rows={2: {1: 1.00, 3: " in out and "contexts=(8, 40), far={1: {1: " in out
+    # which kernel's table it measured: the rule prices with that kernel's
+    printed = capsys.readouterr().out
+    assert "decode matmuls: " in printed and "VERIFY_COST[" in printed
 
 
 @pytest.mark.parametrize("argv", [["--far", "64", "--context", "128"],

@@ -65,6 +65,7 @@ from specjax.bench.suite_methods import (
 )
 from specjax.bench.suite_report import fmt, peer_ratios, report
 from specjax.bench.suite_workdir import Workdir
+from specjax.bench.target import decode_matmul
 from specjax.speculators.eagle import tree_label
 from specjax.stats import loop_kind, untimed_methods
 from specjax.timing import paired_speedup, side_by_side_calls
@@ -476,24 +477,6 @@ def _calibrated_priors(args, target, speculators: dict, prompt_sets, docs, lengt
     return priors
 
 
-def decode_matmul(target) -> str:
-    """Which matmul the target's decode steps ran in this process, and so which
-    verify-cost table the adaptive rule priced with: on CPU the few-row kernel's race
-    against XLA decides (`rows_matmul.serving`), and on a host where the two are near
-    ties the verdict can differ between runs."""
-    import jax
-
-    from specjax import rows_matmul
-    from specjax.decoding.cost import CPU_TABLES
-
-    if jax.default_backend() != "cpu":
-        return f"XLA's ({jax.default_backend()})"
-    kind = rows_matmul.serving(target.config)
-    name = {"transposed": "specjax's transposed-weight kernel",
-            "kernel": "specjax's [I, O] kernel", None: "XLA's"}[kind]
-    return f"{name} (VERIFY_COST[{CPU_TABLES[kind]!r}])"
-
-
 def _results(args, command: str, corpus, docs, prompt_sets, target, draft, speculators,
              threads, llama_info: dict, priors: dict, rows: list[dict],
              trees: list[dict] | None = None) -> dict:
@@ -511,7 +494,7 @@ def _results(args, command: str, corpus, docs, prompt_sets, target, draft, specu
         date=datetime.date.today().isoformat(), command=command, settings=settings,
         note=args.note,
         corpus=corpus, heldout_docs=len(docs), models=_models(target, draft, speculators),
-        matmul=decode_matmul(target),
+        matmul=decode_matmul(target.config),
         torch_threads=threads if threads is not None else "–",
         prompt_sets={c: dict(min=min(v), max=max(v), mean=sum(v) / len(v))
                      for c, v in lens.items()},
@@ -563,7 +546,7 @@ def suite(args, command: str, log=_log) -> dict:
     if "eagle" in speculators and len(args.eagle_trees) > 1:
         alternatives = tree_alternatives(paths.eagle, target, "eagle", args.eagle_trees[1:])
     candidates = {**speculators, **alternatives}
-    log(f"target's decode matmuls: {decode_matmul(target)}")
+    log(f"target's decode matmuls: {decode_matmul(target.config)}")
     hf, hf_methods, threads = _hf_setup(args, target, draft)
     llama, llama_info = {}, {}
     if set(LLAMACPP_METHODS) & set(args.methods):

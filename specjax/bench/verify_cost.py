@@ -35,6 +35,7 @@ import datetime
 import sys
 from pathlib import Path
 
+from specjax.bench.target import decode_matmul
 from specjax.calibrate import LINEAR_FROM, measure_verify_cost
 from specjax.cli_args import comma_list
 
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
         print(f"  fit: jump {result['jump']:.3f}, slope {result['slope']:.3f}, "
               f"per_token {result['per_token']:.4f}")
     print(f"table: {from_table_call(results)}")
+    print(f"decode matmuls: {decode_matmul(config)}")  # which kernel's table this is
     command = " ".join(["python -m specjax.bench.verify_cost",
                         *(argv if argv is not None else sys.argv[1:])])
     if args.out:
